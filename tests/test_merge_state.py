@@ -1,0 +1,66 @@
+import warnings
+
+import numpy as np
+import pytest
+
+from merge import State, empty, finalize, from_lse
+
+
+def test_empty_is_minus_inf_zero_zero():
+    st = empty(3, 4, 5)
+    assert st.m.shape == (3, 4) and st.acc.shape == (3, 4, 5)
+    assert np.all(st.m == -np.inf) and np.all(st.l == 0) and np.all(st.acc == 0)
+    assert st.dtype == np.float32
+
+
+def test_finalize_of_empty_gives_zero_out_and_minus_inf_lse_without_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = finalize(empty(2, 3, 4, dtype=np.float64))
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+    assert out.dtype == np.float64
+
+
+def test_from_lse_round_trips_through_finalize(rng):
+    out = rng.standard_normal((3, 4, 5))
+    lse = rng.standard_normal((3, 4)) * 10
+    lse[0, 1] = -np.inf
+    out2, lse2 = finalize(from_lse(out, lse))
+    np.testing.assert_array_equal(lse2, lse)
+    np.testing.assert_allclose(out2[lse2 > -np.inf], out[lse > -np.inf], rtol=1e-15)
+    assert np.all(out2[0, 1] == 0)
+
+
+def test_from_lse_keeps_float32_for_float32_inputs():
+    st = from_lse(np.zeros((1, 1, 2), np.float32), np.zeros((1, 1), np.float32))
+    assert st.dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"m": np.zeros((2,)), "l": np.zeros((2,)), "acc": np.zeros((2, 1))}, "State.m must be"),
+        ({"m": np.zeros((2, 3)), "l": np.zeros((2, 2)), "acc": np.zeros((2, 3, 1))}, "State.l must have"),
+        ({"m": np.zeros((2, 3)), "l": np.zeros((2, 3)), "acc": np.zeros((2, 4, 1))}, "State.acc must be"),
+        ({"m": np.zeros((2, 3), np.float16), "l": np.zeros((2, 3), np.float16), "acc": np.zeros((2, 3, 1), np.float16)},
+         "dtype must be float32 or float64"),
+        ({"m": np.zeros((2, 3), np.float32), "l": np.zeros((2, 3)), "acc": np.zeros((2, 3, 1))}, "share one dtype"),
+    ],
+)
+def test_state_rejects_inconsistent_arrays(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        State(**kwargs)
+
+
+def test_empty_rejects_negative_sizes_and_bad_dtype():
+    with pytest.raises(ValueError, match="n_q must be a non-negative int, got -1"):
+        empty(-1, 2, 3)
+    with pytest.raises(ValueError, match="dtype must be float32 or float64, got float16"):
+        empty(1, 2, 3, dtype=np.float16)
+
+
+def test_from_lse_rejects_nan_lse_and_wrong_shapes():
+    with pytest.raises(ValueError, match="lse must be finite or -inf"):
+        from_lse(np.zeros((1, 1, 2)), np.full((1, 1), np.nan))
+    with pytest.raises(ValueError, match=r"lse must be \[n_q, h_q\]"):
+        from_lse(np.zeros((1, 2, 2)), np.zeros((2, 1)))

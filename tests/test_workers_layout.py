@@ -1,0 +1,57 @@
+import numpy as np
+import pytest
+from reference import assert_close_to_reference
+
+from merge import finalize
+from workers import BFLOAT16, StreamingKV, partial_attention_resident
+from workers.layout import STRIDE_PAD, padded_capacity
+from workers.options import AttentionOptions, KernelOptions
+
+
+def test_streaming_layout_after_appends_equals_the_concatenated_arrays(rng):
+    k = rng.standard_normal((1000, 2, 8)).astype(np.float32)
+    v = rng.standard_normal((1000, 2, 5)).astype(np.float32)
+    kv = StreamingKV(2, 8, 5, np.float32)
+    for a, b in ((0, 1), (1, 300), (300, 300), (300, 1000)):
+        kv.append(k[a:b], v[a:b], np.arange(a, b))
+    view = kv.snapshot()
+    k2, v2 = view.natural()
+    np.testing.assert_array_equal(k2, k)
+    np.testing.assert_array_equal(v2, v)
+    np.testing.assert_array_equal(view.k_pos, np.arange(1000))
+    assert kv.capacity % 2 == 0 and (kv.capacity - STRIDE_PAD) % 256 == 0
+
+
+def test_snapshot_taken_before_an_append_keeps_its_length(rng):
+    kv = StreamingKV.from_arrays(np.ones((10, 1, 4), np.float32), np.ones((10, 1, 4), np.float32), np.arange(10))
+    view = kv.snapshot()
+    kv.append(np.ones((5000, 1, 4), np.float32), np.ones((5000, 1, 4), np.float32), np.arange(10, 5010))
+    assert view.n_k == 10 and kv.snapshot().n_k == 5010
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64], ids=lambda t: np.dtype(t).name)
+def test_resident_attention_matches_reference(rng, dtype):
+    q = rng.standard_normal((6, 8, 16)).astype(dtype)
+    k = rng.standard_normal((777, 2, 16)).astype(dtype)
+    v = rng.standard_normal((777, 2, 12)).astype(dtype)
+    kv = StreamingKV.from_arrays(k, v, np.arange(777))
+    opts = AttentionOptions(causal=True, softcap=20.0)
+    st = partial_attention_resident(q, kv.snapshot(), q_pos=np.arange(771, 777), options=opts,
+                                    kernel=KernelOptions(block_size=100, threads=2))
+    out, lse = finalize(st)
+    assert_close_to_reference(out, lse, q, k, v, causal=True, softcap=20.0)
+
+
+def test_append_rejects_wrong_shapes_and_dtypes():
+    kv = StreamingKV(2, 8, 4, np.float32)
+    with pytest.raises(ValueError, match=r"k must be \[n, 2, 8\]"):
+        kv.append(np.ones((3, 1, 8), np.float32), np.ones((3, 2, 4), np.float32), np.arange(3))
+    with pytest.raises(ValueError, match="stored dtype float32"):
+        kv.append(np.ones((3, 2, 8), np.float16), np.ones((3, 2, 4), np.float16), np.arange(3))
+    assert kv.n_k == 0
+
+
+def test_padded_capacity_avoids_power_of_two_strides():
+    for n in (1, 256, 1024, 65536):
+        c = padded_capacity(n)
+        assert c >= n and c & (c - 1) != 0

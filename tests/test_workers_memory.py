@@ -1,0 +1,56 @@
+"""The kernel streams: its extra memory does not grow with the number of keys."""
+
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from workers import StreamingKV, partial_attention, partial_attention_resident
+from workers.options import DEFAULT_SCRATCH_BYTES, AttentionOptions, KernelOptions
+
+
+def peak_extra_bytes(fn) -> int:
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base, _ = tracemalloc.get_traced_memory()
+        fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak - base
+
+
+def decode_inputs(n_k, dtype=np.float16):
+    # float16 keeps 1M keys x 2 heads x 32 dims at 128 MB per tensor; broadcast_to
+    # would be zero-copy but is not a realistic operand, so these are real arrays.
+    rng = np.random.default_rng(n_k)
+    q = rng.standard_normal((1, 4, 32)).astype(np.float32)
+    k = rng.standard_normal((n_k, 2, 32), dtype=np.float32).astype(dtype)
+    v = rng.standard_normal((n_k, 2, 32), dtype=np.float32).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True])
+def test_peak_memory_for_1m_keys_equals_that_for_64k_keys(causal):
+    small = decode_inputs(64 * 1024)
+    large = decode_inputs(1024 * 1024)
+    peaks = [peak_extra_bytes(lambda x=x: partial_attention(*x, causal=causal)) for x in (small, large)]
+    # Identical tiling, so the same scratch; allow a page of allocator noise.
+    assert abs(peaks[1] - peaks[0]) <= 64 * 1024, peaks
+    # And it is the kernel's scratch budget, below one [h_q, n_k] float32 score row of 1M keys (16 MiB).
+    assert peaks[1] <= DEFAULT_SCRATCH_BYTES < 4 * 2**20 * 4, peaks
+
+
+def test_resident_keys_stream_without_copying_the_context():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 8, 64)).astype(np.float32)
+    peaks = []
+    for n_k in (32 * 1024, 256 * 1024):
+        kv = StreamingKV.from_arrays(rng.standard_normal((n_k, 2, 64), dtype=np.float32),
+                                     rng.standard_normal((n_k, 2, 64), dtype=np.float32), np.arange(n_k))
+        view = kv.snapshot()
+        peaks.append(peak_extra_bytes(lambda view=view, n_k=n_k: partial_attention_resident(
+            q, view, q_pos=np.array([n_k - 1]), options=AttentionOptions(), kernel=KernelOptions())))
+    assert abs(peaks[1] - peaks[0]) <= 64 * 1024, peaks

@@ -1,0 +1,160 @@
+"""Where the keys and values live, and how the kernel reads one block of them.
+
+The kernel streams blocks of ``B`` keys for a batch of kv heads and wants
+
+* keys d-major:  ``kt [hb, d, B]`` so scores are ``q_tile @ kt`` (a wide GEMM), and
+* values key-major: ``v [hb, B, d_v]`` so the update is ``p @ v``,
+
+both in the accumulation dtype. Two sources provide that:
+
+* :class:`NaturalKV` wraps the contract's ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]``
+  (inline requests) and transposes/casts one block at a time into bounded
+  scratch, so nothing of size ``n_k`` is allocated;
+* :class:`StreamingKV` holds keys already d-major (resident contexts), with a
+  padded row stride (a power-of-two stride makes the ``d`` rows of a block
+  collide in the same cache sets), and grows by appending.
+
+Both are array-module neutral (numpy or cupy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from merge import array_module
+from workers.options import as_array
+
+#: Row stride padding of StreamingKV's d-major keys, in elements (see module doc).
+STRIDE_PAD = 16
+#: Capacity granule of StreamingKV, in keys.
+CAPACITY_GRANULE = 256
+
+
+def padded_capacity(n: int) -> int:
+    """Capacity for ``n`` keys: rounded up to the granule, plus the stride pad."""
+    return -(-max(n, 1) // CAPACITY_GRANULE) * CAPACITY_GRANULE + STRIDE_PAD
+
+
+@dataclass(frozen=True, eq=False)
+class NaturalKV:
+    """Keys and values in the contract layout, read block by block."""
+
+    k: Any  # [n_k, h_kv, d]
+    v: Any  # [n_k, h_kv, d_v]
+    k_pos: Any  # [n_k] int64 array or options.Arange
+
+    @property
+    def n_k(self) -> int:
+        return int(self.k.shape[0])
+
+    def block(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> tuple[Any, Any]:
+        """``(kt [hb, d, B], v [hb, B, d_v])`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``."""
+        kt = self.k[start:stop, h0:h1].transpose(1, 2, 0)  # [hb, d, B], strided view
+        v = self.v[start:stop, h0:h1].transpose(1, 0, 2)  # [hb, B, d_v], strided view
+        xp = array_module(self.k)
+        # One contiguous copy per block: bounded by B, and it makes both operands
+        # BLAS-friendly (unit stride in the last axis, no per-matmul copies).
+        kt = xp.ascontiguousarray(kt, dtype=acc_dtype)
+        if v.dtype != acc_dtype:
+            v = v.astype(acc_dtype)
+        return kt, v
+
+
+class StreamingKV:
+    """Keys d-major and values head-major, in the stored dtype, growing by append.
+
+    Readers take a :meth:`snapshot`; :meth:`append` writes past the published
+    length first and publishes the new length last (or swaps in new arrays when
+    it must grow), so a reader sees the sequence before or after an append,
+    never a half-written one.
+    """
+
+    def __init__(self, h_kv: int, d: int, d_v: int, dtype: Any, xp: Any = np, capacity: int = 0) -> None:
+        self.h_kv, self.d, self.d_v = h_kv, d, d_v
+        self.dtype = np.dtype(dtype)
+        self.xp = xp
+        self.n_k = 0
+        cap = padded_capacity(capacity)
+        self._kt = xp.empty((h_kv, d, cap), dtype=self.dtype)  # [h_kv, d, cap]
+        self._v = xp.empty((h_kv, cap, d_v), dtype=self.dtype)  # [h_kv, cap, d_v]
+        self._pos = xp.empty((cap,), dtype=xp.int64)
+
+    @classmethod
+    def from_arrays(cls, k: Any, v: Any, k_pos: Any) -> StreamingKV:
+        """Copy ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]`` into the streaming layout."""
+        xp = array_module(k)
+        n_k, h_kv, d = (int(s) for s in k.shape)
+        kv = cls(h_kv, d, int(v.shape[2]), k.dtype, xp=xp, capacity=n_k)
+        kv.append(k, v, k_pos)
+        return kv
+
+    @property
+    def capacity(self) -> int:
+        return int(self._pos.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated (capacity, not length)."""
+        return int(self._kt.nbytes + self._v.nbytes + self._pos.nbytes)
+
+    def append(self, k: Any, v: Any, k_pos: Any) -> None:
+        n = int(k.shape[0])
+        if tuple(k.shape[1:]) != (self.h_kv, self.d):
+            raise ValueError(f"k must be [n, {self.h_kv}, {self.d}], got {tuple(k.shape)}")
+        if tuple(v.shape) != (n, self.h_kv, self.d_v):
+            raise ValueError(f"v must be [{n}, {self.h_kv}, {self.d_v}], got {tuple(v.shape)}")
+        if tuple(k_pos.shape) != (n,):
+            raise ValueError(f"k_pos must be [{n}], got {tuple(k_pos.shape)}")
+        if np.dtype(k.dtype) != self.dtype or np.dtype(v.dtype) != self.dtype:
+            raise ValueError(f"k and v must have the stored dtype {self.dtype}, got {k.dtype} and {v.dtype}")
+        old, new = self.n_k, self.n_k + n
+        kt, vv, pos = self._kt, self._v, self._pos
+        if new > self.capacity:
+            # Grow geometrically into fresh arrays; readers holding the old ones keep them.
+            cap = padded_capacity(max(new, 2 * self.capacity))
+            xp = self.xp
+            kt = xp.empty((self.h_kv, self.d, cap), dtype=self.dtype)
+            vv = xp.empty((self.h_kv, cap, self.d_v), dtype=self.dtype)
+            pos = xp.empty((cap,), dtype=xp.int64)
+            kt[:, :, :old] = self._kt[:, :, :old]
+            vv[:, :old] = self._v[:, :old]
+            pos[:old] = self._pos[:old]
+        kt[:, :, old:new] = k.transpose(1, 2, 0)  # [h_kv, d, n]
+        vv[:, old:new] = v.transpose(1, 0, 2)  # [h_kv, n, d_v]
+        pos[old:new] = as_array(k_pos, self.xp)
+        self._kt, self._v, self._pos = kt, vv, pos
+        self.n_k = new  # publish last
+
+    def snapshot(self) -> StreamingView:
+        """A read-only view of the first ``n_k`` keys as they are now."""
+        n = self.n_k
+        return StreamingView(kt=self._kt[:, :, :n], v=self._v[:, :n], k_pos=self._pos[:n])
+
+
+@dataclass(frozen=True, eq=False)
+class StreamingView:
+    """A fixed-length view of a :class:`StreamingKV`, read block by block."""
+
+    kt: Any  # [h_kv, d, n_k] (row stride = capacity)
+    v: Any  # [h_kv, n_k, d_v]
+    k_pos: Any  # [n_k]
+
+    @property
+    def n_k(self) -> int:
+        return int(self.k_pos.shape[0])
+
+    def block(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> tuple[Any, Any]:
+        kt = self.kt[h0:h1, :, start:stop]  # [hb, d, B], a view when no cast is needed
+        v = self.v[h0:h1, start:stop]  # [hb, B, d_v]
+        if kt.dtype != acc_dtype:
+            kt = kt.astype(acc_dtype)
+            v = v.astype(acc_dtype)
+        return kt, v
+
+    def natural(self) -> tuple[Any, Any]:
+        """The keys and values back in the contract layout (copies): ``k [n_k, h_kv, d]``, ``v``."""
+        xp = array_module(self.kt)
+        return xp.ascontiguousarray(self.kt.transpose(2, 0, 1)), xp.ascontiguousarray(self.v.transpose(1, 0, 2))

@@ -1,0 +1,77 @@
+"""Masks as key-position intervals, and the block skip (CONTRACT section 3).
+
+A query at position p sees the keys with positions in ``[p - left, p + right]``
+(either bound may be unbounded; causal means right = 0). Over a tile of queries
+and a block of keys that gives three cases, decided from the block's min and max
+key position alone, before any score is computed:
+
+* ``SKIP``: no query of the tile sees any key of the block;
+* ``FULL``: every query sees every key, no mask needed;
+* ``PARTIAL``: build the boolean mask for this tile and block.
+
+The classification is conservative: ``SKIP`` and ``FULL`` are only claimed when
+true for every pair, so arbitrary (unsorted) key positions stay exact.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from workers.options import AttentionOptions
+
+
+class BlockKind(enum.Enum):
+    SKIP = "skip"
+    FULL = "full"
+    PARTIAL = "partial"
+
+
+@dataclass(frozen=True)
+class TileBounds:
+    """Bounds of the visible key interval over a tile of query rows.
+
+    ``lo_min``/``lo_max`` are the min/max over rows of ``q_pos - left`` (``None``
+    when left is unbounded); ``hi_min``/``hi_max`` likewise for ``q_pos + right``.
+    """
+
+    lo_min: int | None
+    lo_max: int | None
+    hi_min: int | None
+    hi_max: int | None
+
+    @classmethod
+    def of(cls, q_pos_min: int, q_pos_max: int, options: AttentionOptions) -> TileBounds:
+        left, right = options.left, options.right
+        return cls(
+            lo_min=None if left is None else q_pos_min - left,
+            lo_max=None if left is None else q_pos_max - left,
+            hi_min=None if right is None else q_pos_min + right,
+            hi_max=None if right is None else q_pos_max + right,
+        )
+
+    def classify(self, k_min: int, k_max: int) -> BlockKind:
+        """Which case a block with key positions in ``[k_min, k_max]`` is, for this tile."""
+        # Every key right of every query's window, or left of every query's window.
+        if self.hi_max is not None and k_min > self.hi_max:
+            return BlockKind.SKIP
+        if self.lo_min is not None and k_max < self.lo_min:
+            return BlockKind.SKIP
+        left_ok = self.lo_max is None or k_min >= self.lo_max
+        right_ok = self.hi_min is None or k_max <= self.hi_min
+        return BlockKind.FULL if left_ok and right_ok else BlockKind.PARTIAL
+
+
+def visible(q_pos_rows: Any, k_pos_block: Any, options: AttentionOptions) -> Any:
+    """Boolean ``[rows, B]``: True where the query row sees the key."""
+    diff = q_pos_rows[:, None] - k_pos_block[None, :]  # [rows, B] = q_pos - k_pos
+    ok = None
+    if options.left is not None:
+        ok = diff <= options.left
+    if options.right is not None:
+        r = diff >= -options.right
+        ok = r if ok is None else ok & r
+    if ok is None:
+        raise ValueError("visible() needs a mask, got options with no causal and no window")
+    return ok

@@ -1,0 +1,92 @@
+"""How one partial-attention call is cut into work items (pure, no arrays).
+
+The kernel works in a head-major row space: for kv head ``h`` the query rows are
+the ``n_q * g`` pairs (query i, group member j), row ``i * g + j``, all reading
+kv head ``h``. A work item is a batch of kv heads ``[h0, h1)``, a tile of rows
+``[r0, r1)`` and a key range ``[k0, k1)``; the kernel streams its key range in
+blocks of ``block_size`` keys.
+
+* Few rows (decode): one item spans all kv heads, so each block is one batched
+  GEMM over heads, and the keys are split into ranges when there are threads to
+  feed (split-K, as in Flash-Decoding). Split ranges are merged in key order.
+* Many rows (prefill): one kv head per item, rows tiled, each item over all keys.
+
+The score tile of an item, ``[h1-h0, r1-r0, block_size]`` plus its temporaries,
+stays within ``KernelOptions.scratch_bytes`` whatever ``n_k`` is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.options import KernelOptions
+
+#: Up to this many rows per kv head, a call is decode-shaped (heads batched).
+DECODE_ROWS = 32
+#: Row tile of prefill-shaped calls.
+PREFILL_ROW_TILE = 256
+#: Block sizes chosen from the budget are multiples of this and within the bounds.
+BLOCK_GRANULE = 64
+MIN_BLOCK, MAX_BLOCK = 64, 4096
+#: Score tile temporaries per element: scores, a mask or bias operand, slack.
+TILE_TEMPS = 3
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    h0: int
+    h1: int
+    r0: int
+    r1: int
+    k0: int
+    k1: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    block_size: int
+    items: tuple[WorkItem, ...]
+    #: Items that share (heads, rows) and split the keys, listed in key order;
+    #: each group is merged into one state in this order.
+    groups: tuple[tuple[int, ...], ...]
+
+
+def choose_block(hb: int, rows: int, d: int, d_v: int, itemsize: int, kopts: KernelOptions) -> int:
+    """Keys per block so that the tile and the block copies fit the scratch budget."""
+    if kopts.block_size is not None:
+        return kopts.block_size
+    per_key = hb * (rows * itemsize * TILE_TEMPS + (d + d_v) * itemsize)
+    b = kopts.scratch_bytes // max(per_key, 1)
+    b = (b // BLOCK_GRANULE) * BLOCK_GRANULE
+    return int(min(MAX_BLOCK, max(MIN_BLOCK, b)))
+
+
+def make_plan(n_rows: int, h_kv: int, n_k: int, d: int, d_v: int, itemsize: int, kopts: KernelOptions) -> Plan:
+    """Cut ``h_kv`` heads x ``n_rows`` rows x ``n_k`` keys into work items."""
+    if n_rows <= DECODE_ROWS:
+        head_batches = [(0, h_kv)]
+        row_tiles = [(0, n_rows)]
+    else:
+        head_batches = [(h, h + 1) for h in range(h_kv)]
+        row_tiles = [(r, min(r + PREFILL_ROW_TILE, n_rows)) for r in range(0, n_rows, PREFILL_ROW_TILE)]
+    hb = head_batches[0][1] - head_batches[0][0]
+    rt = row_tiles[0][1] - row_tiles[0][0]
+    block = choose_block(hb, rt, d, d_v, itemsize, kopts)
+    tiles = [(h, r) for h in head_batches for r in row_tiles]
+    n_blocks = -(-n_k // block)
+    # Split the keys only when the tiles alone cannot feed the threads.
+    splits = 1
+    if len(tiles) < kopts.threads:
+        splits = max(1, min(-(-kopts.threads // len(tiles)), n_blocks))
+    per_split = -(-n_blocks // splits) * block if n_k else 0
+    items: list[WorkItem] = []
+    groups: list[tuple[int, ...]] = []
+    for (h0, h1), (r0, r1) in tiles:
+        members = []
+        for s in range(splits):
+            k0 = min(s * per_split, n_k)
+            k1 = min(k0 + per_split, n_k) if s < splits - 1 else n_k
+            members.append(len(items))
+            items.append(WorkItem(h0, h1, r0, r1, k0, k1))
+        groups.append(tuple(members))
+    return Plan(block_size=block, items=tuple(items), groups=tuple(groups))
