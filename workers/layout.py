@@ -100,7 +100,26 @@ class StreamingKV:
         """Bytes allocated (capacity, not length)."""
         return int(self._kt.nbytes + self._v.nbytes + self._pos.nbytes)
 
-    def append(self, k: Any, v: Any, k_pos: Any) -> None:
+    def bytes_per_key(self) -> int:
+        return self.h_kv * (self.d + self.d_v) * self.dtype.itemsize + 8
+
+    def growth(self, n: int, max_capacity: int | None = None) -> int:
+        """Capacity after appending ``n`` keys (unchanged if they fit)."""
+        new = self.n_k + n
+        if new <= self.capacity:
+            return self.capacity
+        want = max(new, 2 * (self.capacity - STRIDE_PAD))
+        if max_capacity is not None:
+            want = max(new, min(want, max_capacity))
+        return padded_capacity(want)
+
+    def truncate(self, n: int) -> None:
+        """Forget keys past the first ``n`` (undo of an append that did not commit)."""
+        if not 0 <= n <= self.n_k:
+            raise ValueError(f"n must be in [0, {self.n_k}], got {n}")
+        self.n_k = n
+
+    def append(self, k: Any, v: Any, k_pos: Any, max_capacity: int | None = None) -> None:
         n = int(k.shape[0])
         if tuple(k.shape[1:]) != (self.h_kv, self.d):
             raise ValueError(f"k must be [n, {self.h_kv}, {self.d}], got {tuple(k.shape)}")
@@ -114,7 +133,7 @@ class StreamingKV:
         kt, vv, pos = self._kt, self._v, self._pos
         if new > self.capacity:
             # Grow geometrically into fresh arrays; readers holding the old ones keep them.
-            cap = padded_capacity(max(new, 2 * self.capacity))
+            cap = self.growth(n, max_capacity)
             xp = self.xp
             kt = xp.empty((self.h_kv, self.d, cap), dtype=self.dtype)
             vv = xp.empty((self.h_kv, cap, self.d_v), dtype=self.dtype)

@@ -1,0 +1,72 @@
+"""The ``splitkey`` command: ``serve`` and ``loadtest``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn  # noqa: PLC0415 - keep `splitkey --help` fast
+
+    from service.app import create_app  # noqa: PLC0415
+    from service.settings import ServiceSettings  # noqa: PLC0415
+
+    given = {k: v for k, v in {
+        "host": args.host, "port": args.port, "ray_address": args.ray_address, "workers": args.workers,
+        "device": args.device, "api_key_file": args.api_key_file, "max_body_bytes": args.max_body_bytes,
+        "max_inflight": args.max_inflight, "request_timeout_s": args.request_timeout,
+        "worker_memory_bytes": args.worker_memory_bytes,
+    }.items() if v is not None}
+    try:
+        settings = ServiceSettings(**given)
+        settings.api_key()  # fail now, not at the first request, if the key file is unreadable
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"splitkey serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
+                timeout_keep_alive=30)
+    return 0
+
+
+def _loadtest(args: argparse.Namespace) -> int:
+    from service.loadtest import main as loadtest_main  # noqa: PLC0415
+
+    return loadtest_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitkey", description="Exact split-key attention service.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="start the HTTP service (embedded Ray unless --ray-address)")
+    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    s.add_argument("--ray-address", default=None, help="'auto' or HOST:PORT to join a cluster; omit for embedded Ray")
+    s.add_argument("--workers", type=int, default=None, help="shard workers (default one per CPU, or per GPU)")
+    s.add_argument("--device", choices=["auto", "cpu", "gpu"], default=None, help="kernel device (default cpu)")
+    s.add_argument("--api-key-file", default=None, help="file with the bearer token; unset: no auth")
+    s.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 2 GiB)")
+    s.add_argument("--max-inflight", type=int, default=None, help="requests admitted at once (default 64)")
+    s.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds (default 120)")
+    s.add_argument("--worker-memory-bytes", type=int, default=None, help="resident context bytes per worker (default 2 GiB)")
+    s.set_defaults(func=_serve)
+    lt = sub.add_parser("loadtest", help="load-test a running service with long contexts")
+    from service.loadtest import add_arguments  # noqa: PLC0415
+
+    add_arguments(lt)
+    lt.set_defaults(func=_loadtest)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,32 @@
+"""Prometheus metrics of one app instance (its own registry, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+STAGES = ("parse", "scatter", "compute", "merge", "encode", "total")
+BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.stage_seconds = Histogram(
+            "splitkey_request_stage_seconds", "Seconds per request stage (parse, scatter, compute, merge, encode, total).",
+            ["route", "stage"], buckets=BUCKETS, registry=r)
+        self.requests = Counter("splitkey_requests", "Requests by route and status code.", ["route", "code"], registry=r)
+        self.bytes_in = Counter("splitkey_request_body_bytes", "Request body bytes read.", ["route"], registry=r)
+        self.bytes_out = Counter("splitkey_response_body_bytes", "Response body bytes written.", ["route"], registry=r)
+        self.inflight = Gauge("splitkey_inflight_requests", "Requests admitted and not finished.", registry=r)
+        self.rejected = Counter("splitkey_rejected_requests", "Requests refused by admission control.", ["reason"], registry=r)
+        self.workers = Gauge("splitkey_workers", "Shard workers by state.", ["state"], registry=r)
+        self.worker_bytes = Gauge("splitkey_worker_bytes_held", "Resident context bytes per worker.", ["worker"], registry=r)
+        self.contexts = Gauge("splitkey_contexts", "Resident contexts.", registry=r)
+
+    def observe_stages(self, route: str, stages: dict[str, float]) -> None:
+        for stage, sec in stages.items():
+            self.stage_seconds.labels(route=route, stage=stage).observe(sec)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

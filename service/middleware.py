@@ -1,0 +1,97 @@
+"""Pure ASGI middleware: bearer auth, admission control and request accounting.
+
+Pure ASGI (not BaseHTTPMiddleware) so request bodies stream through untouched.
+
+* Auth: when an API key is set, every path except the health probes needs
+  ``Authorization: Bearer <key>`` (compared in constant time), else 401.
+* Admission: at most ``max_inflight`` requests on the work routes at once; one
+  more gets 429 with ``Retry-After`` immediately instead of queueing without bound.
+* Accounting: requests by route and status code, in-flight gauge, bytes out.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from service.errors import ApiError, error_body
+from service.metrics import Metrics
+
+#: Paths that answer without a key (orchestrators probe them unauthenticated).
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
+#: Path prefixes that do work and count against admission control.
+WORK_PREFIXES = ("/v1/attention", "/v1/contexts", "/v2/models/")
+
+
+def route_label(path: str) -> str:
+    """A low-cardinality route name for metrics (context ids stripped)."""
+    if path.startswith("/v1/contexts/"):
+        return "/v1/contexts/{id}/append" if path.endswith("/append") else "/v1/contexts/{id}"
+    if path.startswith("/v2/models/"):
+        return "/v2/models/attention/infer" if path.endswith("/infer") else "/v2/models/attention"
+    return path
+
+
+class ServiceMiddleware:
+    def __init__(self, app: Any, *, api_key: str | None, max_inflight: int, retry_after_s: int,
+                 metrics: Metrics) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_inflight = max_inflight
+        self.retry_after_s = retry_after_s
+        self.metrics = metrics
+        self.inflight = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = route_label(path)
+        if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+            await self._error(send, route, ApiError("unauthorized", "Authorization must be 'Bearer <api key>', got a missing or wrong key",
+                                                    headers={"www-authenticate": "Bearer"}))
+            return
+        work = path.startswith(WORK_PREFIXES)
+        if work and self.inflight >= self.max_inflight:
+            self.metrics.rejected.labels(reason="inflight").inc()
+            await self._error(send, route, ApiError(
+                "overloaded", f"in-flight requests must stay below {self.max_inflight}, got one more; retry later",
+                headers={"retry-after": str(self.retry_after_s)}))
+            return
+        status = {"code": 500}
+        sent = {"bytes": 0}
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            elif message["type"] == "http.response.body":
+                sent["bytes"] += len(message.get("body", b""))
+            await send(message)
+
+        if work:
+            self.inflight += 1
+            self.metrics.inflight.inc()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            if work:
+                self.inflight -= 1
+                self.metrics.inflight.dec()
+            self.metrics.requests.labels(route=route, code=str(status["code"])).inc()
+            self.metrics.bytes_out.labels(route=route).inc(sent["bytes"])
+
+    def _authorized(self, scope: dict) -> bool:
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return False
+
+    async def _error(self, send: Any, route: str, err: ApiError) -> None:
+        body = error_body(err)
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.encode(), v.encode()) for k, v in (err.headers or {}).items()]
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self.metrics.requests.labels(route=route, code=str(err.status)).inc()

@@ -1,0 +1,64 @@
+"""Deployment settings: typed, from arguments or ``SPLITKEY_*`` environment variables.
+
+Read once when the app is built and passed down explicitly (to the pool, the
+orchestrator, each worker's constructor); nothing reads them from globals later.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPLITKEY_", extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="Address to bind; loopback unless told otherwise.")
+    port: int = Field(8000, ge=0, le=65535)
+    ray_address: str | None = Field(None, description="None: embedded local Ray; 'auto' or HOST:PORT: join a cluster.")
+    ray_namespace: str = Field("splitkey", description="Ray namespace of the named actors (workers, directory).")
+    workers: int | None = Field(None, ge=1, description="Shard workers; default one per CPU (GPU) in the cluster.")
+    device: Literal["auto", "cpu", "gpu"] = "cpu"
+    api_key_file: pathlib.Path | None = Field(None, description="File holding the bearer token; unset: no auth.")
+
+    # Request bounds
+    max_body_bytes: int = Field(2 * 2**30, ge=1024, description="Largest request body (413 above).")
+    max_inflight: int = Field(64, ge=1, description="Requests admitted at once; more get 429.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Per-request deadline (504 past it).")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429.")
+
+    # Sharding and merge
+    shards: int | None = Field(None, ge=1, description="Shards per inline request; default: the number of workers.")
+    min_shard_keys: int = Field(4096, ge=1, description="Do not cut inline keys into shards smaller than this.")
+    merge_fanin: int = Field(2, ge=2)
+    remote_merge_bytes: int = Field(8 * 2**20, ge=0, description="States larger than this merge on the workers.")
+
+    # Kernel and workers
+    block_size: int | None = Field(None, ge=1)
+    kernel_threads: int = Field(1, ge=1, description="Threads per worker's kernel (one CPU each by default).")
+    worker_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker.")
+    worker_memory_bytes: int = Field(2 * 2**30, ge=0, description="Resident context bytes per worker.")
+    fused_gpu_kernels: bool = False
+
+    # Resident contexts
+    context_shard_keys: int = Field(65536, ge=1, description="Minimum keys per context shard before a new one opens.")
+    max_replicas: int = Field(8, ge=1)
+
+    @field_validator("ray_address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("ray_address must be 'auto' or HOST:PORT, got an empty string")
+        return v
+
+    def api_key(self) -> str | None:
+        """The bearer token, read from ``api_key_file`` (stripped), or None."""
+        if self.api_key_file is None:
+            return None
+        key = self.api_key_file.read_text().strip()
+        if not key:
+            raise ValueError(f"api_key_file must hold a non-empty token, got an empty file {self.api_key_file}")
+        return key

@@ -1,0 +1,31 @@
+"""Typed configuration of a shard worker, passed to the Ray actor's constructor."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workers.options import KernelOptions
+
+DEVICES = ("cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a shard worker needs to know; never read from globals.
+
+    * ``device``: ``"cpu"`` (numpy kernel) or ``"gpu"`` (cupy; the actor asks Ray for a GPU).
+    * ``kernel``: how the kernel walks the keys (block size, scratch, threads).
+    * ``memory_budget_bytes``: bytes of resident context shards this worker may hold.
+    * ``fused_gpu_kernels``: use the fused CUDA kernels instead of the generic CuPy path.
+    """
+
+    device: str = "cpu"
+    kernel: KernelOptions = field(default_factory=KernelOptions)
+    memory_budget_bytes: int = 2 * 2**30
+    fused_gpu_kernels: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.memory_budget_bytes < 0:
+            raise ValueError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")

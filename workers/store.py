@@ -1,0 +1,148 @@
+"""Resident context shards held by one worker, within a memory budget.
+
+A shard is identified by ``(context_id, index)``. The store holds it in the
+kernel's streaming layout (``StreamingKV``, in the stored dtype) and remembers
+enough about its context to let the directory rebuild itself from what the
+workers report (``held``).
+
+Appends only ever add keys at the end, so a reader that asks for the first
+``length`` keys (the directory's committed length) sees a consistent prefix even
+while an append to this shard is under way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from workers.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+from workers.layout import StreamingKV, StreamingView, padded_capacity
+
+DTYPES_BY_NAME = {"float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32, "float64": FLOAT64}
+
+
+class CapacityError(Exception):
+    """The worker's memory budget cannot hold what was asked; nothing was written."""
+
+
+class ShardMissing(Exception):
+    """The worker does not hold the shard (never stored, dropped, or lost in a restart)."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a worker reports about one shard it holds."""
+
+    context_id: str
+    index: int
+    length: int
+    h_kv: int
+    d: int
+    d_v: int
+    dtype: str
+    pos_max: int
+    nbytes: int
+    context: dict  # the context's newest committed record seen here, for a directory rebuild
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ShardStore:
+    def __init__(self, budget_bytes: int, xp: Any = np) -> None:
+        self.budget = budget_bytes
+        self.xp = xp
+        self._shards: dict[tuple[str, int], StreamingKV] = {}
+        self._info: dict[str, dict] = {}  # context_id -> the newest committed context record seen
+        self._pos_max: dict[tuple[str, int], int] = {}
+
+    @property
+    def used(self) -> int:
+        return sum(kv.nbytes for kv in self._shards.values())
+
+    def _reserve(self, extra: int, what: str) -> None:
+        if self.used + extra > self.budget:
+            raise CapacityError(
+                f"{what} needs {extra} bytes, but this worker holds {self.used} of its {self.budget}-byte budget"
+            )
+
+    def create(self, context_id: str, index: int, k: Any, v: Any, k_pos: Any, *, dtype: str,
+               max_capacity: int, context: dict) -> ShardInfo:
+        key = (context_id, index)
+        if key in self._shards:
+            raise ValueError(f"shard must not exist yet, got an existing shard {index} of {context_id}")
+        dt = DTYPES_BY_NAME[dtype]
+        n, h_kv, d = (int(s) for s in k.shape)
+        d_v = int(v.shape[2])
+        need = padded_capacity(n) * (h_kv * (d + d_v) * dt.itemsize + 8)
+        self._reserve(need, f"shard {index} of context {context_id}")
+        kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=n)
+        kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(k_pos), max_capacity=max_capacity)
+        self._shards[key] = kv
+        self.note_context(context_id, context)
+        self._pos_max[key] = int(np.max(k_pos)) if n else -1
+        return self.info(context_id, index)
+
+    def append(self, context_id: str, index: int, k: Any, v: Any, k_pos: Any, *, max_capacity: int) -> ShardInfo:
+        kv = self._get(context_id, index)
+        n = int(k.shape[0])
+        grown = kv.growth(n, max_capacity)
+        if grown != kv.capacity:
+            # While growing, old and new arrays both exist: reserve the new ones in full.
+            self._reserve(grown * kv.bytes_per_key(), f"append to shard {index} of context {context_id}")
+        kv.append(self._to(k, kv.dtype), self._to(v, kv.dtype), self._to_pos(k_pos), max_capacity=max_capacity)
+        if n:
+            self._pos_max[(context_id, index)] = max(self._pos_max[(context_id, index)], int(np.max(k_pos)))
+        return self.info(context_id, index)
+
+    def truncate(self, context_id: str, index: int, length: int) -> None:
+        self._get(context_id, index).truncate(length)
+
+    def drop(self, context_id: str, index: int | None = None) -> int:
+        """Free one shard or every shard of a context; returns the number freed."""
+        keys = [key for key in self._shards if key[0] == context_id and (index is None or key[1] == index)]
+        for key in keys:
+            del self._shards[key], self._pos_max[key]
+        if not any(key[0] == context_id for key in self._shards):
+            self._info.pop(context_id, None)
+        return len(keys)
+
+    def note_context(self, context_id: str, record: dict) -> None:
+        """Remember the context's committed record (kept if its version is the newest seen)."""
+        old = self._info.get(context_id)
+        if old is None or record.get("version", 0) >= old.get("version", 0):
+            self._info[context_id] = dict(record)
+
+    def view(self, context_id: str, index: int, length: int) -> StreamingView:
+        """The first ``length`` keys of a shard (the committed prefix)."""
+        kv = self._get(context_id, index)
+        if length > kv.n_k:
+            raise ShardMissing(f"shard {index} of context {context_id} holds {kv.n_k} keys, fewer than the {length} committed")
+        full = kv.snapshot()
+        return StreamingView(kt=full.kt[:, :, :length], v=full.v[:, :length], k_pos=full.k_pos[:length])
+
+    def info(self, context_id: str, index: int) -> ShardInfo:
+        key = (context_id, index)
+        kv = self._get(context_id, index)
+        name = next(n for n, dt in DTYPES_BY_NAME.items() if dt == kv.dtype)
+        return ShardInfo(context_id=context_id, index=index, length=kv.n_k, h_kv=kv.h_kv, d=kv.d, d_v=kv.d_v,
+                         dtype=name, pos_max=self._pos_max[key], nbytes=kv.nbytes,
+                         context=dict(self._info.get(context_id, {})))
+
+    def held(self) -> list[ShardInfo]:
+        return [self.info(c, i) for c, i in sorted(self._shards)]
+
+    def _get(self, context_id: str, index: int) -> StreamingKV:
+        kv = self._shards.get((context_id, index))
+        if kv is None:
+            raise ShardMissing(f"this worker does not hold shard {index} of context {context_id}")
+        return kv
+
+    def _to(self, x: Any, dt: np.dtype) -> Any:
+        arr = self.xp.asarray(x)
+        return arr if arr.dtype == dt else arr.astype(dt)
+
+    def _to_pos(self, p: Any) -> Any:
+        return self.xp.asarray(p, dtype=self.xp.int64)
