@@ -8,6 +8,7 @@ settings that need no Ray).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -69,12 +70,27 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     rt.attention = AttentionService(settings, orch, rt.contexts)
     rt.metrics.workers.labels(state="alive").set(pool.size)
     log.info("splitkey ready: %d %s workers", pool.size, pool.device)
+    healer = asyncio.create_task(heal_forever(pool, settings.heal_interval_s))
     try:
         yield
     finally:
+        healer.cancel()
         pool.shutdown()
         if started:
             ray.shutdown()
+
+
+async def heal_forever(pool: WorkerPool, interval_s: float) -> None:
+    """Replace workers that were found dead (their resident shards are gone; replicas cover them)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if any(not s.alive for s in pool.slots):
+            try:
+                replaced = await pool.heal()
+                if replaced:
+                    log.warning("replaced dead workers: %s", ", ".join(replaced))
+            except Exception:  # noqa: BLE001 - the loop must outlive one failed attempt
+                log.exception("healing the worker pool failed")
 
 
 def create_app(settings: ServiceSettings | None = None) -> FastAPI:

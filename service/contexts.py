@@ -208,7 +208,8 @@ class ContextService:
                     raise ApiError("context_lost", f"shard {last['index']} of context {ctx_id} has no live replica left")
                 last["workers"] = [self.pool.slots[w].name for w in holders]
                 for w in holders:
-                    writes.append((w, "append_shard", (ctx_id, last["index"], k[:take], v[:take], k_pos[:take], cap)))
+                    writes.append((w, "append_shard", (ctx_id, last["index"], k[:take], v[:take], k_pos[:take], cap,
+                                                       last["length"])))
                     undo.append((w, "truncate_shard", (ctx_id, last["index"], last["length"])))
                 last["length"] += take
                 start = take

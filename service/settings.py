@@ -42,6 +42,7 @@ class ServiceSettings(BaseSettings):
     worker_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker.")
     worker_memory_bytes: int = Field(2 * 2**30, ge=0, description="Resident context bytes per worker.")
     fused_gpu_kernels: bool = False
+    heal_interval_s: float = Field(2.0, gt=0, description="How often dead workers are looked for and replaced.")
 
     # Resident contexts
     context_shard_keys: int = Field(65536, ge=1, description="Minimum keys per context shard before a new one opens.")

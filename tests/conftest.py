@@ -11,3 +11,28 @@ def rng(request) -> np.random.Generator:
     """A generator seeded from the test's name: reproducible, different per test."""
     seed = abs(hash(request.node.nodeid)) % (2**32)
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """A real `splitkey serve` (embedded Ray, two workers) shared by the end-to-end tests.
+
+    Small ``min_shard_keys`` so that test-sized requests really fan out over the
+    workers; a moderate body limit so 413 can be tested without sending gigabytes.
+    """
+    from server import Server
+
+    srv = Server(tmp_path_factory.mktemp("server-home"), args=("--workers", "2"),
+                 env={"SPLITKEY_MIN_SHARD_KEYS": "64", "SPLITKEY_MAX_BODY_BYTES": str(64 * 2**20),
+                      "SPLITKEY_CONTEXT_SHARD_KEYS": "256"})
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    from service.client import Client
+
+    with Client(server.url) as c:
+        yield c

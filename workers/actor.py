@@ -107,8 +107,10 @@ class ShardWorker:
         return self.store.create(context_id, index, k, v, k_pos, dtype=dtype, max_capacity=max_capacity,
                                  context=context).to_dict()
 
-    def append_shard(self, context_id: str, index: int, k: Any, v: Any, k_pos: Any, max_capacity: int) -> dict:
-        return self.store.append(context_id, index, k, v, k_pos, max_capacity=max_capacity).to_dict()
+    def append_shard(self, context_id: str, index: int, k: Any, v: Any, k_pos: Any, max_capacity: int,
+                     committed: int) -> dict:
+        return self.store.append(context_id, index, k, v, k_pos, max_capacity=max_capacity,
+                                 committed=committed).to_dict()
 
     def truncate_shard(self, context_id: str, index: int, length: int) -> None:
         self.store.truncate(context_id, index, length)

@@ -85,8 +85,18 @@ class ShardStore:
         self._pos_max[key] = int(np.max(k_pos)) if n else -1
         return self.info(context_id, index)
 
-    def append(self, context_id: str, index: int, k: Any, v: Any, k_pos: Any, *, max_capacity: int) -> ShardInfo:
+    def append(self, context_id: str, index: int, k: Any, v: Any, k_pos: Any, *, max_capacity: int,
+               committed: int) -> ShardInfo:
+        """Append after the first ``committed`` keys (the directory's length).
+
+        Keys past ``committed`` are an earlier append that never committed (its
+        front end failed or gave up); they are dropped first, so the new keys
+        always follow the committed prefix.
+        """
         kv = self._get(context_id, index)
+        if committed > kv.n_k:
+            raise ShardMissing(f"shard {index} of context {context_id} holds {kv.n_k} keys, fewer than the {committed} committed")
+        kv.truncate(committed)
         n = int(k.shape[0])
         grown = kv.growth(n, max_capacity)
         if grown != kv.capacity:

@@ -65,11 +65,23 @@ def encode_result(request: Request, fmt: str, out: Any, lse: Any, timings: Timin
 
 
 async def with_deadline(work: Awaitable[T], seconds: float) -> T:
-    """Run ``work`` within the request deadline; map worker failures to the contract's codes."""
+    """Run a read (a query) within the request deadline; map worker failures to the contract's codes."""
     try:
         return await asyncio.wait_for(work, seconds)
     except asyncio.TimeoutError:
         raise ApiError("deadline_exceeded", f"the request must finish within {seconds} s, got longer") from None
+    except ShardLost as exc:
+        raise ApiError("context_lost" if exc.context else "workers_unavailable", str(exc)) from None
+    except WorkerUnavailable as exc:
+        raise ApiError("workers_unavailable", str(exc)) from None
+
+
+async def without_deadline(work: Awaitable[T]) -> T:
+    """Run a context write to its end: cancelling it half way would leave replicas
+    out of step, so writes are not cut by the request deadline (their size is
+    bounded by the body limit instead). Worker failures map as for reads."""
+    try:
+        return await asyncio.shield(work)
     except ShardLost as exc:
         raise ApiError("context_lost" if exc.context else "workers_unavailable", str(exc)) from None
     except WorkerUnavailable as exc:

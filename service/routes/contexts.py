@@ -9,7 +9,7 @@ from service.codec import CONTEXT_APPEND, CONTEXT_CREATE, CONTEXT_ID
 from service.errors import ApiError, error_responses
 from service.json_codec import ContextAppendRequest, ContextCreateRequest
 from service.orchestrator import Timings
-from service.routes.common import read_request, runtime, with_deadline
+from service.routes.common import read_request, runtime, without_deadline
 
 router = APIRouter(tags=["contexts"])
 
@@ -32,9 +32,8 @@ def _check_id(ctx_id: str) -> str:
 async def create_context(request: Request) -> JSONResponse:
     rt = runtime(request)
     _, tensors, options, _ = await read_request(request, CONTEXT_CREATE, Timings())
-    desc = await with_deadline(rt.contexts.create(tensors["k"], tensors["v"], tensors.get("k_pos"),
-                                                  replicas=options.get("replicas"), shards=options.get("shards")),
-                               rt.settings.request_timeout_s)
+    desc = await without_deadline(rt.contexts.create(tensors["k"], tensors["v"], tensors.get("k_pos"),
+                                                     replicas=options.get("replicas"), shards=options.get("shards")))
     return JSONResponse(desc, status_code=201, headers={"Location": f"/v1/contexts/{desc['id']}"})
 
 
@@ -44,8 +43,7 @@ async def append_context(ctx_id: str, request: Request) -> JSONResponse:
     rt = runtime(request)
     _check_id(ctx_id)
     _, tensors, _, _ = await read_request(request, CONTEXT_APPEND, Timings())
-    desc = await with_deadline(rt.contexts.append(ctx_id, tensors["k"], tensors["v"], tensors.get("k_pos")),
-                               rt.settings.request_timeout_s)
+    desc = await without_deadline(rt.contexts.append(ctx_id, tensors["k"], tensors["v"], tensors.get("k_pos")))
     return JSONResponse(desc)
 
 
@@ -62,5 +60,5 @@ async def get_context(ctx_id: str, request: Request) -> JSONResponse:
 @router.delete("/v1/contexts/{ctx_id}", summary="Free a context", responses=error_responses(401, 404))
 async def delete_context(ctx_id: str, request: Request) -> JSONResponse:
     rt = runtime(request)
-    desc = await with_deadline(rt.contexts.delete(_check_id(ctx_id)), rt.settings.request_timeout_s)
+    desc = await without_deadline(rt.contexts.delete(_check_id(ctx_id)))
     return JSONResponse({"id": desc["id"], "deleted": True, "length": desc["length"]})

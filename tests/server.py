@@ -1,0 +1,75 @@
+"""A real ``splitkey serve`` in a subprocess on a free loopback port, for end-to-end tests.
+
+Each server gets its own HOME (Ray writes its auth token there), its settings
+through ``SPLITKEY_*`` environment variables and CLI flags, and is waited for on
+``/readyz``. ``stop()`` terminates it and its embedded Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, home: pathlib.Path, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 startup_s: float = 120.0) -> None:
+        self.home = home
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self.env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.startup_s = startup_s
+        self.log_path = home / f"server-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, api_key: str | None = None) -> Server:
+        self.home.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), *self.args]
+        self._log = self.log_path.open("w")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/readyz", headers=headers, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server did not become ready in {self.startup_s} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._log.close()
+        self.proc = None

@@ -1,0 +1,206 @@
+"""POST /v1/attention end to end: a real uvicorn server, the real embedded Ray, real clients."""
+
+import concurrent.futures
+import json
+import socket
+
+import httpx
+import numpy as np
+import pytest
+from reference import assert_close_to_reference
+
+from service.client import Client
+from service.safetensors_codec import decode_safetensors, encode_safetensors, to_bytes
+from workers import BFLOAT16
+
+pytestmark = pytest.mark.ray
+
+DTYPES = [np.float16, BFLOAT16, np.float32, np.float64]
+
+
+def inputs(rng, n_q=4, h_q=8, h_kv=2, d=32, d_v=16, n_k=1000, dtype=np.float32):
+    return (rng.standard_normal((n_q, h_q, d)).astype(dtype), rng.standard_normal((n_k, h_kv, d)).astype(dtype),
+            rng.standard_normal((n_k, h_kv, d_v)).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
+def test_binary_body_is_exact_for_each_dtype(client, rng, dtype):
+    q, k, v = inputs(rng, dtype=dtype)
+    out, lse = client.attention(q, k, v)
+    assert out.dtype == (np.float64 if dtype == np.float64 else np.float32)
+    assert_close_to_reference(out, lse, q, k, v)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"causal": True},
+        {"causal": True, "q_pos": np.array([10, 500, 999, 3]), "k_pos": np.arange(1000) * 1},
+        {"window": (100, 0)},
+        {"window": (None, 5), "causal": False},
+        {"softcap": 5.0, "scale": 0.3},
+        {"alibi_slopes": np.linspace(0.01, 0.2, 8)},
+        {"causal": True, "window": (64, None), "softcap": 20.0, "alibi_slopes": np.full(8, 0.05)},
+    ],
+    ids=["causal", "causal-positions", "window", "window-right", "softcap-scale", "alibi", "everything"],
+)
+def test_every_option_is_exact_through_http(client, rng, opts):
+    q, k, v = inputs(rng)
+    out, lse = client.attention(q, k, v, **opts)
+    assert_close_to_reference(out, lse, q, k, v, **opts)
+
+
+def test_mqa_and_gqa_shapes_are_exact(client, rng):
+    for h_q, h_kv in ((8, 1), (8, 8), (12, 4)):
+        q, k, v = inputs(rng, h_q=h_q, h_kv=h_kv, d=16, d_v=24, n_k=300)
+        out, lse = client.attention(q, k, v, causal=True)
+        assert_close_to_reference(out, lse, q, k, v, causal=True)
+
+
+def test_json_body_is_exact_and_writes_null_lse_for_fully_masked_rows(server, rng):
+    q, k, v = inputs(rng, n_q=3, n_k=200, dtype=np.float64)
+    body = {"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "dtype": "float64", "causal": True,
+            "q_pos": [-1, 50, 199]}
+    r = httpx.post(server.url + "/v1/attention", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    doc = r.json()
+    assert doc["lse"][0] == [None] * 8  # query at -1 sees no key under causal
+    out = np.array(doc["out"])
+    lse = np.array([[-np.inf if x is None else x for x in row] for row in doc["lse"]])
+    assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=np.array([-1, 50, 199]))
+
+
+def test_json_request_can_ask_for_a_safetensors_answer(server, rng):
+    q, k, v = inputs(rng, n_k=100)
+    body = {"q": q.tolist(), "k": k.tolist(), "v": v.tolist()}
+    r = httpx.post(server.url + "/v1/attention", json=body, headers={"Accept": "application/octet-stream"}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+    res = decode_safetensors(r.content, {"out", "lse"})
+    assert_close_to_reference(res["out"], res["lse"], q, k, v)
+
+
+def test_binary_request_with_query_options_and_json_answer(server, rng):
+    q, k, v = inputs(rng, n_k=700)
+    body = to_bytes(encode_safetensors({"q": q, "k": k, "v": v}))
+    r = httpx.post(server.url + "/v1/attention?causal=true&window=128,&softcap=30", content=body,
+                   headers={"Content-Type": "application/vnd.safetensors", "Accept": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert_close_to_reference(np.array(doc["out"]), np.array(doc["lse"]), q, k, v, causal=True,
+                              window=(128, None), softcap=30.0)
+
+
+def test_thirty_two_concurrent_requests_are_all_exact(server):
+    rng = np.random.default_rng(7)
+    cases = [inputs(rng, n_q=int(rng.integers(1, 6)), n_k=int(rng.integers(1, 3000))) for _ in range(32)]
+
+    def one(case):
+        with Client(server.url) as c:
+            return c.attention(*case, causal=True)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, cases))
+    for (q, k, v), (out, lse) in zip(cases, results):
+        assert_close_to_reference(out, lse, q, k, v, causal=True)
+
+
+def test_the_same_request_five_times_is_bitwise_identical(client, rng):
+    q, k, v = inputs(rng, n_k=5000)
+    first = client.attention(q, k, v, causal=True)
+    for _ in range(4):
+        again = client.attention(q, k, v, causal=True)
+        assert again[0].tobytes() == first[0].tobytes() and again[1].tobytes() == first[1].tobytes()
+
+
+def test_large_prefill_states_merge_on_the_workers_and_stay_exact(server, rng):
+    # 8 shards of a 256-query prefill: the states exceed the remote-merge threshold
+    # only in the dedicated server below; here we check the local tree with many shards.
+    q, k, v = inputs(rng, n_q=256, h_q=4, h_kv=2, d=16, d_v=16, n_k=2048)
+    with Client(server.url) as c:
+        out, lse = c.attention(q, k, v, causal=True)
+    assert_close_to_reference(out, lse, q, k, v, causal=True)
+
+
+def test_server_timing_header_names_every_stage(server, rng):
+    q, k, v = inputs(rng, n_k=100)
+    r = httpx.post(server.url + "/v1/attention", content=to_bytes(encode_safetensors({"q": q, "k": k, "v": v})),
+                   headers={"Content-Type": "application/octet-stream"}, timeout=60)
+    stages = {part.split(";")[0].strip() for part in r.headers["server-timing"].split(",")}
+    assert {"parse", "scatter", "compute", "merge", "encode", "total"} <= stages
+
+
+@pytest.mark.parametrize(
+    ("content_type", "body", "status", "code", "words"),
+    [
+        ("application/json", b"{not json", 400, "invalid_body", "JSON"),
+        ("text/plain", b"hello", 415, "unsupported_media_type", "text/plain"),
+        ("application/json", json.dumps({"q": [[[1.0]]], "k": [[[1.0]]], "v": [[[1.0]], [[2.0]]]}).encode(), 422,
+         "invalid_tensor", "v must be"),
+        ("application/json", json.dumps({"q": [[[1.0]]], "k": [[[1.0]]], "v": [[[1.0]]], "causal": 1}).encode(), 422,
+         "invalid_option", "causal"),
+        ("application/json", json.dumps({"q": [[[1.0, 2.0]]], "k": [[[1.0]]], "v": [[[1.0]]]}).encode(), 422,
+         "invalid_tensor", "k must have head dim d = 2"),
+        ("application/json", json.dumps({"q": [[[1.0]]], "k": [[[1.0]]], "v": [[[1.0]]], "window": [-1, 0]}).encode(),
+         422, "invalid_option", "window"),
+        ("application/json", json.dumps({"q": [[[1.0]]], "contexts": ["ctx_nope"]}).encode(), 404,
+         "context_not_found", "ctx_nope"),
+        ("application/octet-stream", b"\x05\x00", 400, "invalid_body", "safetensors"),
+    ],
+    ids=["bad-json", "media-type", "shape", "causal-int", "head-dim", "window", "unknown-context", "truncated"],
+)
+def test_client_mistakes_get_4xx_naming_the_field(server, content_type, body, status, code, words):
+    r = httpx.post(server.url + "/v1/attention", content=body, headers={"Content-Type": content_type}, timeout=30)
+    assert r.status_code == status, r.text
+    doc = r.json()
+    assert doc["code"] == code
+    assert words.lower() in doc["detail"].lower()
+
+
+def test_non_finite_inputs_are_refused(client):
+    q = np.ones((1, 1, 4), np.float32)
+    k = np.ones((3, 1, 4), np.float32)
+    k[1, 0, 2] = np.nan
+    with pytest.raises(Exception, match="k must be finite"):
+        client.attention(q, k, np.ones((3, 1, 4), np.float32))
+
+
+def test_body_over_the_limit_gets_413_from_content_length_and_from_chunks(server):
+    # A raw socket: declare 65 MiB and send none of it; the answer must come from the header alone.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                     b"Content-Length: " + str(65 * 2**20).encode() + b"\r\n\r\n")
+        head = sock.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 413") and "body_too_large" in head
+
+    def chunks():
+        for _ in range(70):
+            yield b"\0" * 2**20
+
+    r = httpx.post(server.url + "/v1/attention", content=chunks(), headers={"Content-Type": "application/octet-stream"},
+                   timeout=60)
+    assert r.status_code == 413 and "chunked" in r.json()["detail"]
+    assert httpx.get(server.url + "/healthz").status_code == 200
+
+
+def test_shapes_declared_beyond_the_body_are_refused_before_allocation(server):
+    header = json.dumps({"q": {"dtype": "F32", "shape": [100000, 100000, 1000], "data_offsets": [0, 16]}}).encode()
+    body = len(header).to_bytes(8, "little") + header + b"\0" * 16
+    r = httpx.post(server.url + "/v1/attention", content=body, headers={"Content-Type": "application/octet-stream"})
+    assert r.status_code in (400, 413) and "q" in r.json()["detail"]
+
+
+def test_operations_endpoints(server, client, rng):
+    assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(server.url + "/readyz").json()
+    assert ready["ready"] and ready["alive"] == 2
+    cluster = httpx.get(server.url + "/v1/cluster").json()
+    assert len(cluster["workers"]) == 2 and cluster["device"] == "cpu" and len(cluster["nodes"]) == 1
+    client.attention(*inputs(rng, n_k=300))
+    text = httpx.get(server.url + "/metrics").text
+    for needle in ('splitkey_request_stage_seconds_bucket{le="0.001",route="/v1/attention",stage="compute"}',
+                   'splitkey_requests_total{code="200",route="/v1/attention"}', "splitkey_inflight_requests",
+                   'splitkey_workers{state="alive"} 2.0', "splitkey_request_body_bytes_total"):
+        assert needle in text, needle
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert "/v1/attention" in spec["paths"] and "422" in spec["paths"]["/v1/attention"]["post"]["responses"]

@@ -1,0 +1,123 @@
+"""Limits and protection on a deliberately tight server: auth, 429, 504, 507, remote merges."""
+
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from reference import assert_close_to_reference
+from server import Server
+
+from service.client import Client, SplitkeyError
+from service.safetensors_codec import encode_safetensors, to_bytes
+
+pytestmark = pytest.mark.ray
+
+KEY = "s3cret-test-key"
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory):
+    home = tmp_path_factory.mktemp("tight-home")
+    key_file = home / "key"
+    home.mkdir(exist_ok=True)
+    key_file.write_text(KEY + "\n")
+    srv = Server(home, args=("--workers", "4", "--api-key-file", str(key_file), "--max-inflight", "1",
+                             "--request-timeout", "0.5", "--worker-memory-bytes", str(2**20)),
+                 env={"SPLITKEY_WORKER_CPUS": "0.5", "SPLITKEY_MIN_SHARD_KEYS": "16", "SPLITKEY_REMOTE_MERGE_BYTES": "0",
+                      "SPLITKEY_CONTEXT_SHARD_KEYS": "16"})
+    srv.start(api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+def auth(key=KEY):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_missing_or_wrong_key_gets_401_and_probes_stay_open(tight):
+    assert httpx.get(tight.url + "/healthz").status_code == 200
+    assert httpx.get(tight.url + "/readyz").status_code == 200
+    for headers in ({}, auth("wrong"), {"Authorization": KEY}):
+        r = httpx.get(tight.url + "/v1/cluster", headers=headers)
+        assert r.status_code == 401 and r.json()["code"] == "unauthorized"
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(tight.url + "/v1/cluster", headers=auth()).status_code == 200
+    assert httpx.get(tight.url + "/metrics").status_code == 401
+
+
+def test_remote_merge_tree_over_four_shards_is_exact_and_deterministic(tight):
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((64, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((400, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((400, 2, 8)).astype(np.float32)
+    with Client(tight.url, api_key=KEY) as c:
+        out, lse = c.attention(q, k, v, causal=True)
+        again = c.attention(q, k, v, causal=True)
+    assert_close_to_reference(out, lse, q, k, v, causal=True)
+    assert out.tobytes() == again[0].tobytes()
+
+
+def test_capacity_error_is_507_and_leaves_nothing_behind(tight):
+    rng = np.random.default_rng(4)
+    with Client(tight.url, api_key=KEY) as c:
+        k = rng.standard_normal((4096, 2, 64)).astype(np.float32)  # 4 MiB over 4 workers of 1 MiB: no room
+        with pytest.raises(SplitkeyError) as err:
+            c.create_context(k, k, shards=4)
+        assert err.value.status == 507 and err.value.code == "insufficient_capacity"
+        assert "budget" in err.value.detail
+        assert c.list_contexts() == []
+        assert c.cluster()["bytes_held"] == 0
+        small = rng.standard_normal((64, 2, 64)).astype(np.float32)
+        ctx = c.create_context(small, small)
+        with pytest.raises(SplitkeyError) as err:
+            c.append(ctx["id"], k, k)
+        assert err.value.status == 507
+        assert c.get_context(ctx["id"])["length"] == 64  # the failed append left the context as it was
+        out, lse = c.attention(small[:1].repeat(2, axis=1), contexts=[ctx["id"]])
+        assert_close_to_reference(out, lse, small[:1].repeat(2, axis=1), small, small)
+        held = c.cluster()["bytes_held"]
+        c.delete_context(ctx["id"])
+        assert c.cluster()["bytes_held"] < held and c.list_contexts() == []
+
+
+def test_a_second_request_in_flight_gets_429_with_retry_after(tight):
+    rng = np.random.default_rng(5)
+    q, k = rng.standard_normal((1, 2, 8)).astype(np.float32), rng.standard_normal((50, 2, 8)).astype(np.float32)
+    body = to_bytes(encode_safetensors({"q": q, "k": k, "v": k}))
+    started = threading.Event()
+
+    def slow_body():
+        yield body[:10]
+        started.set()
+        time.sleep(1.0)  # the first request stays in flight while its body trickles in
+        yield body[10:]
+
+    results = {}
+
+    def first():
+        results["first"] = httpx.post(tight.url + "/v1/attention", content=slow_body(), timeout=30,
+                                      headers={**auth(), "Content-Type": "application/octet-stream"})
+
+    t = threading.Thread(target=first)
+    t.start()
+    started.wait(10)
+    time.sleep(0.2)
+    r = httpx.post(tight.url + "/v1/attention", content=body, timeout=30,
+                   headers={**auth(), "Content-Type": "application/octet-stream"})
+    t.join()
+    assert r.status_code == 429 and r.json()["code"] == "overloaded"
+    assert int(r.headers["retry-after"]) >= 1
+    assert results["first"].status_code == 200
+
+
+def test_work_past_the_deadline_gets_504_and_the_server_stays_up(tight):
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((512, 8, 64)).astype(np.float32)
+    k = rng.standard_normal((60000, 2, 64)).astype(np.float32)
+    with Client(tight.url, api_key=KEY) as c:
+        with pytest.raises(SplitkeyError) as err:
+            c.attention(q, k, k)
+        assert err.value.status == 504 and err.value.code == "deadline_exceeded"
+    assert httpx.get(tight.url + "/healthz").status_code == 200
