@@ -179,7 +179,7 @@ class ContextService:
         return describe(record)
 
     async def append(self, ctx_id: str, k: Any, v: Any, k_pos: Any) -> dict:
-        await self._acquire(ctx_id)
+        owner = await self._acquire(ctx_id)
         try:
             old = await self.directory.call("get", ctx_id)
             if old is None:
@@ -231,11 +231,11 @@ class ContextService:
             except ApiError:
                 await asyncio.gather(*(self._quiet(w, m, *a) for w, m, a in undo))
                 raise
-            await self.directory.call("commit", new, self.owner)
+            await self.directory.call("commit", new, owner)
             await self._note(new)
             return describe(new)
         finally:
-            await self.directory.call("release", ctx_id, self.owner)
+            await self.directory.call("release", ctx_id, owner)
 
     async def delete(self, ctx_id: str) -> dict:
         await self._acquire(ctx_id)
@@ -307,6 +307,9 @@ class ContextService:
         except (WorkerUnavailable, ShardMissing, ValueError):
             return None
 
-    async def _acquire(self, ctx_id: str) -> None:
-        while not await self.directory.call("acquire", ctx_id, self.owner, LEASE_TTL_S):
+    async def _acquire(self, ctx_id: str) -> str:
+        """Take the context's lease for one operation; returns the owner token to commit and release with."""
+        owner = f"{self.owner}-{secrets.token_hex(6)}"
+        while not await self.directory.call("acquire", ctx_id, owner, LEASE_TTL_S):
             await asyncio.sleep(LEASE_POLL_S)
+        return owner

