@@ -1,0 +1,225 @@
+"""JSON bodies (``application/json``): strict fields, tensors from nested lists, results as nested lists.
+
+Validation is hand-written rather than done by pydantic: it bounds sizes before
+building arrays, checks a nested list level by level at C speed (``map``/``set``)
+instead of per element in Python, and words every error "field must be X, got Y"
+with the index where a list is ragged. The pydantic models at the end describe the
+same bodies for OpenAPI only (``openapi_extra``); tests keep both in step.
+
+Rules: unknown fields are 422; ``null`` means "not given"; no bool for a number,
+no number for a bool, no string for a number; tensors are rectangular nested lists
+of numbers (``int`` only for ``q_pos``/``k_pos``); NaN, Infinity and values that
+overflow ``dtype`` are 422. ``q``, ``k``, ``v`` are cast to ``dtype`` (default
+float32), positions are int64, ``alibi_slopes`` float64.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import chain
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.codec import (
+    ATTENTION,
+    DEFAULT_LIMITS,
+    TENSOR_RULES,
+    BodyKind,
+    Limits,
+    TensorRule,
+    check_options,
+    check_request,
+    load_json,
+    show,
+    sorted_names,
+)
+from service.errors import ApiError
+from workers.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+
+#: The ``dtype`` field: what the inline q, k and v are cast to.
+DTYPES = {"float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32, "float64": FLOAT64}
+_INT64_RANGE = (-(2**63), 2**63 - 1)
+
+
+def _path(name: str, flat_index: int, shape: list[int]) -> str:
+    """``q[1][0][2]``: where flat (C-order) element ``flat_index`` of a ``shape`` nest sits."""
+    if not shape:
+        return name
+    return name + "".join(f"[{int(i)}]" for i in np.unravel_index(flat_index, shape))
+
+
+def _first(items: list[Any], bad: Any) -> int:
+    return next(i for i, x in enumerate(items) if bad(x))
+
+
+def _beyond_float64(x: float) -> bool:
+    try:
+        float(x)
+    except OverflowError:
+        return True
+    return False
+
+
+def _walk(name: str, value: Any, rule: TensorRule) -> tuple[list[int], list[Any]]:
+    """Shape and C-order leaves of a rectangular nest of ``rule.rank`` lists; 422 if ragged."""
+    if type(value) is not list:
+        raise ApiError("invalid_tensor", f"{name} must be a nested list of numbers {rule.layout}, got {show(value)}")
+    shape: list[int] = []
+    level = [value]
+    for depth in range(rule.rank):
+        if set(map(type, level)) != {list}:
+            i = _first(level, lambda node: type(node) is not list)
+            raise ApiError("invalid_tensor", f"{_path(name, i, shape)} must be a list ({name} is {rule.layout}), "
+                           f"got {show(level[i])}")
+        n = len(level[0])
+        if len(set(map(len, level))) > 1:
+            i = _first(level, lambda node, n=n: len(node) != n)
+            raise ApiError("invalid_tensor", f"{name} must be rectangular: {_path(name, i, shape)} must have length "
+                           f"{n} like {_path(name, 0, shape)}, got length {len(level[i])}")
+        if n == 0 and depth < rule.rank - 1:
+            raise ApiError("invalid_tensor", f"{_path(name, 0, shape)} must not be empty ({name} is {rule.layout}; "
+                           f"JSON cannot give the shape of an empty tensor, send safetensors), got []")
+        shape.append(n)
+        level = list(chain.from_iterable(level))
+    return shape, level
+
+
+def _tensor(name: str, value: Any, dtype: np.dtype, limits: Limits) -> np.ndarray:
+    rule = TENSOR_RULES[name]
+    shape, leaves = _walk(name, value, rule)
+    if len(leaves) > limits.max_elements:
+        raise ApiError("body_too_large", f"{name} must have at most {limits.max_elements} elements, got {len(leaves)}")
+    if rule.kind == "int":
+        if not set(map(type, leaves)) <= {int}:
+            i = _first(leaves, lambda x: type(x) is not int)
+            raise ApiError("invalid_tensor", f"{_path(name, i, shape)} must be an int, got {show(leaves[i])}")
+        try:
+            return np.array(leaves, dtype=np.int64).reshape(shape)
+        except OverflowError:
+            i = _first(leaves, lambda x: not _INT64_RANGE[0] <= x <= _INT64_RANGE[1])
+            where = _path(name, i, shape)
+            raise ApiError("invalid_tensor", f"{where} must fit in int64, got {show(leaves[i])}") from None
+    if not set(map(type, leaves)) <= {int, float}:
+        i = _first(leaves, lambda x: type(x) not in (int, float))
+        raise ApiError("invalid_tensor", f"{_path(name, i, shape)} must be a number, got {show(leaves[i])}")
+    try:
+        wide = np.array(leaves, dtype=np.float64)
+    except OverflowError:  # an int literal beyond float64
+        i = _first(leaves, _beyond_float64)
+        raise ApiError("invalid_tensor", f"{_path(name, i, shape)} must be a finite {dtype} number, "
+                       f"got {show(leaves[i])}") from None
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is reported below, by element
+        cast = wide.astype(dtype)
+    finite = np.isfinite(cast)
+    if not finite.all():
+        i = int(np.argmin(finite))
+        where = _path(name, i, shape)
+        raise ApiError("invalid_tensor", f"{where} must be a finite {dtype} number, got {show(leaves[i])}")
+    return cast.reshape(shape)
+
+
+def decode_json_request(body: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS,
+                        kind: BodyKind = ATTENTION) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """``(tensors, options)`` of a JSON body of ``kind`` (see :mod:`service.codec`)."""
+    if len(body) > limits.max_json_body_bytes:
+        raise ApiError("body_too_large", f"JSON body must be at most {limits.max_json_body_bytes} bytes, "
+                       f"got {len(body)}; send larger tensors as safetensors")
+    obj = load_json(body, "JSON body")
+    if type(obj) is not dict:
+        raise ApiError("invalid_body", f"JSON body must be an object, got {show(obj)}")
+    fields = kind.tensors | kind.options | {"dtype"}
+    for name in obj:
+        if name not in fields:
+            raise ApiError("invalid_tensor" if name in TENSOR_RULES else "invalid_option",
+                           f"{name} is not a field of {kind.name} requests; fields must be among "
+                           f"{sorted_names(fields)}, got {show(name)}")
+    dtype_name = obj.get("dtype")
+    if dtype_name is None:
+        dtype_name = "float32"
+    if type(dtype_name) is not str or dtype_name not in DTYPES:
+        raise ApiError("invalid_option", f"dtype must be one of {', '.join(DTYPES)}, got {show(dtype_name)}")
+    tensors = {}
+    for name in sorted(kind.tensors):
+        if obj.get(name) is not None:
+            target = DTYPES[dtype_name] if name in ("q", "k", "v") else FLOAT64
+            tensors[name] = _tensor(name, obj[name], target, limits)
+    options = check_options({name: obj[name] for name in kind.options if name in obj}, kind, limits)
+    check_request(tensors, options, kind)
+    return tensors, options
+
+
+def _nested(name: str, a: Any) -> list:
+    """Nested lists of ``a``; non-finite values (JSON has none) become ``None``."""
+    if not isinstance(a, np.ndarray) or a.dtype not in (FLOAT32, FLOAT64):
+        got = getattr(a, "dtype", type(a).__name__)
+        raise ValueError(f"{name} must be a float32 or float64 numpy array, got {got}")
+    finite = np.isfinite(a)
+    if finite.all():
+        return a.tolist()
+    obj = a.astype(object)
+    obj[~finite] = None
+    return obj.tolist()
+
+
+def encode_json_result(out: np.ndarray, lse: np.ndarray) -> bytes:
+    """``{"out": [[[...]]], "lse": [[...]]}``; an lse of -inf (fully masked row) is ``null``.
+
+    Any other non-finite value (possible only when inputs overflow float32/float64) is
+    ``null`` too, since JSON has no infinities or NaN.
+    """
+    if out.ndim != 3 or lse.shape != out.shape[:2]:
+        raise ValueError(f"out and lse must be [n_q, h_q, d_v] and [n_q, h_q], got {out.shape} and {lse.shape}")
+    doc = {"out": _nested("out", out), "lse": _nested("lse", lse)}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+# -- OpenAPI descriptions of the same bodies (documentation only; decode_json_request validates) --
+
+_STRICT = ConfigDict(extra="forbid", strict=True)
+Tensor3 = list[list[list[float]]]
+Dtype = Literal["float16", "bfloat16", "float32", "float64"]
+
+
+class AttentionRequest(BaseModel):
+    """``POST /v1/attention`` with ``Content-Type: application/json``."""
+
+    model_config = _STRICT
+    q: Tensor3 = Field(description="queries [n_q, h_q, d]")
+    k: Tensor3 | None = Field(None, description="keys [n_k, h_kv, d]; with v, or use contexts")
+    v: Tensor3 | None = Field(None, description="values [n_k, h_kv, d_v]")
+    q_pos: list[int] | None = Field(None, description="query positions [n_q]; default the last n_q of the keys")
+    k_pos: list[int] | None = Field(None, description="key positions [n_k]; default 0..n_k-1")
+    alibi_slopes: list[float] | None = Field(None, description="ALiBi slopes [h_q]")
+    dtype: Dtype = Field("float32", description="what q, k and v are cast to")
+    scale: float | None = Field(None, gt=0, description="score scale; default 1/sqrt(d)")
+    causal: bool | None = Field(None, description="mask keys after the query (default false)")
+    window: tuple[int | None, int | None] | None = Field(None, description="[left, right], null = unbounded")
+    softcap: float | None = Field(None, ge=0, description="softcap * tanh(s / softcap); 0 or null: off")
+    contexts: list[str] | None = Field(None, description="ids of stored contexts whose keys join k, v")
+
+
+class ContextAppendRequest(BaseModel):
+    """``POST /v1/contexts/{id}/append`` with ``Content-Type: application/json``."""
+
+    model_config = _STRICT
+    k: Tensor3 = Field(description="keys [n_k, h_kv, d]")
+    v: Tensor3 = Field(description="values [n_k, h_kv, d_v]")
+    k_pos: list[int] | None = Field(None, description="key positions [n_k]; default continues the context")
+    dtype: Dtype = Field("float32", description="what k and v are cast to")
+
+
+class ContextCreateRequest(ContextAppendRequest):
+    """``POST /v1/contexts`` with ``Content-Type: application/json``."""
+
+    k_pos: list[int] | None = Field(None, description="key positions [n_k]; default 0..n_k-1")
+    replicas: int | None = Field(None, ge=1, description="copies of each shard")
+    shards: int | None = Field(None, ge=1, description="shards the keys are split into")
+
+
+class AttentionResult(BaseModel):
+    """JSON result: ``out [n_q, h_q, d_v]`` and ``lse [n_q, h_q]`` (null where -inf: a fully masked row)."""
+
+    out: list[list[list[float | None]]]
+    lse: list[list[float | None]]
