@@ -182,11 +182,23 @@ __device__ __forceinline__ void sk_load_rows(T* dst, const T* __restrict__ src, 
   constexpr int VEC = 16 / (int)sizeof(T);
   if (vec) {
     constexpr int NV = W / VEC;
-    for (int e = threadIdx.x; e < KEY_TILE * NV; e += THREADS) {
-      const int r = e / NV, c = (e % NV) * VEC;
-      uint4 x = make_uint4(0u, 0u, 0u, 0u);
-      if (r < n) x = *reinterpret_cast<const uint4*>(src + r * sn + c);
-      *reinterpret_cast<uint4*>(dst + r * LD + c) = x;
+    constexpr int TOTAL = KEY_TILE * NV;  // 16-byte vectors in the tile
+    constexpr int ITERS = (TOTAL + THREADS - 1) / THREADS;
+    constexpr int BATCH = 8;  // loads in flight per thread before their stores
+#pragma unroll
+    for (int i0 = 0; i0 < ITERS; i0 += BATCH) {
+      uint4 x[BATCH];
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        const int e = threadIdx.x + (i0 + i) * THREADS, r = e / NV, c = (e % NV) * VEC;
+        x[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (i0 + i < ITERS && e < TOTAL && r < n) x[i] = *reinterpret_cast<const uint4*>(src + r * sn + c);
+      }
+#pragma unroll
+      for (int i = 0; i < BATCH; ++i) {
+        const int e = threadIdx.x + (i0 + i) * THREADS, r = e / NV, c = (e % NV) * VEC;
+        if (i0 + i < ITERS && e < TOTAL) *reinterpret_cast<uint4*>(dst + r * LD + c) = x[i];
+      }
     }
   } else {
     for (int e = threadIdx.x; e < KEY_TILE * W; e += THREADS) {
