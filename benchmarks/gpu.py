@@ -224,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     sys.path.insert(0, str(ROOT))
-    from workers import BFLOAT16  # noqa: PLC0415
-    from workers import gpu  # noqa: PLC0415
+    from workers import BFLOAT16, gpu  # noqa: PLC0415 - after the sys.path entry above
 
     reason = gpu.unavailable_reason()
     if reason is not None:

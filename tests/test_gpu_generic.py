@@ -9,8 +9,7 @@ import pytest
 from reference import assert_close_to_reference
 
 from merge import finalize
-from workers import BFLOAT16
-from workers import gpu
+from workers import BFLOAT16, gpu
 from workers.layout import NaturalKV, StreamingKV
 from workers.options import AttentionOptions, KernelOptions, check_problem
 

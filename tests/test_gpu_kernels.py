@@ -10,8 +10,7 @@ import pytest
 from reference import assert_close_to_reference
 
 from merge import finalize, merge_all
-from workers import BFLOAT16, partial_attention
-from workers import gpu
+from workers import BFLOAT16, gpu, partial_attention
 from workers.gpu_plan import GpuKernels
 from workers.layout import NaturalKV, StreamingKV
 from workers.options import AttentionOptions, KernelOptions, check_problem
@@ -101,7 +100,7 @@ def test_fused_kernels_on_resident_d_major_keys_match_reference(rng, name, dtype
 
 
 def test_fused_decode_over_many_chunks_some_fully_masked_matches_reference(rng):
-    q, k, v, opts = make(rng, "decode-gqa-causal", BFLOAT16)
+    q, k, v, _ = make(rng, "decode-gqa-causal", BFLOAT16)
     opts = {"window": (500, 0), "q_pos": np.array([1200])}
     qd, kd, vd, problem = device_problem(q, k, v, opts)
     state = gpu.run_fused(qd, NaturalKV(kd, vd, problem.k_pos), problem, KernelOptions(block_size=64))
@@ -138,7 +137,7 @@ def test_empty_shard_on_the_gpu_is_the_empty_state(rng):
 
 
 def test_gpu_shard_states_merge_with_cpu_shard_states(rng):
-    q, k, v, opts = make(rng, "decode-gqa-causal", BFLOAT16)
+    q, k, v, _ = make(rng, "decode-gqa-causal", BFLOAT16)
     n_k = k.shape[0]
     k_pos, q_pos = np.arange(n_k), np.array([n_k - 1])
     half = n_k // 2

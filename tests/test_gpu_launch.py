@@ -5,8 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from workers import BFLOAT16
-from workers import gpu
+from workers import BFLOAT16, gpu
 from workers.gpu_launch import (
     ATTEND_PARAMS,
     COMBINE_PARAMS,
@@ -28,7 +27,7 @@ H200 = DeviceLimits(sm_count=132, max_shared_bytes=227 * 1024, compute_capabilit
 
 def declared_params(kernel: str) -> list[tuple[str, str]]:
     """(name, kind) of each parameter of ``kernel`` in attention.cu; kind as in ATTEND_PARAMS."""
-    match = re.search(rf"\b{kernel}\((.*?)\)\s*\{{", SOURCE, re.S)
+    match = re.search(rf"\b{kernel}\((.*?)\)\s*\{{", SOURCE, re.DOTALL)
     assert match, f"{kernel} not found in {SOURCE_PATH}"
     params = []
     for decl in match.group(1).split(","):

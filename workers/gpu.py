@@ -210,7 +210,7 @@ def device_limits() -> DeviceLimits:
     return _device_limits(_require_cupy().cuda.Device().id)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_limits(device_id: int) -> DeviceLimits:
     rt = cupy.cuda.runtime
     return DeviceLimits(
