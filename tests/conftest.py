@@ -1,9 +1,21 @@
-"""Shared fixtures. Test modules import helpers from this folder (``reference``)."""
+"""Shared fixtures. Test modules import helpers from this folder (``reference``, ``server``)."""
 
 from __future__ import annotations
 
+import os
+import secrets
+
 import numpy as np
 import pytest
+
+# Every Ray cluster of the test session (embedded ones in server subprocesses, the
+# multi-node Cluster of test_service_cluster) runs with Ray's token auth, one token
+# for the session, set before Ray is imported anywhere (Ray caches the mode).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+# Ray rewrites "127.0.0.1" in a cluster address to the machine's own IP unless this
+# is off; with it off every test cluster stays on loopback, as tests must.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 @pytest.fixture

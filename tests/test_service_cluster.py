@@ -1,0 +1,164 @@
+"""Several Ray nodes on one machine (ray.cluster_utils.Cluster) behind front ends that join them.
+
+Placement across nodes, a restarted or second front end, a restarted directory,
+and killed workers, all with exact answers or the contract's error.
+"""
+
+import os
+import time
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from reference import assert_close_to_reference
+from server import Server
+
+from service.client import Client, SplitkeyError
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+
+NAMESPACE = "splitkey"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Three one-CPU nodes on loopback, with Ray's token auth on (conftest sets the token)."""
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
+    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def front_end(cluster, tmp_path_factory, name):
+    """A front end joining the cluster at its address (it inherits the token from the environment)."""
+    srv = Server(tmp_path_factory.mktemp(name), args=("--ray-address", cluster.address, "--workers", "3"),
+                 env={"SPLITKEY_CONTEXT_SHARD_KEYS": "128", "SPLITKEY_HEAL_INTERVAL_S": "0.5"})
+    return srv.start()
+
+
+def kv(rng, n):
+    return rng.standard_normal((n, 2, 16)).astype(np.float32), rng.standard_normal((n, 2, 8)).astype(np.float32)
+
+
+def test_replicas_land_on_distinct_nodes(cluster, tmp_path_factory):
+    srv = front_end(cluster, tmp_path_factory, "fe-placement")
+    try:
+        with Client(srv.url) as c:
+            info = c.cluster()
+            assert len(info["nodes"]) == 3
+            node_of = {w["name"]: w["node_id"] for w in info["workers"]}
+            rng = np.random.default_rng(1)
+            k, v = kv(rng, 600)
+            ctx = c.create_context(k, v, replicas=2, shards=3)
+            record = ray.get(ray.get_actor("splitkey-directory", namespace=NAMESPACE).get.remote(ctx["id"]))
+            for shard in record["shards"]:
+                nodes = [node_of[w] for w in shard["workers"]]
+                assert len(set(nodes)) == 2, shard
+            c.delete_context(ctx["id"])
+    finally:
+        srv.stop()
+
+
+def test_a_restarted_or_second_front_end_sees_the_same_contexts(cluster, tmp_path_factory):
+    rng = np.random.default_rng(2)
+    k, v = kv(rng, 500)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    first = front_end(cluster, tmp_path_factory, "fe-first")
+    with Client(first.url) as c:
+        ctx = c.create_context(k, v, replicas=2)
+    first.stop()
+    second = front_end(cluster, tmp_path_factory, "fe-second")
+    third = front_end(cluster, tmp_path_factory, "fe-third")
+    try:
+        for srv in (second, third):
+            with Client(srv.url) as c:
+                assert ctx["id"] in [x["id"] for x in c.list_contexts()]
+                out, lse = c.attention(q, contexts=[ctx["id"]], causal=True)
+                assert_close_to_reference(out, lse, q, k, v, causal=True)
+        with Client(third.url) as c:
+            c.delete_context(ctx["id"])
+        with Client(second.url) as c, pytest.raises(SplitkeyError) as err:
+            c.get_context(ctx["id"])
+        assert err.value.status == 404
+    finally:
+        second.stop()
+        third.stop()
+
+
+def test_a_restarted_directory_rebuilds_from_the_workers(cluster, tmp_path_factory):
+    rng = np.random.default_rng(3)
+    k, v = kv(rng, 400)
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    srv = front_end(cluster, tmp_path_factory, "fe-directory")
+    try:
+        with Client(srv.url) as c:
+            ctx = c.create_context(k[:300], v[:300], replicas=2, shards=2)
+            c.append(ctx["id"], k[300:], v[300:])
+            directory = ray.get_actor("splitkey-directory", namespace=NAMESPACE)
+            ray.kill(directory, no_restart=False)
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    desc = c.get_context(ctx["id"])
+                    break
+                except SplitkeyError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
+            assert desc["length"] == 400 and desc["replicas"] == 2
+            out, lse = c.attention(q, contexts=[ctx["id"]])
+            assert_close_to_reference(out, lse, q, k, v)
+            c.delete_context(ctx["id"])
+    finally:
+        srv.stop()
+
+
+def test_killing_a_worker_leaves_every_answer_exact_with_two_replicas(cluster, tmp_path_factory):
+    rng = np.random.default_rng(4)
+    k, v = kv(rng, 900)
+    srv = front_end(cluster, tmp_path_factory, "fe-kill")
+    try:
+        with Client(srv.url) as c:
+            ctx = c.create_context(k, v, replicas=2, shards=3)
+            qs = [rng.standard_normal((1, 4, 16)).astype(np.float32) for _ in range(12)]
+            for i, q in enumerate(qs):
+                if i == 4:
+                    ray.kill(ray.get_actor("splitkey-worker-1", namespace=NAMESPACE))
+                out, lse = c.attention(q, contexts=[ctx["id"]], causal=True)
+                assert_close_to_reference(out, lse, q, k, v, causal=True)
+            # The pool replaces the dead worker (empty); readiness comes back.
+            deadline = time.monotonic() + 60
+            while httpx.get(srv.url + "/readyz").status_code != 200:
+                assert time.monotonic() < deadline, "the pool did not heal"
+                time.sleep(0.5)
+            out, lse = c.attention(qs[0], contexts=[ctx["id"]], causal=True)
+            assert_close_to_reference(out, lse, qs[0], k, v, causal=True)
+            c.delete_context(ctx["id"])
+    finally:
+        srv.stop()
+
+
+def test_a_context_whose_only_replica_died_answers_503_context_lost(cluster, tmp_path_factory):
+    rng = np.random.default_rng(5)
+    k, v = kv(rng, 100)
+    srv = front_end(cluster, tmp_path_factory, "fe-lost")
+    try:
+        with Client(srv.url) as c:
+            ctx = c.create_context(k, v, replicas=1, shards=1)
+            record = ray.get(ray.get_actor("splitkey-directory", namespace=NAMESPACE).get.remote(ctx["id"]))
+            holder = record["shards"][0]["workers"][0]
+            ray.kill(ray.get_actor(holder, namespace=NAMESPACE))
+            with pytest.raises(SplitkeyError) as err:
+                c.attention(rng.standard_normal((1, 2, 16)).astype(np.float32), contexts=[ctx["id"]])
+            assert err.value.status == 503 and err.value.code == "context_lost"
+            assert holder in err.value.detail or "shard 0" in err.value.detail
+            c.delete_context(ctx["id"])
+    finally:
+        srv.stop()
