@@ -47,9 +47,9 @@ class Slot:
 def worker_config(settings: ServiceSettings, device: str) -> WorkerConfig:
     return WorkerConfig(
         device=device,
-        kernel=KernelOptions(block_size=settings.block_size, threads=settings.kernel_threads),
+        kernel=KernelOptions(block_size=settings.block_size, threads=settings.kernel_threads,
+                             gpu_kernels="fused" if settings.fused_gpu_kernels else "generic"),
         memory_budget_bytes=settings.worker_memory_bytes,
-        fused_gpu_kernels=settings.fused_gpu_kernels,
     )
 
 

@@ -76,8 +76,9 @@ class ShardWorker:
         xp = self.xp
         if xp is not np:
             q, k, v = xp.asarray(q), xp.asarray(k), xp.asarray(v)
-        st = partial_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, block_size=self.config.kernel.block_size,
-                               threads=self.config.kernel.threads, **options)
+        kern = self.config.kernel
+        st = partial_attention(q, k, v, q_pos=q_pos, k_pos=k_pos, block_size=kern.block_size, threads=kern.threads,
+                               gpu_kernels=kern.gpu_kernels, **options)
         st = _host_state(st)
         return {"worker": self.name, "seconds": time.perf_counter() - t0, "nbytes": st.nbytes}, st
 

@@ -107,7 +107,8 @@ def _options(scale: Any, causal: Any, window: Any, softcap: Any, alibi_slopes: A
 
 def partial_attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
                       q_pos: Any = None, k_pos: Any = None, window: Any = None, softcap: float | None = None,
-                      alibi_slopes: Any = None, block_size: int | None = None, threads: int = 1) -> State:
+                      alibi_slopes: Any = None, block_size: int | None = None, threads: int = 1,
+                      gpu_kernels: str = "generic") -> State:
     """The partial state of ``q [n_q, h_q, d]`` over ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]``.
 
     Options as in CONTRACT section 3. ``block_size`` (keys per block) and
@@ -117,11 +118,11 @@ def partial_attention(q: Any, k: Any, v: Any, *, scale: float | None = None, cau
     """
     opts = _options(scale, causal, window, softcap, alibi_slopes)
     problem = check_problem(q, k, v, q_pos, k_pos, opts)
-    kopts = KernelOptions(block_size=block_size, threads=threads)
+    kopts = KernelOptions(block_size=block_size, threads=threads, gpu_kernels=gpu_kernels)
     if not isinstance(q, np.ndarray):
         from workers import gpu  # noqa: PLC0415 - only GPU callers load cupy
 
-        return gpu.partial_attention_gpu(q, k, v, problem, kopts)
+        return gpu.partial_attention_gpu(q, k, v, problem, kopts, kernels=kopts.gpu_kernels)
     return run_cpu(q, NaturalKV(k, v, problem.k_pos), problem, kopts)
 
 
@@ -142,7 +143,7 @@ def partial_attention_resident(q: Any, view: StreamingView, *, q_pos: Any, optio
     if not xp_is_np:
         from workers import gpu  # noqa: PLC0415
 
-        return gpu.partial_attention_resident_gpu(q, view, problem, kernel)
+        return gpu.partial_attention_resident_gpu(q, view, problem, kernel, kernels=kernel.gpu_kernels)
     return run_cpu(q, view, problem, kernel)
 
 

@@ -14,15 +14,13 @@ class WorkerConfig:
     """Everything a shard worker needs to know; never read from globals.
 
     * ``device``: ``"cpu"`` (numpy kernel) or ``"gpu"`` (cupy; the actor asks Ray for a GPU).
-    * ``kernel``: how the kernel walks the keys (block size, scratch, threads).
+    * ``kernel``: how the kernel walks the keys (block size, scratch, threads, GPU kernels).
     * ``memory_budget_bytes``: bytes of resident context shards this worker may hold.
-    * ``fused_gpu_kernels``: use the fused CUDA kernels instead of the generic CuPy path.
     """
 
     device: str = "cpu"
     kernel: KernelOptions = field(default_factory=KernelOptions)
     memory_budget_bytes: int = 2 * 2**30
-    fused_gpu_kernels: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -68,6 +68,11 @@ def gpu_available() -> bool:
     return unavailable_reason() is None
 
 
+def array_module() -> Any:
+    """The cupy module, for GPU shard workers (raises ValueError naming why it is unusable)."""
+    return _require_cupy()
+
+
 def _require_cupy() -> Any:
     if cupy is None:
         raise ValueError(f"cupy must be importable for the GPU path, got {unavailable_reason()}")

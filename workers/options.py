@@ -104,11 +104,15 @@ class KernelOptions:
     * ``scratch_bytes``: bound on the score tile and its temporaries per thread.
     * ``threads``: worker threads; work is split over heads, query tiles and,
       when there is too little of that, over key ranges (split-K).
+    * ``gpu_kernels``: ``"generic"`` (CuPy ops + cuBLAS, the default) or ``"fused"``
+      (the RawKernels of ``workers/kernels/attention.cu``; unverified on hardware,
+      docs/GPU.md). Ignored on the CPU.
     """
 
     block_size: int | None = None
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES
     threads: int = 1
+    gpu_kernels: str = "generic"
 
     def __post_init__(self) -> None:
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size < 1):
@@ -117,6 +121,8 @@ class KernelOptions:
             raise ValueError(f"scratch_bytes must be an int >= 1, got {self.scratch_bytes!r}")
         if not _is_int(self.threads) or self.threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
+        if self.gpu_kernels not in ("generic", "fused"):
+            raise ValueError(f"gpu_kernels must be 'generic' or 'fused', got {self.gpu_kernels!r}")
 
 
 @dataclass(frozen=True, eq=False)
