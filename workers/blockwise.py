@@ -40,12 +40,39 @@ def stream(tile: TileInputs, kv: Any, k_pos_host: Any, k0: int, k1: int, h0: int
 
     ``k_pos_host`` is a numpy view of the key positions: the block skip reads
     min/max there, so the GPU path does not synchronise on every block.
+
+    Scratch is allocated once per call and reused by every block: the score
+    tile ``[hb, rows, B]`` (scores, then probabilities, in place), one
+    ``[hb, rows, d_v]`` product and a few ``[hb, rows]`` vectors. On top of
+    that, ALiBi and partially masked blocks allocate ``[rows, B]`` operands, and
+    a layout that casts copies one BLAS call's keys and values.
     """
     hb, rows = int(tile.q.shape[0]), int(tile.q.shape[1])
     d_v = int(kv.v.shape[-1])
     m = xp.full((hb, rows), NO_SCORE, dtype=acc_dtype)
     l = xp.zeros((hb, rows), dtype=acc_dtype)  # noqa: E741
     acc = xp.zeros((hb, rows, d_v), dtype=acc_dtype)
+    if k1 <= k0:
+        return m, l, acc
+    width = min(block, k1 - k0)
+    s_buf = xp.empty((hb, rows, width), dtype=acc_dtype)  # [hb, rows, B] score tile, reused
+    pv = xp.empty((hb, rows, d_v), dtype=acc_dtype)  # [hb, rows, d_v] p @ v of one block
+    m_new = xp.empty((hb, rows), dtype=acc_dtype)
+    m_ref = xp.empty((hb, rows), dtype=acc_dtype)
+    alpha = xp.empty((hb, rows), dtype=acc_dtype)
+    l_blk = xp.empty((hb, rows), dtype=acc_dtype)
+    ones = xp.ones((width,), dtype=acc_dtype)  # [B]: row sums as a GEMV, faster than a reduction
+    # On the CPU each product is cut into BLAS calls of ``kv.call_keys`` keys:
+    # a layout that must cast copies one call at a time (at most CALL_KEYS keys,
+    # so that scratch is bounded by the call), and one that hands out views
+    # takes the call length its memory layout streams best. The block sets only
+    # the softmax step and the score tile. CuPy takes the whole block in one
+    # call: there a launch costs more than a copy.
+    call = None
+    if getattr(xp, "__name__", "") == "numpy" and hasattr(kv, "call_keys"):
+        call = kv.call_keys(acc_dtype, rows)
+    call = call or width
+    split = call < width
     masked = tile.options.masked
     for start in range(k0, k1, block):
         stop = min(start + block, k1)
@@ -55,8 +82,15 @@ def stream(tile: TileInputs, kv: Any, k_pos_host: Any, k0: int, k1: int, h0: int
             kind = tile.bounds.classify(int(kp.min()), int(kp.max()))
             if kind is BlockKind.SKIP:
                 continue  # no row sees any key here: the state is unchanged
-        kt, vb = kv.block(start, stop, h0, h1, acc_dtype)  # [hb, d, B], [hb, B, d_v]
-        s = xp.matmul(tile.q, kt)  # [hb, rows, B] scores (scale already in q)
+        s = s_buf if stop - start == width else s_buf[:, :, :stop - start]  # [hb, rows, B]
+        if not split:
+            kt, vb = kv.block(start, stop, h0, h1, acc_dtype)  # [hb, d, B], [hb, B, d_v]
+            xp.matmul(tile.q, kt, out=s)  # scores (scale already in q)
+        else:
+            for c0 in range(start, stop, call):
+                c1 = min(c0 + call, stop)
+                kt = kv.keys(c0, c1, h0, h1, acc_dtype)  # [hb, d, c1-c0]
+                xp.matmul(tile.q, kt, out=s[:, :, c0 - start:c1 - start])  # scores (scale already in q)
         if tile.softcap is not None:
             xp.tanh(s, out=s)
             s *= tile.softcap
@@ -66,17 +100,30 @@ def stream(tile: TileInputs, kv: Any, k_pos_host: Any, k0: int, k1: int, h0: int
             s -= tile.slopes[:, :, None] * dist[None]
         if kind is BlockKind.PARTIAL:
             ok = visible(tile.q_pos, kp_dev, tile.options)  # [rows, B]
-            s = xp.where(ok[None], s, NO_SCORE)
-        m_new = xp.maximum(m, s.max(axis=-1))  # [hb, rows]
+            xp.copyto(s, NO_SCORE, where=~ok[None])
+        s.max(axis=-1, out=m_new)
+        xp.maximum(m_new, m, out=m_new)  # [hb, rows]
         # Guard: a row that has seen no visible key has m_new = -inf; measure it
         # against 0 so exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
-        m_ref = xp.where(m_new == NO_SCORE, 0, m_new)
-        alpha = xp.exp(m - m_ref)  # rescale of the old state; 0 while it was empty
+        xp.copyto(m_ref, m_new)
+        xp.copyto(m_ref, 0, where=m_new == NO_SCORE)
+        xp.subtract(m, m_ref, out=alpha)
+        xp.exp(alpha, out=alpha)  # rescale of the old state; 0 while it was empty
         s -= m_ref[..., None]
         xp.exp(s, out=s)  # s now holds p = exp(s - m_new); masked keys give exactly 0
-        l = l * alpha + s.sum(axis=-1)  # noqa: E741
+        xp.matmul(s, ones[:stop - start], out=l_blk)  # [hb, rows] = sum over the block's keys
+        l *= alpha
+        l += l_blk
         acc *= alpha[..., None]
-        acc += xp.matmul(s, vb)  # [hb, rows, d_v]
-        m = m_new
+        if not split:
+            xp.matmul(s, vb, out=pv)  # [hb, rows, d_v]
+            acc += pv
+        else:
+            for c0 in range(start, stop, call):
+                c1 = min(c0 + call, stop)
+                vb = kv.values(c0, c1, h0, h1, acc_dtype)  # [hb, c1-c0, d_v]
+                xp.matmul(s[:, :, c0 - start:c1 - start], vb, out=pv)  # [hb, rows, d_v]
+                acc += pv
+        m, m_new = m_new, m  # m is the new max; the old buffer is scratch for the next block
         # Invariant holds for the keys [k0, stop).
     return m, l, acc

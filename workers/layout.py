@@ -8,8 +8,9 @@ The kernel streams blocks of ``B`` keys for a batch of kv heads and wants
 both in the accumulation dtype. Two sources provide that:
 
 * :class:`NaturalKV` wraps the contract's ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]``
-  (inline requests) and transposes/casts one block at a time into bounded
-  scratch, so nothing of size ``n_k`` is allocated;
+  (inline requests) and hands out strided views of one block (BLAS reads the
+  keys as a transposed operand), casting other dtypes one block at a time into
+  bounded scratch, so nothing of size ``n_k`` is allocated;
 * :class:`StreamingKV` holds keys already d-major (resident contexts), with a
   padded row stride (a power-of-two stride makes the ``d`` rows of a block
   collide in the same cache sets), and grows by appending.
@@ -26,6 +27,7 @@ import numpy as np
 
 from merge import array_module
 from workers.options import as_array
+from workers.plan import CALL_KEYS, DECODE_ROWS
 
 #: Row stride padding of StreamingKV's d-major keys, in elements (see module doc).
 STRIDE_PAD = 16
@@ -50,17 +52,45 @@ class NaturalKV:
     def n_k(self) -> int:
         return int(self.k.shape[0])
 
-    def block(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> tuple[Any, Any]:
-        """``(kt [hb, d, B], v [hb, B, d_v])`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``."""
-        kt = self.k[start:stop, h0:h1].transpose(1, 2, 0)  # [hb, d, B], strided view
-        v = self.v[start:stop, h0:h1].transpose(1, 0, 2)  # [hb, B, d_v], strided view
-        xp = array_module(self.k)
-        # One contiguous copy per block: bounded by B, and it makes both operands
-        # BLAS-friendly (unit stride in the last axis, no per-matmul copies).
-        kt = xp.ascontiguousarray(kt, dtype=acc_dtype)
+    #: Keys per CPU BLAS call over views for decode-shaped tiles (see
+    #: :meth:`call_keys`). A head's rows are ``h_kv * d`` elements apart (4 KiB
+    #: at 8 x 128 float32), so a long run of them falls into few cache sets,
+    #: which the unpacked small-``m`` GEMM re-reads: at 8 x 128, 4 rows, 256-key
+    #: calls read 14 GB/s where 1024-key calls read 10. Tall tiles (prefill) are
+    #: packed by BLAS and take the whole block.
+    VIEW_CALL_KEYS = 256
+
+    def call_keys(self, acc_dtype: Any, rows: int) -> int | None:
+        """Keys per BLAS call on the CPU for a tile of ``rows``; None: the whole block.
+
+        ``CALL_KEYS`` when blocks are cast copies (bounded scratch), else
+        ``VIEW_CALL_KEYS`` for decode-shaped tiles.
+        """
+        if self.k.dtype != acc_dtype or self.v.dtype != acc_dtype:
+            return CALL_KEYS
+        return self.VIEW_CALL_KEYS if rows <= DECODE_ROWS else None
+
+    def keys(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> Any:
+        """``kt [hb, d, B]`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``: a strided view, or a cast copy."""
+        k = self.k[start:stop, h0:h1]  # [B, hb, d]
+        # No transposing copy: each head's [B, d] rows have unit stride in d, so
+        # BLAS reads kt as a transposed operand (a copy that transposes costs
+        # more than the matmul it feeds). Other dtypes are cast block by block,
+        # contiguously, into bounded scratch.
+        if k.dtype != acc_dtype:
+            k = k.astype(acc_dtype)
+        return k.transpose(1, 2, 0)  # [hb, d, B]
+
+    def values(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> Any:
+        """``v [hb, B, d_v]`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``."""
+        v = self.v[start:stop, h0:h1]  # [B, hb, d_v]
         if v.dtype != acc_dtype:
             v = v.astype(acc_dtype)
-        return kt, v
+        return v.transpose(1, 0, 2)  # [hb, B, d_v]
+
+    def block(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> tuple[Any, Any]:
+        """``(kt [hb, d, B], v [hb, B, d_v])`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``."""
+        return self.keys(start, stop, h0, h1, acc_dtype), self.values(start, stop, h0, h1, acc_dtype)
 
 
 class StreamingKV:
@@ -165,13 +195,32 @@ class StreamingView:
     def n_k(self) -> int:
         return int(self.k_pos.shape[0])
 
-    def block(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> tuple[Any, Any]:
-        kt = self.kt[h0:h1, :, start:stop]  # [hb, d, B], a view when no cast is needed
+    #: Keys per CPU BLAS call over views (see :meth:`call_keys`): the value
+    #: product of a decode tile streams best with about a thousand keys per call.
+    VIEW_CALL_KEYS = 1024
+
+    def call_keys(self, acc_dtype: Any, rows: int) -> int | None:
+        """Keys per BLAS call on the CPU for a tile of ``rows``; None: the whole block.
+
+        ``CALL_KEYS`` when blocks are cast copies (bounded scratch), else ``VIEW_CALL_KEYS``.
+        """
+        if self.kt.dtype != acc_dtype or self.v.dtype != acc_dtype:
+            return CALL_KEYS
+        return self.VIEW_CALL_KEYS
+
+    def keys(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> Any:
+        """``kt [hb, d, B]``: a view when no cast is needed."""
+        kt = self.kt[h0:h1, :, start:stop]  # [hb, d, B]
+        return kt if kt.dtype == acc_dtype else kt.astype(acc_dtype)
+
+    def values(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> Any:
+        """``v [hb, B, d_v]``: a view when no cast is needed."""
         v = self.v[h0:h1, start:stop]  # [hb, B, d_v]
-        if kt.dtype != acc_dtype:
-            kt = kt.astype(acc_dtype)
-            v = v.astype(acc_dtype)
-        return kt, v
+        return v if v.dtype == acc_dtype else v.astype(acc_dtype)
+
+    def block(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> tuple[Any, Any]:
+        """``(kt [hb, d, B], v [hb, B, d_v])`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``."""
+        return self.keys(start, stop, h0, h1, acc_dtype), self.values(start, stop, h0, h1, acc_dtype)
 
     def natural(self) -> tuple[Any, Any]:
         """The keys and values back in the contract layout (copies): ``k [n_k, h_kv, d]``, ``v``."""
