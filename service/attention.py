@@ -123,7 +123,12 @@ class AttentionService:
             jobs.append(Job("partial", (q_ref, refs[2 * i], refs[2 * i + 1], q_pos, k_pos[lo:hi], opts), None,
                             f"inline shard {i}"))
         timings.add("scatter", time.perf_counter() - t0)
-        return await self.orch.run(jobs, timings)
+        n_q, h_q = int(call.q.shape[0]), int(call.q.shape[1])
+        d_v = int(call.v.shape[2]) if call.v is not None else resolved.dims[2]
+        wide = any(a is not None and a.dtype == np.float64 for a in (call.q, call.k, call.v)) or (
+            resolved is not None and any(r["dtype"] == "float64" for r in resolved.records))
+        state_nbytes = n_q * h_q * (d_v + 2) * (8 if wide else 4)
+        return await self.orch.run(jobs, timings, state_nbytes)
 
     @staticmethod
     def _default_q_pos(call: AttentionCall, k_pos: Any, next_pos: int) -> np.ndarray:

@@ -26,6 +26,12 @@ from service.pool import WorkerPool, WorkerUnavailable
 from workers.store import ShardMissing
 
 
+#: Arrays up to this size travel inside the task call instead of through ray.put.
+INLINE_ARG_BYTES = 256 * 2**10
+#: States up to this size (all shards together) merge on the event loop; larger ones in a thread.
+LOCAL_MERGE_INLINE_BYTES = 2**20
+
+
 class ShardLost(Exception):
     """No worker could compute one of the request's shards; the request must fail."""
 
@@ -77,28 +83,48 @@ class Orchestrator:
         self.remote_merge_bytes = remote_merge_bytes
 
     async def put(self, *arrays: Any) -> list[Any]:
-        """Copy arrays into the object store once, off the event loop."""
-        return await asyncio.to_thread(lambda: [ray.put(a) for a in arrays])
+        """Arrays as task arguments: large ones copied into the object store once (off the
+        event loop), small ones passed by value (Ray inlines them in the call, which saves
+        a round trip to the store)."""
+        big = [i for i, a in enumerate(arrays) if a.nbytes > INLINE_ARG_BYTES]
+        out = list(arrays)
+        if big:
+            refs = await asyncio.to_thread(lambda: [ray.put(arrays[i]) for i in big])
+            for i, ref in zip(big, refs):
+                out[i] = ref
+        return out
 
-    async def run(self, jobs: Sequence[Job], timings: Timings) -> tuple[Any, Any]:
-        """Compute every job's state, merge in job order, return ``(out, lse)``."""
+    async def run(self, jobs: Sequence[Job], timings: Timings, state_nbytes: int) -> tuple[Any, Any]:
+        """Compute every job's state, merge in job order, return ``(out, lse)``.
+
+        ``state_nbytes`` is the size of one state (``n_q * h_q * (d_v + 2)`` numbers):
+        with it the merge is chosen before anything runs. Remote merges keep each state
+        in the object store (the status is awaited alone); local merges fetch status and
+        state in one reply.
+        """
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(self._run_job(job) for job in jobs))
+        remote = len(jobs) > self.fanin and state_nbytes * len(jobs) > self.remote_merge_bytes
+        results = await asyncio.gather(*(self._run_job(job, split=remote) for job in jobs))
         t1 = time.perf_counter()
         timings.add("compute", t1 - t0)
-        state_refs = [ref for _, ref, _ in results]
-        total_bytes = sum(status["nbytes"] for _, _, status in results)
-        if len(state_refs) > self.fanin and total_bytes > self.remote_merge_bytes:
-            state = await self._merge_remote(state_refs, [w for w, _, _ in results])
+        if remote:
+            state = await self._merge_remote([ref for _, ref, _ in results], [w for w, _, _ in results])
         else:
-            states = await asyncio.gather(*(_await(r) for r in state_refs))
-            state = await asyncio.to_thread(merge_all, states, self.fanin)
+            states = [st for _, st, _ in results]
+            if state_nbytes * len(states) > LOCAL_MERGE_INLINE_BYTES:
+                state = await asyncio.to_thread(merge_all, states, self.fanin)
+            else:
+                state = merge_all(states, self.fanin)
         out, lse = finalize(state)
         timings.add("merge", time.perf_counter() - t1)
         return out, lse
 
-    async def _run_job(self, job: Job) -> tuple[int, Any, dict]:
-        """Run one job, retrying on other candidates; returns (worker, state ref, status)."""
+    async def _run_job(self, job: Job, split: bool) -> tuple[int, Any, dict]:
+        """Run one job, retrying on other candidates.
+
+        Returns ``(worker, state, status)``; with ``split`` the state stays in the
+        object store and a ref to it is returned instead.
+        """
         tried: set[int] = set()
         reasons = []
         while True:
@@ -108,16 +134,19 @@ class Orchestrator:
                 detail = "; ".join(reasons) or "no live worker"
                 raise ShardLost(f"{job.label} could not be computed: {detail}", context=job.resident) from None
             tried.add(idx)
-            status_ref, state_ref = self.pool.submit_multi(idx, job.method, 2, *job.args)
             try:
-                status = await self.pool.result(idx, status_ref)
+                if split:
+                    status_ref, state = self.pool.submit_multi(idx, job.method, 2, *job.args)
+                    status = await self.pool.result(idx, status_ref)
+                else:
+                    status, state = await self.pool.call(idx, job.method, *job.args)
             except WorkerUnavailable as exc:
                 reasons.append(str(exc))
                 continue
             except ShardMissing as exc:
                 reasons.append(f"{self.pool.slots[idx].name}: {exc.args[0] if exc.args else exc}")
                 continue
-            return idx, state_ref, status
+            return idx, state, status
 
     async def _merge_remote(self, refs: list[Any], workers: list[int]) -> State:
         """Merge over the fixed tree with each node running on a worker.

@@ -45,7 +45,8 @@ class ServiceSettings(BaseSettings):
     heal_interval_s: float = Field(2.0, gt=0, description="How often dead workers are looked for and replaced.")
 
     # Resident contexts
-    context_shard_keys: int = Field(65536, ge=1, description="Minimum keys per context shard before a new one opens.")
+    context_shard_keys: int = Field(4096, ge=1, description="Keys a context shard holds at least before a new one "
+                                                            "opens; a create uses one shard per worker down to this size.")
     max_replicas: int = Field(8, ge=1)
 
     @field_validator("ray_address")
