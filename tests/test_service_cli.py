@@ -1,0 +1,31 @@
+import subprocess
+import sys
+
+import pytest
+
+from service.cli import build_parser, main
+from service.client import Client
+
+
+def test_serve_flags_parse():
+    args = build_parser().parse_args(["serve", "--workers", "3", "--device", "cpu", "--port", "9000"])
+    assert args.workers == 3 and args.device == "cpu" and args.port == 9000 and args.host is None
+
+
+def test_bad_settings_exit_2_with_a_message(capsys, tmp_path):
+    assert main(["serve", "--max-inflight", "0"]) == 2
+    assert "max_inflight" in capsys.readouterr().err
+    empty = tmp_path / "key"
+    empty.write_text("")
+    assert main(["serve", "--api-key-file", str(empty)]) == 2
+    assert "api_key_file must hold a non-empty token" in capsys.readouterr().err
+
+
+def test_console_script_help_runs():
+    out = subprocess.run([sys.executable, "-m", "service.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "serve" in out.stdout and "loadtest" in out.stdout
+
+
+def test_client_rejects_a_url_that_is_not_http():
+    with pytest.raises(ValueError, match="url must be http"):
+        Client("ftp://x")
