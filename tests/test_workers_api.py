@@ -171,6 +171,7 @@ def test_gqa_maps_query_head_i_to_kv_head_i_div_g(rng):
         (lambda q, k, v: partial_attention(q, k, v, k_pos=np.zeros(10)), "k_pos must be an integer array, got dtype float64"),
         (lambda q, k, v: partial_attention(q, k, v, scale=-1.0), "scale must be a finite number > 0, got -1.0"),
         (lambda q, k, v: partial_attention(q, k, v, scale=float("nan")), "scale must be a finite number, got nan"),
+        (lambda q, k, v: partial_attention(q, k, v, scale=10**400), "scale must be a finite number, got 1000"),
         (lambda q, k, v: partial_attention(q, k, v, window=(1,)), r"window must be a pair \[left, right\], got \(1,\)"),
         (lambda q, k, v: partial_attention(q, k, v, window=(-1, None)), "window left must be null or an int"),
         (lambda q, k, v: partial_attention(q, k, v, softcap=-2.0), "softcap must be a finite number >= 0, got -2.0"),

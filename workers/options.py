@@ -32,9 +32,15 @@ def _is_int(x: Any) -> bool:
 
 
 def _check_real(name: str, x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(float(x)):
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise ValueError(f"{name} must be a finite number, got {x!r}")
-    return float(x)
+    try:
+        value = float(x)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        value = math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {x!r}")
+    return value
 
 
 @dataclass(frozen=True, eq=False)

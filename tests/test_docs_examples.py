@@ -1,0 +1,54 @@
+"""The examples in README.md and docs/ run, and print what the docs say they print."""
+
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DOC_URL = "http://127.0.0.1:8000"
+
+
+def blocks(path: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", (ROOT / path).read_text(), flags=re.S)
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    assert len(ci) == 1
+    assert ci[0] in readme, "the README's quickstart test command and .ci/run differ"
+    assert "Quickstart" in readme
+
+
+def test_readme_library_example_runs():
+    [code] = [b for b in blocks("README.md", "python") if "partial_attention" in b]
+    code = code.replace("65536", "4096").replace("30000", "1000")  # same code, smaller arrays
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+@pytest.mark.ray
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_service_doc_curl_example_answers_what_it_says(server):
+    [block] = [b for b in blocks("docs/SERVICE.md", "bash") if "curl" in b]
+    command, expected = block.split("\n# ")
+    out = subprocess.run(["bash", "-c", command.replace(DOC_URL, server.url)], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    got, want = json.loads(out), json.loads(expected)
+    assert got["out"][0][0][0] == pytest.approx(want["out"][0][0][0], rel=1e-6)
+    assert got["lse"][0][0] == pytest.approx(want["lse"][0][0], rel=1e-6)
+
+
+@pytest.mark.ray
+def test_service_doc_python_client_example_runs(server):
+    [code] = [b for b in blocks("docs/SERVICE.md", "python") if "Client(" in b]
+    run = subprocess.run([sys.executable, "-c", code.replace(DOC_URL, server.url)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    expected = re.search(r"# (\(.*\))\s*$", code.strip().splitlines()[-1]).group(1)
+    assert out.strip() == expected
