@@ -1,0 +1,494 @@
+"""CPU benchmark of the splitkey kernel against the machine's limits, naive NumPy and PyTorch SDPA.
+
+Run from the repository root (``pip install -e '.[bench]'``; ``pip install torch``
+for the SDPA column, which is skipped cleanly without it)::
+
+    python benchmarks/kernel.py --threads 2 --repeat 5 --out docs/kernel_bench.md
+
+Everything runs in one process with the same number of threads for everyone:
+
+* limits: read bandwidth of a large float32 GEMV and sgemm FLOP/s, BLAS at
+  ``T`` threads (and the GEMV at one thread, the per-core figure);
+* splitkey: ``threads=T`` worker threads with BLAS at one thread each (the
+  kernel splits the work itself; README, "Library use"), on the resident
+  streaming layout (``StreamingKV.from_arrays(...).snapshot()`` +
+  ``partial_attention_resident``) and on the contract layout
+  (``partial_attention``: inline requests);
+* naive NumPy: scores materialised per kv head, softmax, ``p @ v``; BLAS at ``T``;
+* PyTorch SDPA on CPU: ``torch.set_num_threads(T)``; q ``[1, h_q, n_q, d]``, k
+  and v in SDPA's layout ``[1, h_kv, n_k, d]`` with ``enable_gqa=True`` (no
+  repeated kv heads: at 1M keys those would need 32 GiB).
+
+Decode (``n_q=1, h_q=32, h_kv=8, d=128``, float32) reports GB/s of K+V bytes
+read; prefill (``n_q=256`` over 32K keys) reports GFLOP/s counting
+``4 n_q h_q n_k d`` (QK and PV; causal counts the same). Each cell is the median
+of ``--repeat`` timed runs after one warm-up run, with the min-max range. Every
+implementation's ``out`` is compared with the resident kernel's, and the run
+stops if they disagree, so the table cannot compare different computations.
+
+Memory: K and V are generated in chunks from a fixed seed, never all at once.
+For each decode size the resident layout and SDPA's copy of K come first (SDPA
+reads the resident values in place: they are already ``[h_kv, n_k, d]``), are
+freed, and the contract-layout arrays are generated again from the same seed for
+the inline kernel and naive NumPy: the peak is about 1.5x the K+V bytes (12 GiB
+at 1M keys). A size that does not fit in the available memory is skipped, and
+the report says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from merge import finalize  # noqa: E402
+from workers import StreamingKV, partial_attention, partial_attention_resident  # noqa: E402
+from workers.options import AttentionOptions, KernelOptions  # noqa: E402
+
+HEADS = {"h_q": 32, "h_kv": 8, "d": 128}
+DECODE_KEYS = (64 * 1024, 256 * 1024, 1024 * 1024)
+PREFILL = {"n_q": 256, "n_k": 32 * 1024}
+QUICK_DECODE_KEYS = (4 * 1024, 16 * 1024)
+QUICK_PREFILL = {"n_q": 32, "n_k": 2 * 1024}
+#: Keys per generated chunk: bounds the generator's temporaries.
+GEN_CHUNK = 64 * 1024
+#: Largest ``out`` difference from the resident kernel's, relative to its largest |out|.
+AGREE_RTOL = 1e-3
+SEED = 20261129
+GIB = 2**30
+
+
+# ------------------------------------------------------------------ arguments
+
+
+def parse_keys(text: str) -> list[int]:
+    """``"64K,256K,1M"`` (or plain integers) to key counts."""
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        scale = {"K": 1024, "M": 1024**2}.get(part[-1:], 1)
+        digits = part[:-1] if scale > 1 else part
+        if not digits.isdigit() or int(digits) < 1:
+            raise argparse.ArgumentTypeError(f"sizes must be positive key counts like 64K or 1M, got {part!r}")
+        sizes.append(int(digits) * scale)
+    return sizes
+
+
+def positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
+    return n
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=positive, default=2, help="threads for every implementation (default 2)")
+    p.add_argument("--repeat", type=positive, default=5, help="timed runs per cell; the median is reported")
+    p.add_argument("--sizes", type=parse_keys, default=None, help="decode key counts, e.g. 64K,256K,1M")
+    p.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke run")
+    p.add_argument("--causal", action="store_true", help="also run the prefill case with a causal mask")
+    p.add_argument("--no-torch", action="store_true", help="skip the PyTorch SDPA column")
+    p.add_argument("--out", default=None, help="also write the markdown report here (e.g. docs/kernel_bench.md)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes = args.sizes or list(QUICK_DECODE_KEYS)
+        args.repeat = min(args.repeat, 2)
+        args.prefill = dict(QUICK_PREFILL)
+    else:
+        args.sizes = args.sizes or list(DECODE_KEYS)
+        args.prefill = dict(PREFILL)
+    return args
+
+
+# ------------------------------------------------------------------ threads and timing
+
+
+def blas_threads(n: int) -> contextlib.AbstractContextManager:
+    """Limit BLAS to ``n`` threads (threadpoolctl); a no-op where it is not installed."""
+    try:
+        from threadpoolctl import threadpool_limits  # noqa: PLC0415 - optional: the [bench] extra
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=n, user_api="blas")
+
+
+def load_torch(enabled: bool, threads: int) -> Any:
+    """The torch module with ``threads`` intra-op threads, or None (not installed or not wanted)."""
+    if not enabled:
+        return None
+    try:
+        import torch  # noqa: PLC0415 - optional peer, never a dependency
+    except ImportError:
+        return None
+    torch.set_num_threads(threads)
+    return torch
+
+
+@dataclass
+class Cell:
+    """Repeated timings of one implementation on one case."""
+
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def measure(fn: Callable[[], Any], repeat: int) -> tuple[Cell, Any]:
+    """One warm-up call, then ``repeat`` timed calls; returns the timings and the last result."""
+    result = fn()
+    cell = Cell()
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        result = fn()
+        cell.seconds.append(time.perf_counter() - t0)
+    return cell, result
+
+
+def rate(work: float, cell: Cell | None, unit: float = 1e9) -> str:
+    """``"median (min-max)"`` of ``work / seconds`` in ``unit``; a dash when not measured."""
+    if cell is None or not cell.seconds:
+        return "-"
+    rates = [work / s / unit for s in cell.seconds]
+    return f"{work / cell.median / unit:.1f} ({min(rates):.1f}-{max(rates):.1f})"
+
+
+def ratio(a: Cell | None, b: Cell | None, work_b_over_a: float = 1.0) -> str:
+    """How many times faster ``a`` is than ``b`` (medians); a dash when either is missing."""
+    if a is None or b is None:
+        return "-"
+    return f"{b.median / a.median * work_b_over_a:.2f}x"
+
+
+# ------------------------------------------------------------------ inputs
+
+
+def kv_chunks(n_k: int, h_kv: int, d: int, d_v: int, seed: int) -> Iterator[tuple[int, int, Any, Any]]:
+    """``(a, b, k [b-a, h_kv, d], v [b-a, h_kv, d_v])`` float32 chunks, the same for the same seed."""
+    rng = np.random.default_rng(seed)
+    for a in range(0, n_k, GEN_CHUNK):
+        b = min(a + GEN_CHUNK, n_k)
+        k = rng.standard_normal((b - a, h_kv, d), dtype=np.float32)
+        v = rng.standard_normal((b - a, h_kv, d_v), dtype=np.float32)
+        yield a, b, k, v
+
+
+def contract_kv(n_k: int, h_kv: int, d: int, d_v: int, seed: int) -> tuple[Any, Any]:
+    """K ``[n_k, h_kv, d]`` and V ``[n_k, h_kv, d_v]`` in the contract layout."""
+    k = np.empty((n_k, h_kv, d), dtype=np.float32)
+    v = np.empty((n_k, h_kv, d_v), dtype=np.float32)
+    for a, b, kc, vc in kv_chunks(n_k, h_kv, d, d_v, seed):
+        k[a:b], v[a:b] = kc, vc
+    return k, v
+
+
+def resident_kv(n_k: int, h_kv: int, d: int, d_v: int, seed: int, torch: Any) -> tuple[Any, Any]:
+    """The resident view of the same keys, and SDPA's ``k [1, h_kv, n_k, d]`` (None without torch)."""
+    store = StreamingKV(h_kv, d, d_v, np.float32, capacity=n_k)
+    k_sdpa = None if torch is None else torch.empty((1, h_kv, n_k, d), dtype=torch.float32)
+    for a, b, kc, vc in kv_chunks(n_k, h_kv, d, d_v, seed):
+        store.append(kc, vc, np.arange(a, b))
+        if k_sdpa is not None:
+            k_sdpa[0, :, a:b] = torch.from_numpy(kc).permute(1, 0, 2)  # [h_kv, b-a, d]
+    return store.snapshot(), k_sdpa
+
+
+def queries(n_q: int, h_q: int, d: int, seed: int) -> Any:
+    return np.random.default_rng(seed + 1).standard_normal((n_q, h_q, d), dtype=np.float32)  # [n_q, h_q, d]
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# ------------------------------------------------------------------ implementations
+# Each returns (out [n_q, h_q, d_v], lse [n_q, h_q] or None) as float32 numpy arrays.
+
+
+def ours_resident(q: Any, view: Any, causal: bool, threads: int) -> tuple[Any, Any]:
+    n_k = int(view.k_pos.shape[0])
+    q_pos = np.arange(n_k - q.shape[0], n_k)  # bottom-right aligned, as the inline default
+    with blas_threads(1):
+        state = partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(causal=causal),
+                                           kernel=KernelOptions(threads=threads))
+    return finalize(state)
+
+
+def ours_inline(q: Any, k: Any, v: Any, causal: bool, threads: int) -> tuple[Any, Any]:
+    with blas_threads(1):
+        state = partial_attention(q, k, v, causal=causal, threads=threads)
+    return finalize(state)
+
+
+def naive_numpy(q: Any, k: Any, v: Any, causal: bool, threads: int) -> tuple[Any, Any]:
+    """Materialise each kv head's scores ``[n_q*g, n_k]``, softmax them, multiply by v."""
+    n_q, h_q, d = q.shape
+    n_k, h_kv, d_v = v.shape
+    g = h_q // h_kv
+    out = np.empty((n_q, h_q, d_v), dtype=np.float32)
+    lse = np.empty((n_q, h_q), dtype=np.float32)
+    q_rows = (q * np.float32(1 / math.sqrt(d))).reshape(n_q, h_kv, g, d)  # [n_q, h_kv, g, d]
+    with blas_threads(threads):
+        for h in range(h_kv):
+            qh = q_rows[:, h].reshape(n_q * g, d)  # [n_q*g, d], row i*g + j
+            s = qh @ k[:, h].T  # [n_q*g, n_k]
+            if causal:
+                q_pos = np.repeat(np.arange(n_k - n_q, n_k), g)  # [n_q*g]
+                s[np.arange(n_k)[None, :] > q_pos[:, None]] = -np.inf
+            m = s.max(axis=1, keepdims=True)  # [n_q*g, 1]
+            p = np.exp(s - m)  # [n_q*g, n_k]
+            l = p.sum(axis=1, keepdims=True)  # noqa: E741
+            out[:, h * g:(h + 1) * g] = ((p @ v[:, h]) / l).reshape(n_q, g, d_v)  # [n_q, g, d_v]
+            lse[:, h * g:(h + 1) * g] = (m + np.log(l)).reshape(n_q, g)
+    return out, lse
+
+
+def sdpa(torch: Any, q: Any, k_sdpa: Any, v_sdpa: Any, causal: bool) -> tuple[Any, None]:
+    """PyTorch SDPA with ``enable_gqa``; causal as a bottom-right boolean mask (its own is top-left)."""
+    n_q = q.shape[0]
+    n_k = int(k_sdpa.shape[2])
+    qt = torch.from_numpy(np.ascontiguousarray(q.transpose(1, 0, 2)))[None]  # [1, h_q, n_q, d]
+    mask = None
+    if causal:
+        mask = torch.arange(n_k)[None, :] <= torch.arange(n_k - n_q, n_k)[:, None]  # [n_q, n_k], True: attend
+    with torch.inference_mode():
+        out = torch.nn.functional.scaled_dot_product_attention(qt, k_sdpa, v_sdpa, attn_mask=mask, enable_gqa=True)
+    return out[0].permute(1, 0, 2).numpy(), None  # [n_q, h_q, d_v]
+
+
+def check_agree(name: str, out: Any, ref: Any) -> float:
+    """Largest |out - ref|; raises when it exceeds AGREE_RTOL of the largest |ref|."""
+    diff = float(np.max(np.abs(out.astype(np.float64) - ref.astype(np.float64))))
+    scale = float(np.max(np.abs(ref)))
+    if not diff <= AGREE_RTOL * scale:
+        raise RuntimeError(f"{name} disagrees with the resident kernel: max |diff| = {diff:.3g}, max |out| = {scale:.3g}")
+    return diff
+
+
+# ------------------------------------------------------------------ cases
+
+
+@dataclass
+class Row:
+    """One decode size or prefill case: timings per implementation, work, notes."""
+
+    label: str
+    work: float  # bytes (decode) or flops (prefill)
+    cells: dict[str, Cell] = field(default_factory=dict)
+    max_diff: float = 0.0
+    note: str = ""
+
+
+IMPLS = ("resident", "inline", "naive", "sdpa")
+
+
+def run_limits(threads: int, repeat: int, quick: bool) -> dict[str, tuple[float, Cell]]:
+    """``{name: (work, cell)}``: GEMV read bytes at T and 1 BLAS threads, sgemm flops at T."""
+    rng = np.random.default_rng(SEED)
+    rows, cols = (2048, 4096) if quick else (16384, 16384)  # 32 MiB or 1 GiB of float32
+    a = rng.standard_normal((rows, cols), dtype=np.float32)
+    x = rng.standard_normal(cols, dtype=np.float32)
+    limits = {}
+    with blas_threads(threads):
+        limits["gemv"] = (float(a.nbytes), measure(lambda: a @ x, repeat)[0])
+    with blas_threads(1):
+        limits["gemv1"] = (float(a.nbytes), measure(lambda: a @ x, repeat)[0])
+    del a
+    n = 512 if quick else 4096
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    with blas_threads(threads):
+        limits["sgemm"] = (2.0 * n**3, measure(lambda: b @ b, repeat)[0])
+    return limits
+
+
+def run_decode(n_k: int, args: argparse.Namespace, torch: Any) -> Row:
+    h_q, h_kv, d = HEADS["h_q"], HEADS["h_kv"], HEADS["d"]
+    kv_bytes = 2 * n_k * h_kv * d * 4
+    row = Row(label=f"{n_k // 1024}K" if n_k < 2**20 else f"{n_k / 2**20:g}M", work=float(kv_bytes))
+    need = kv_bytes * (1.5 if torch is not None else 1.0)
+    avail = available_bytes()
+    if avail is not None and need + GIB > avail:
+        row.note = f"skipped: needs about {need / GIB:.1f} GiB, {avail / GIB:.1f} GiB available"
+        return row
+    q = queries(1, h_q, d, SEED)
+    seed = SEED + n_k
+    view, k_sdpa = resident_kv(n_k, h_kv, d, d, seed, torch)
+    row.cells["resident"], (ref, _) = measure(lambda: ours_resident(q, view, False, args.threads), args.repeat)
+    if torch is not None:
+        v_sdpa = torch.from_numpy(view.v)[None]  # [1, h_kv, n_k, d], each head contiguous
+        row.cells["sdpa"], (out, _) = measure(lambda: sdpa(torch, q, k_sdpa, v_sdpa, False), args.repeat)
+        row.max_diff = max(row.max_diff, check_agree("SDPA", out, ref))
+        del v_sdpa
+    del view, k_sdpa
+    gc.collect()
+    k, v = contract_kv(n_k, h_kv, d, d, seed)
+    row.cells["inline"], (out, _) = measure(lambda: ours_inline(q, k, v, False, args.threads), args.repeat)
+    row.max_diff = max(row.max_diff, check_agree("inline kernel", out, ref))
+    row.cells["naive"], (out, _) = measure(lambda: naive_numpy(q, k, v, False, args.threads), args.repeat)
+    row.max_diff = max(row.max_diff, check_agree("naive NumPy", out, ref))
+    del k, v
+    gc.collect()
+    return row
+
+
+def run_prefill(causal: bool, args: argparse.Namespace, torch: Any) -> Row:
+    h_q, h_kv, d = HEADS["h_q"], HEADS["h_kv"], HEADS["d"]
+    n_q, n_k = args.prefill["n_q"], args.prefill["n_k"]
+    row = Row(label=f"{n_q} x {n_k // 1024}K" + (" causal" if causal else ""), work=4.0 * n_q * h_q * n_k * d)
+    q = queries(n_q, h_q, d, SEED)
+    seed = SEED + n_k
+    view, k_sdpa = resident_kv(n_k, h_kv, d, d, seed, torch)
+    row.cells["resident"], (ref, _) = measure(lambda: ours_resident(q, view, causal, args.threads), args.repeat)
+    if torch is not None:
+        v_sdpa = torch.from_numpy(view.v)[None]  # [1, h_kv, n_k, d]
+        row.cells["sdpa"], (out, _) = measure(lambda: sdpa(torch, q, k_sdpa, v_sdpa, causal), args.repeat)
+        row.max_diff = max(row.max_diff, check_agree("SDPA", out, ref))
+    del view, k_sdpa
+    k, v = contract_kv(n_k, h_kv, d, d, seed)
+    row.cells["inline"], (out, _) = measure(lambda: ours_inline(q, k, v, causal, args.threads), args.repeat)
+    row.max_diff = max(row.max_diff, check_agree("inline kernel", out, ref))
+    row.cells["naive"], (out, _) = measure(lambda: naive_numpy(q, k, v, causal, args.threads), args.repeat)
+    row.max_diff = max(row.max_diff, check_agree("naive NumPy", out, ref))
+    return row
+
+
+# ------------------------------------------------------------------ report
+
+
+def machine(torch: Any) -> list[str]:
+    """Lines describing the machine and the libraries."""
+    model = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    except OSError:
+        pass
+    blas = "unknown (threadpoolctl not installed)"
+    with contextlib.suppress(ImportError):
+        from threadpoolctl import threadpool_info  # noqa: PLC0415
+
+        libs = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+        blas = ", ".join(f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')})" for i in libs) or blas
+    coretype = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}
+    return [
+        f"- CPU: {model}, {os.cpu_count()} cores; Python {platform.python_version()}",
+        f"- numpy {np.__version__}, BLAS: {blas}; OPENBLAS_CORETYPE/L2_SIZE: {coretype or 'not set'}",
+        f"- torch: {torch.__version__ if torch is not None else 'not installed or skipped: no SDPA column'}",
+    ]
+
+
+def table_row(head: list[str], row: Row, limit: float) -> str:
+    """``head`` cells, then rates of the four implementations, ratios to SDPA and to ``limit``, the diff."""
+    c = row.cells
+    share = [f"{row.work / c[n].median / 1e9 / limit:.0%}" if n in c else "-" for n in ("resident", "inline")]
+    cells = [*head, *(rate(row.work, c.get(n)) for n in IMPLS),
+             ratio(c.get("resident"), c.get("sdpa")), ratio(c.get("inline"), c.get("sdpa")), *share,
+             f"{row.max_diff:.1e}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[float, Cell]],
+           decode: list[Row], prefill: list[Row], torch: Any) -> str:
+    t = args.threads
+    gemv_work, gemv = limits["gemv"]
+    sgemm_work, sgemm = limits["sgemm"]
+    gemv_gbs = gemv_work / gemv.median / 1e9
+    sgemm_gfs = sgemm_work / sgemm.median / 1e9
+    lines = [
+        f"Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
+        f"Command: `{' '.join(['python', 'benchmarks/kernel.py', *argv])}`",
+        "",
+        *machine(torch),
+        f"- threads: {t} for everyone (splitkey: {t} worker threads, BLAS at 1 each; naive NumPy and the limits: "
+        f"BLAS at {t}; SDPA: torch.set_num_threads({t})); {args.repeat} timed runs per cell after one warm-up",
+        "",
+        "Cells: median (min-max over the runs).",
+        "",
+        "### Limits measured in the same run",
+        "",
+        "| measure | value |",
+        "| --- | --- |",
+        f"| float32 GEMV read, {t} BLAS threads (GB/s) | {rate(gemv_work, gemv)} |",
+        f"| float32 GEMV read, 1 BLAS thread (GB/s) | {rate(*limits['gemv1'])} |",
+        f"| sgemm {t} BLAS threads (GFLOP/s) | {rate(sgemm_work, sgemm)} |",
+        "",
+        f"### Decode: n_q=1, h_q={HEADS['h_q']}, h_kv={HEADS['h_kv']}, d={HEADS['d']}, float32 (GB/s of K+V)",
+        "",
+        "| n_k | K+V | splitkey resident | splitkey inline | naive NumPy | SDPA | resident / SDPA | inline / SDPA "
+        "| resident / GEMV | inline / GEMV | max abs diff |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in decode:
+        if row.note:
+            lines.append("| " + " | ".join([row.label, f"{row.work / GIB:.2f} GiB", row.note] + ["-"] * 8) + " |")
+        else:
+            lines.append(table_row([row.label, f"{row.work / GIB:.2f} GiB"], row, gemv_gbs))
+    n_q, n_k = args.prefill["n_q"], args.prefill["n_k"]
+    lines += [
+        "",
+        f"### Prefill: n_q={n_q}, n_k={n_k}, same heads, float32 (GFLOP/s, 4 n_q h_q n_k d)",
+        "",
+        "| case | splitkey resident | splitkey inline | naive NumPy | SDPA | resident / SDPA | inline / SDPA "
+        "| resident / sgemm | inline / sgemm | max abs diff |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in prefill:
+        lines.append(table_row([row.label], row, sgemm_gfs))
+    lines += [
+        "",
+        "max abs diff: largest |out - out of the resident kernel| over the other implementations "
+        f"(the run stops above {AGREE_RTOL:g} x max |out|).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    torch = load_torch(not args.no_torch, args.threads)
+    t0 = time.perf_counter()
+    limits = run_limits(args.threads, args.repeat, args.quick)
+    decode = []
+    for n_k in args.sizes:
+        decode.append(run_decode(n_k, args, torch))
+        print(f"decode {decode[-1].label} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    prefill = [run_prefill(False, args, torch)]
+    if args.causal:
+        prefill.append(run_prefill(True, args, torch))
+    text = report(args, argv, limits, decode, prefill, torch)
+    text += f"\nTotal run time: {time.perf_counter() - t0:.0f} s.\n"
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""benchmarks/kernel.py on tiny sizes: its implementations agree, and the report is written.
+
+No timing is asserted: this only guards against the benchmark comparing
+different computations (wrong layout, scale, head mapping or mask alignment).
+"""
+
+import importlib.util
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+from reference import reference
+
+PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kernel.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("benchmarks_kernel", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[spec.name]
+
+
+@pytest.mark.parametrize("n_q, n_k, causal", [(1, 700, False), (5, 300, True), (9, 257, False)])
+def test_implementations_agree_with_the_reference(bench, n_q, n_k, causal):
+    h_q, h_kv, d = 8, 2, 16
+    q = bench.queries(n_q, h_q, d, seed=3)  # [n_q, h_q, d]
+    k, v = bench.contract_kv(n_k, h_kv, d, d, seed=4)  # [n_k, h_kv, d] each
+    view, _ = bench.resident_kv(n_k, h_kv, d, d, seed=4, torch=None)
+    np.testing.assert_array_equal(view.natural()[0], k)  # same seed, same keys in both layouts
+    want, want_lse = reference(q, k, v, causal=causal)
+    results = {
+        "resident": bench.ours_resident(q, view, causal, threads=2),
+        "inline": bench.ours_inline(q, k, v, causal, threads=2),
+        "naive": bench.naive_numpy(q, k, v, causal, threads=1),
+    }
+    for name, (out, lse) in results.items():
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-4, atol=1e-5, err_msg=name)
+        assert bench.check_agree(name, out, results["resident"][0]) < 1e-4
+
+
+def test_sdpa_agrees_with_the_kernel_when_torch_is_installed(bench):
+    torch = pytest.importorskip("torch")
+    q = bench.queries(6, 8, 16, seed=5)
+    view, k_sdpa = bench.resident_kv(300, 2, 16, 16, seed=6, torch=torch)
+    v_sdpa = torch.from_numpy(view.v)[None]  # [1, h_kv, n_k, d]
+    for causal in (False, True):
+        out, _ = bench.sdpa(torch, q, k_sdpa, v_sdpa, causal)
+        ref, _ = bench.ours_resident(q, view, causal, threads=1)
+        assert bench.check_agree("SDPA", out, ref) < 1e-4
+
+
+def test_disagreement_stops_the_run(bench):
+    out = np.ones((1, 4, 8), np.float32)
+    with pytest.raises(RuntimeError, match="disagrees"):
+        bench.check_agree("wrong", out * 1.01, out)
+
+
+def test_sizes_and_quick_arguments(bench):
+    assert bench.parse_args(["--sizes", "64K,1M,3000"]).sizes == [65536, 2**20, 3000]
+    quick = bench.parse_args(["--quick"])
+    assert quick.sizes == list(bench.QUICK_DECODE_KEYS) and quick.repeat == 2
+    assert bench.parse_args([]).sizes == [64 * 1024, 256 * 1024, 1024 * 1024]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sizes", "0"])
+
+
+def test_quick_run_writes_the_markdown_report(bench, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "QUICK_PREFILL", {"n_q": 4, "n_k": 512})
+    out = tmp_path / "bench.md"
+    assert bench.main(["--quick", "--no-torch", "--repeat", "1", "--sizes", "2K", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text in capsys.readouterr().out
+    for heading in ("### Limits measured in the same run", "### Decode", "### Prefill"):
+        assert heading in text
+    decode_row = next(ln for ln in text.splitlines() if ln.startswith("| 2K |"))
+    assert decode_row.count("|") == 12  # 11 columns
