@@ -109,17 +109,25 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     async def _api_error(_: Request, exc: ApiError) -> Any:
         return _error_response(exc)
 
+    @app.exception_handler(ray.exceptions.RayError)
+    async def _ray_error(_: Request, exc: ray.exceptions.RayError) -> Any:
+        # A worker or actor failure that no layer below turned into a contract error:
+        # the cluster is at fault, not the client, so 503 rather than 500.
+        log.warning("Ray error reached the route: %s", exc)
+        return _error_response(ApiError("workers_unavailable", f"the cluster must answer, got {type(exc).__name__}"))
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> Any:
         first = exc.errors()[0] if exc.errors() else {"loc": ["body"], "msg": "invalid"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
         return _error_response(ApiError("invalid_option", f"{where or 'request'} must be valid: {first.get('msg')}"))
 
-    from service.routes import attention, contexts, ops  # noqa: PLC0415 - routes need the app types
+    from service.routes import attention, contexts, kserve, ops  # noqa: PLC0415 - routes need the app types
 
     app.include_router(ops.router)
     app.include_router(attention.router)
     app.include_router(contexts.router)
+    app.include_router(kserve.router)
     app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), max_inflight=settings.max_inflight,
                        retry_after_s=settings.retry_after_s, metrics=metrics)
     return app

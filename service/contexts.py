@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ from workers.store import CapacityError, ShardMissing
 DTYPE_NAMES = {np.dtype(np.float16): "float16", BFLOAT16: "bfloat16", np.dtype(np.float32): "float32",
                np.dtype(np.float64): "float64"}
 LEASE_TTL_S = 60.0
+#: How long a directory call waits for a restarting directory, and how often it retries.
+DIRECTORY_WAIT_S = 30.0
+DIRECTORY_RETRY_S = 0.1
 LEASE_POLL_S = 0.01
 
 
@@ -74,7 +78,19 @@ class Directory:
         return cls(handle)
 
     async def call(self, method: str, *args: Any) -> Any:
-        return await getattr(self.handle, method).remote(*args)
+        """Call the directory; while Ray restarts it (it rebuilds from the workers), retry.
+
+        A directory that stays away past ``DIRECTORY_WAIT_S`` is a 503, never a 500.
+        """
+        deadline = time.monotonic() + DIRECTORY_WAIT_S
+        while True:
+            try:
+                return await getattr(self.handle, method).remote(*args)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as exc:
+                if time.monotonic() > deadline:
+                    raise ApiError("workers_unavailable",
+                                   f"the contexts directory must be reachable, got {type(exc).__name__}") from None
+                await asyncio.sleep(DIRECTORY_RETRY_S)
 
 
 @dataclass
