@@ -54,10 +54,13 @@ def worker_config(settings: ServiceSettings, device: str) -> WorkerConfig:
 
 
 def resolve_device(settings: ServiceSettings) -> str:
-    """``auto`` means gpu when the cluster has GPUs, cpu otherwise."""
-    if settings.device != "auto":
-        return settings.device
-    return "gpu" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+    """``auto`` means gpu when the cluster has GPUs, cpu otherwise; ``gpu`` needs GPUs."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if settings.device == "auto":
+        return "gpu" if gpus >= 1 else "cpu"
+    if settings.device == "gpu" and gpus < 1:
+        raise WorkerUnavailable("device must be cpu or auto on this cluster, got gpu: the Ray cluster has no GPU")
+    return settings.device
 
 
 def default_worker_count(settings: ServiceSettings, device: str) -> int:

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -29,3 +30,12 @@ def test_console_script_help_runs():
 def test_client_rejects_a_url_that_is_not_http():
     with pytest.raises(ValueError, match="url must be http"):
         Client("ftp://x")
+
+
+@pytest.mark.ray
+def test_serve_with_device_gpu_on_a_cluster_without_gpus_fails_fast(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--device", "gpu", "--workers", "1"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode != 0
+    assert "the Ray cluster has no GPU" in run.stdout + run.stderr
