@@ -1,0 +1,50 @@
+"""`splitkey serve --ray-address auto` joins a cluster started by `ray start --head`."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from reference import assert_close_to_reference
+from server import Server, free_port
+
+from service.client import Client
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def head(tmp_path):
+    """`ray start --head --block` on loopback, in its own process group (ended without `ray stop`,
+    which would end every Ray on the machine)."""
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    port = free_port()
+    proc = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+                             "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
+                            stdout=(tmp_path / "ray.log").open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    time.sleep(1)
+    yield f"127.0.0.1:{port}"
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_serve_joins_a_ray_start_head_cluster_with_auto(head, tmp_path):
+    srv = Server(tmp_path / "fe", args=("--ray-address", "auto", "--workers", "2"), env={"RAY_ADDRESS": head})
+    srv.start()
+    try:
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+        k = rng.standard_normal((300, 2, 16)).astype(np.float32)
+        with Client(srv.url) as c:
+            out, lse = c.attention(q, k, k, causal=True)
+            assert c.cluster()["workers"][0]["alive"]
+        assert_close_to_reference(out, lse, q, k, k, causal=True)
+    finally:
+        srv.stop()
