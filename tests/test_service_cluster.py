@@ -162,3 +162,24 @@ def test_a_context_whose_only_replica_died_answers_503_context_lost(cluster, tmp
             c.delete_context(ctx["id"])
     finally:
         srv.stop()
+
+
+def test_inline_request_retries_a_dead_worker_and_fails_503_when_none_is_left(cluster, tmp_path_factory):
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    k, v = kv(rng, 20000)  # 20000 keys: more than one inline shard
+    srv = Server(tmp_path_factory.mktemp("fe-inline"), args=("--ray-address", cluster.address, "--workers", "3"),
+                 env={"SPLITKEY_HEAL_INTERVAL_S": "3600", "SPLITKEY_MIN_SHARD_KEYS": "1000"}).start()
+    try:
+        with Client(srv.url) as c:
+            ray.kill(ray.get_actor("splitkey-worker-0", namespace=NAMESPACE))
+            out, lse = c.attention(q, k, v)  # the dead worker's shard moves to a live one
+            assert_close_to_reference(out, lse, q, k, v)
+            for name in ("splitkey-worker-1", "splitkey-worker-2"):
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+            with pytest.raises(SplitkeyError) as err:
+                c.attention(q, k, v)
+            assert err.value.status == 503 and err.value.code == "workers_unavailable"
+            assert "could not be computed" in err.value.detail
+    finally:
+        srv.stop()
