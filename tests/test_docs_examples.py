@@ -31,11 +31,21 @@ def test_readme_library_example_runs():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 
 
+def curl_examples(path: str) -> list[tuple[str, str]]:
+    """``(command, expected JSON)`` for each curl command followed by a ``# {...}`` answer line."""
+    found = []
+    for block in blocks(path, "bash"):
+        m = re.search(r"^(curl .*?)\n# (\{.*\})$", block, flags=re.S | re.M)
+        if m:
+            found.append((m.group(1), m.group(2)))
+    return found
+
+
 @pytest.mark.ray
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
-def test_service_doc_curl_example_answers_what_it_says(server):
-    [block] = [b for b in blocks("docs/SERVICE.md", "bash") if "curl" in b]
-    command, expected = block.split("\n# ")
+@pytest.mark.parametrize("path", ["README.md", "docs/SERVICE.md"])
+def test_doc_curl_example_answers_what_it_says(server, path):
+    [(command, expected)] = curl_examples(path)
     out = subprocess.run(["bash", "-c", command.replace(DOC_URL, server.url)], capture_output=True, text=True,
                          check=True, timeout=60).stdout
     got, want = json.loads(out), json.loads(expected)
