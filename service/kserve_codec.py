@@ -121,6 +121,16 @@ def header_length(value: str | None, body_len: int) -> int | None:
     return n
 
 
+def _only_parameter(where: str, params: Any, key: str, why: str) -> Any:
+    """The value of ``key``, the one parameter a tensor entry may carry (None when absent)."""
+    if type(params) is not dict:
+        raise _bad(f"{where} parameters must be an object, got {show(params)}")
+    for other in params:
+        if other != key:
+            raise ApiError("invalid_option", f"{where} parameters must be among {key} ({why}), got {show(other)}")
+    return params.get(key)
+
+
 def _check_input(i: int, entry: Any, limits: Limits) -> _Input:
     where = f"inputs[{i}]"
     if type(entry) is not dict:
@@ -146,14 +156,7 @@ def _check_input(i: int, entry: Any, limits: Limits) -> _Input:
     count = math.prod(shape)
     if count > limits.max_elements:
         raise ApiError("body_too_large", f"{name} must have at most {limits.max_elements} elements, got {count}")
-    params = entry.get("parameters", {})
-    if type(params) is not dict:
-        raise _bad(f"{name} parameters must be an object, got {show(params)}")
-    for key in params:
-        if key != "binary_data_size":
-            raise ApiError("invalid_option", f"{name} parameters must be among binary_data_size "
-                           f"(shared memory is not supported), got {show(key)}")
-    size = params.get("binary_data_size")
+    size = _only_parameter(name, entry.get("parameters", {}), "binary_data_size", "shared memory is not supported")
     if size is not None and (type(size) is not int or size < 0):
         raise _bad(f"{name} parameters.binary_data_size must be an int >= 0, got {show(size)}")
     has_data = "data" in entry
@@ -177,18 +180,15 @@ def _outputs(value: Any, default_binary: bool) -> tuple[RequestedOutput, ...]:
     for i, entry in enumerate(value):
         if type(entry) is not dict or "name" not in entry or any(k not in _OUTPUT_KEYS for k in entry):
             raise _bad(f"outputs[{i}] must be an object with name and optional parameters, got {show(entry)}")
-        name, params = entry["name"], entry.get("parameters", {})
+        name = entry["name"]
         if type(name) is not str or name not in OUTPUTS:
             raise ApiError("invalid_option", f"outputs[{i}].name must be among {sorted_names(OUTPUTS)}, got {show(name)}")
         if any(o.name == name for o in seen):
             raise ApiError("invalid_option", f"outputs must not repeat a name, got {show(name)} twice")
-        if type(params) is not dict:
-            raise _bad(f"{name} output parameters must be an object, got {show(params)}")
-        for key in params:
-            if key != "binary_data":
-                raise ApiError("invalid_option", f"{name} output parameters must be among binary_data "
-                               f"(no classification or shared memory), got {show(key)}")
-        binary = params.get("binary_data", default_binary)
+        binary = _only_parameter(f"{name} output", entry.get("parameters", {}), "binary_data",
+                                 "no classification or shared memory")
+        if binary is None:
+            binary = default_binary
         if type(binary) is not bool:
             raise ApiError("invalid_option", f"{name} parameters.binary_data must be true or false, got {show(binary)}")
         seen.append(RequestedOutput(name, binary))

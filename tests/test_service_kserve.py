@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import pathlib
+import re
+import shutil
 import socket
+import subprocess
+import sys
 
 import httpx
 import numpy as np
 import pytest
+import ray
 import tritonclient.http as triton
 from reference import assert_close_to_reference
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from service.client import Client
+from service.routes.kserve import kserve_errors
 from workers import BFLOAT16
 
 pytestmark = pytest.mark.ray
 
 DTYPES = [np.float16, BFLOAT16, np.float32, np.float64]
 INFER = "/v2/models/attention/infer"
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "KSERVE.md"
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +242,41 @@ def test_bad_framing_is_refused_before_the_body_is_used(server):
         head = sock.recv(65536).decode()
     assert head.startswith("HTTP/1.1 413") and '"error"' in head and "body_too_large" in head
     assert httpx.get(server.url + "/v2/health/live").json() == {"live": True}
+
+
+def test_a_ray_error_reaching_the_route_is_503_with_the_error_key():
+    async def failing(request):
+        raise ray.exceptions.RaySystemError("worker gone")
+
+    response = asyncio.run(kserve_errors(failing)(None))
+    assert response.status_code == 503
+    assert json.loads(response.body) == {"error": "the cluster must answer, got RaySystemError",
+                                         "detail": "the cluster must answer, got RaySystemError",
+                                         "code": "workers_unavailable"}
+
+
+# -- the examples of docs/KSERVE.md ----------------------------------------------------------
+
+def doc_block(lang: str, marker: str) -> str:
+    [block] = [b for b in re.findall(rf"```{lang}\n(.*?)```", DOC.read_text(), flags=re.DOTALL) if marker in b]
+    return block
+
+
+def test_doc_tritonclient_example_runs_and_prints_what_it_says(server):
+    code = doc_block("python", "InferenceServerClient").replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    expected = re.search(r"# (\(.*)$", code.strip().splitlines()[-1]).group(1).strip()
+    assert run.stdout.strip() == expected
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_doc_curl_example_answers_what_it_says(server):
+    command, expected = doc_block("bash", "curl").split("\n# ")
+    got = json.loads(subprocess.run(["bash", "-c", command.replace("http://127.0.0.1:8000", server.url)],
+                                    capture_output=True, text=True, check=True, timeout=60).stdout)
+    want = json.loads(expected)
+    assert {k: v for k, v in got.items() if k != "outputs"} == {k: v for k, v in want.items() if k != "outputs"}
+    for g, w in zip(got["outputs"], want["outputs"], strict=True):
+        assert {**g, "data": None} == {**w, "data": None}
+        assert g["data"] == pytest.approx(w["data"], rel=1e-6)

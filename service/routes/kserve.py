@@ -9,9 +9,11 @@ Errors from these routes carry the protocol's ``error`` key besides the contract
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import ray
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -42,18 +44,29 @@ SERVER_NAME = "splitkey"
 EXTENSIONS = ["binary_tensor_data"]
 
 Handler = Callable[[Request], Awaitable[Response]]
+log = logging.getLogger(__name__)
+
+
+def _error(err: ApiError) -> Response:
+    return Response(content=error_body(err), status_code=err.status, media_type="application/json",
+                    headers=err.headers)
 
 
 def kserve_errors(handler: Handler) -> Handler:
-    """Answer an :class:`ApiError` with ``{"error", "detail", "code"}`` (KServe clients read ``error``)."""
+    """Answer an :class:`ApiError` (and a stray Ray error, 503) with ``{"error", "detail", "code"}``.
+
+    KServe clients read ``error``; the contract's ``detail`` and ``code`` come along.
+    """
 
     @functools.wraps(handler)
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
         except ApiError as err:
-            return Response(content=error_body(err), status_code=err.status, media_type="application/json",
-                            headers=err.headers)
+            return _error(err)
+        except ray.exceptions.RayError as exc:  # as the app's handler: the cluster's fault, 503 not 500
+            log.warning("Ray error reached the KServe route: %s", exc)
+            return _error(ApiError("workers_unavailable", f"the cluster must answer, got {type(exc).__name__}"))
 
     return wrapped
 
