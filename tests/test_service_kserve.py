@@ -179,6 +179,22 @@ def test_raw_bfloat16_bits_over_httpx_match_tritonclient(server, tc, rng):
     assert out.tobytes() == expected.tobytes()
 
 
+def test_infer_is_timed_and_counted_in_the_metrics(server, tc, rng):
+    q, k, v = inputs(rng, n_k=100)
+    run(tc, {"q": q, "k": k, "v": v})
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    for needle in ('route="/v2/models/attention/infer",stage="compute"',
+                   'splitkey_requests_total{code="200",route="/v2/models/attention/infer"}'):
+        assert needle in text, needle
+
+
+def test_the_timeout_parameter_shortens_the_deadline(tc, rng):
+    q, k, v = inputs(rng, n_k=2000)
+    with pytest.raises(InferenceServerException) as info:
+        tc.infer("attention", infer_inputs(q=q, k=k, v=v), timeout=1)  # one microsecond
+    assert info.value.status() == "504" and "must finish within" in info.value.message()
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 def triton_error(tc, tensors, parameters=None, **kwargs) -> InferenceServerException:
