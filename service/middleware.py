@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
+from service import kserve_codec
 from service.errors import ApiError, error_body
 from service.metrics import Metrics
 
@@ -89,7 +90,8 @@ class ServiceMiddleware:
         return False
 
     async def _error(self, send: Any, route: str, err: ApiError) -> None:
-        body = error_body(err)
+        # KServe clients read an "error" key; its routes' bodies carry it next to detail and code.
+        body = kserve_codec.error_body(err) if route.startswith("/v2") else error_body(err)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         headers += [(k.encode(), v.encode()) for k, v in (err.headers or {}).items()]
         await send({"type": "http.response.start", "status": err.status, "headers": headers})

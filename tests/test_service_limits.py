@@ -121,3 +121,11 @@ def test_work_past_the_deadline_gets_504_and_the_server_stays_up(tight):
             c.attention(q, k, k)
         assert err.value.status == 504 and err.value.code == "deadline_exceeded"
     assert httpx.get(tight.url + "/healthz").status_code == 200
+
+
+def test_kserve_paths_get_an_error_key_from_auth_and_admission(tight):
+    r = httpx.post(tight.url + "/v2/models/attention/infer", json={"inputs": []})
+    assert r.status_code == 401
+    doc = r.json()
+    assert doc["code"] == "unauthorized" and doc["error"] == doc["detail"]
+    assert "error" not in httpx.get(tight.url + "/v1/cluster").json()
