@@ -54,14 +54,14 @@ def merge_group(states: Sequence[State]) -> State:
     # -inf - -inf = NaN. Measuring against 0 there instead makes each factor
     # exp(-inf - 0) = 0, so empty rows stay exactly empty.
     m_ref = xp.where(m == NO_SCORE, 0, m)
-    l = None  # noqa: E741
+    l = None
     acc = None
     for st in states:
         # factor = exp(m_side - m): 1 for the side holding the max, 0 for an empty side.
         factor = xp.exp(st.m - m_ref)  # [n_q, h_q]
         l_i = st.l * factor
         acc_i = st.acc * factor[..., None]  # [n_q, h_q, d_v]
-        l = l_i if l is None else l + l_i  # noqa: E741
+        l = l_i if l is None else l + l_i
         acc = acc_i if acc is None else acc + acc_i
     return State(m=m, l=l, acc=acc)
 

@@ -55,7 +55,7 @@ class State:
     """
 
     m: Any
-    l: Any  # noqa: E741 - the name of the math
+    l: Any  # named as in the math (README)
     acc: Any
 
     def __post_init__(self) -> None:
@@ -155,6 +155,6 @@ def from_lse(out: Any, lse: Any) -> State:
     if bool(xp.any(xp.isnan(lse))) or bool(xp.any(lse == np.inf)):
         raise ValueError("lse must be finite or -inf, got NaN or +inf")
     seen = lse != NO_SCORE
-    l = seen.astype(dt)  # noqa: E741
+    l = seen.astype(dt)
     acc = xp.where(seen[..., None], out.astype(dt), 0)
     return State(m=lse, l=l, acc=acc.astype(dt))

@@ -89,7 +89,7 @@ async def heal_forever(pool: WorkerPool, interval_s: float) -> None:
                 replaced = await pool.heal()
                 if replaced:
                     log.warning("replaced dead workers: %s", ", ".join(replaced))
-            except Exception:  # noqa: BLE001 - the loop must outlive one failed attempt
+            except Exception:  # the loop must outlive one failed attempt
                 log.exception("healing the worker pool failed")
 
 
@@ -122,7 +122,7 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
         return _error_response(ApiError("invalid_option", f"{where or 'request'} must be valid: {first.get('msg')}"))
 
-    from service.routes import attention, contexts, kserve, ops  # noqa: PLC0415 - routes need the app types
+    from service.routes import attention, contexts, kserve, ops  # here: the routes import this module's types
 
     app.include_router(ops.router)
     app.include_router(attention.router)

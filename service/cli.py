@@ -11,10 +11,10 @@ from pydantic import ValidationError
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415 - keep `splitkey --help` fast
+    import uvicorn  # imported here to keep `splitkey --help` fast
 
-    from service.app import create_app  # noqa: PLC0415
-    from service.settings import ServiceSettings  # noqa: PLC0415
+    from service.app import create_app
+    from service.settings import ServiceSettings
 
     given = {k: v for k, v in {
         "host": args.host, "port": args.port, "ray_address": args.ray_address, "workers": args.workers,
@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _loadtest(args: argparse.Namespace) -> int:
-    from service.loadtest import main as loadtest_main  # noqa: PLC0415
+    from service.loadtest import main as loadtest_main
 
     return loadtest_main(args)
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-memory-bytes", type=int, default=None, help="resident context bytes per worker (default 2 GiB)")
     s.set_defaults(func=_serve)
     lt = sub.add_parser("loadtest", help="load-test a running service with long contexts")
-    from service.loadtest import add_arguments  # noqa: PLC0415
+    from service.loadtest import add_arguments
 
     add_arguments(lt)
     lt.set_defaults(func=_loadtest)

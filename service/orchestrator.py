@@ -25,7 +25,6 @@ from merge import State, finalize, merge_all, tree_levels
 from service.pool import WorkerPool, WorkerUnavailable
 from workers.store import ShardMissing
 
-
 #: Arrays up to this size travel inside the task call instead of through ray.put.
 INLINE_ARG_BYTES = 256 * 2**10
 #: States up to this size (all shards together) merge on the event loop; larger ones in a thread.

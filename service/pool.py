@@ -114,7 +114,7 @@ class WorkerPool:
                 slot.info = await asyncio.wait_for(_await(slot.handle.ping.remote()), timeout_s)
                 slot.node_id = slot.info.get("node_id", "")
                 slot.alive = True
-            except (RayActorError, asyncio.TimeoutError, ray.exceptions.RayError) as exc:
+            except (TimeoutError, RayActorError, ray.exceptions.RayError) as exc:
                 log.warning("worker %s did not answer: %s", slot.name, exc)
                 slot.alive = False
 
@@ -138,7 +138,7 @@ class WorkerPool:
         for slot in self.slots:
             try:
                 ray.kill(slot.handle)
-            except Exception:  # noqa: BLE001 - best effort at exit
+            except Exception:  # best effort at exit
                 log.debug("could not kill %s", slot.name)
 
     # -- use --------------------------------------------------------------------

@@ -46,7 +46,7 @@ def reference(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None, wind
     seen = np.isfinite(m)
     m0 = np.where(seen, m, 0)
     p = np.exp(s - m0[..., None])
-    l = p.sum(axis=-1)  # noqa: E741
+    l = p.sum(axis=-1)
     out = np.einsum("hqk,khd->qhd", p, v) / np.where(seen, l, 1).T[..., None]
     lse = np.where(seen, m0 + np.log(np.where(seen, l, 1)), -np.inf).T  # [n_q, h_q]
     return out, lse

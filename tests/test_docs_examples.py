@@ -14,7 +14,7 @@ DOC_URL = "http://127.0.0.1:8000"
 
 
 def blocks(path: str, lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", (ROOT / path).read_text(), flags=re.S)
+    return re.findall(rf"```{lang}\n(.*?)```", (ROOT / path).read_text(), flags=re.DOTALL)
 
 
 def test_ci_runs_exactly_the_readme_test_command():
@@ -35,7 +35,7 @@ def curl_examples(path: str) -> list[tuple[str, str]]:
     """``(command, expected JSON)`` for each curl command followed by a ``# {...}`` answer line."""
     found = []
     for block in blocks(path, "bash"):
-        m = re.search(r"^(curl .*?)\n# (\{.*\})$", block, flags=re.S | re.M)
+        m = re.search(r"^(curl .*?)\n# (\{.*\})$", block, flags=re.DOTALL | re.MULTILINE)
         if m:
             found.append((m.group(1), m.group(2)))
     return found

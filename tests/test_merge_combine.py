@@ -39,7 +39,7 @@ def test_seed_example_five_scores_gives_l_1_5713_and_39_95():
 
 def random_state(rng, n_q=3, h_q=4, d_v=5, empty_rows=0.2, dtype=np.float64):
     m = rng.standard_normal((n_q, h_q)) * 20
-    l = rng.uniform(0.5, 10, (n_q, h_q))  # noqa: E741
+    l = rng.uniform(0.5, 10, (n_q, h_q))
     acc = rng.standard_normal((n_q, h_q, d_v)) * l[..., None]
     hole = rng.random((n_q, h_q)) < empty_rows
     m[hole], l[hole], acc[hole] = -np.inf, 0, 0

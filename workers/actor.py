@@ -38,7 +38,7 @@ class ShardWorker:
         self.name = name
         self.xp = np
         if config.device == "gpu":
-            from workers import gpu  # noqa: PLC0415 - only GPU workers load cupy
+            from workers import gpu
 
             self.xp = gpu.array_module()
         self.store = ShardStore(config.memory_budget_bytes, self.xp)
@@ -48,7 +48,7 @@ class ShardWorker:
     def ping(self) -> dict:
         node_id = ""
         try:
-            import ray  # noqa: PLC0415 - the class also runs without Ray in tests
+            import ray
 
             if ray.is_initialized():
                 node_id = ray.get_runtime_context().get_node_id()

@@ -45,12 +45,12 @@ def prepare_rows(q: Any, problem: Problem, xp: Any) -> tuple[Any, Any, Any]:
     return q_rows, q_pos_rows, slopes_rows
 
 
-def rows_to_state(m: Any, l: Any, acc: Any, problem: Problem, xp: Any) -> State:  # noqa: E741
+def rows_to_state(m: Any, l: Any, acc: Any, problem: Problem, xp: Any) -> State:
     """Kernel row space ``[h_kv, n_q*g, ...]`` back to the contract's ``[n_q, h_q, ...]``."""
     p = problem
     g = p.group
     m = m.reshape(p.h_kv, p.n_q, g).transpose(1, 0, 2).reshape(p.n_q, p.h_q)  # [n_q, h_q]
-    l = l.reshape(p.h_kv, p.n_q, g).transpose(1, 0, 2).reshape(p.n_q, p.h_q)  # noqa: E741
+    l = l.reshape(p.h_kv, p.n_q, g).transpose(1, 0, 2).reshape(p.n_q, p.h_q)
     acc = acc.reshape(p.h_kv, p.n_q, g, p.d_v).transpose(1, 0, 2, 3).reshape(p.n_q, p.h_q, p.d_v)
     return State(m=xp.ascontiguousarray(m), l=xp.ascontiguousarray(l), acc=xp.ascontiguousarray(acc))
 
@@ -86,7 +86,7 @@ def run_cpu(q: Any, kv: Any, problem: Problem, kopts: KernelOptions) -> State:
         results = [run_item(i) for i in range(len(plan.items))]
 
     m = np.empty((p.h_kv, n_rows), dtype=p.acc_dtype)
-    l = np.empty((p.h_kv, n_rows), dtype=p.acc_dtype)  # noqa: E741
+    l = np.empty((p.h_kv, n_rows), dtype=p.acc_dtype)
     acc = np.empty((p.h_kv, n_rows, p.d_v), dtype=p.acc_dtype)
     for group in plan.groups:
         it = plan.items[group[0]]
@@ -120,7 +120,7 @@ def partial_attention(q: Any, k: Any, v: Any, *, scale: float | None = None, cau
     problem = check_problem(q, k, v, q_pos, k_pos, opts)
     kopts = KernelOptions(block_size=block_size, threads=threads, gpu_kernels=gpu_kernels)
     if not isinstance(q, np.ndarray):
-        from workers import gpu  # noqa: PLC0415 - only GPU callers load cupy
+        from workers import gpu
 
         return gpu.partial_attention_gpu(q, k, v, problem, kopts, kernels=kopts.gpu_kernels)
     return run_cpu(q, NaturalKV(k, v, problem.k_pos), problem, kopts)
@@ -141,7 +141,7 @@ def partial_attention_resident(q: Any, view: StreamingView, *, q_pos: Any, optio
     v_probe = _probe(view.v, (n_k, h_kv, int(view.v.shape[2])))
     problem = check_problem(q, k_probe, v_probe, q_pos, view.k_pos, options)
     if not xp_is_np:
-        from workers import gpu  # noqa: PLC0415
+        from workers import gpu
 
         return gpu.partial_attention_resident_gpu(q, view, problem, kernel, kernels=kernel.gpu_kernels)
     return run_cpu(q, view, problem, kernel)

@@ -68,7 +68,7 @@ async def with_deadline(work: Awaitable[T], seconds: float) -> T:
     """Run a read (a query) within the request deadline; map worker failures to the contract's codes."""
     try:
         return await asyncio.wait_for(work, seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ApiError("deadline_exceeded", f"the request must finish within {seconds} s, got longer") from None
     except ShardLost as exc:
         raise ApiError("context_lost" if exc.context else "workers_unavailable", str(exc)) from None
