@@ -1,0 +1,233 @@
+"""benchmarks/service.py, contexts.py and bare_asgi.py: their pure helpers, without a server.
+
+No timing is asserted and nothing is started: the percentile and ratio math,
+Server-Timing parsing, table formatting, the memory and upload plans, and that
+the in-process baselines compute the same thing as the reference.
+"""
+
+import asyncio
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+from reference import reference
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str, filename: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / filename)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def svc():
+    try:
+        yield load("benchmarks_service_smoke", "service.py")
+    finally:
+        sys.modules.pop("benchmarks_service_smoke", None)
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    try:
+        yield load("benchmarks_contexts_smoke", "contexts.py")
+    finally:
+        sys.modules.pop("benchmarks_contexts_smoke", None)
+
+
+@pytest.fixture(scope="module")
+def bare():
+    try:
+        yield load("benchmarks_bare_asgi_smoke", "bare_asgi.py")
+    finally:
+        sys.modules.pop("benchmarks_bare_asgi_smoke", None)
+
+
+# ------------------------------------------------------------------ statistics and formatting
+
+
+def test_server_timing_is_parsed_to_seconds(svc):
+    got = svc.parse_server_timing("parse;dur=1.5, scatter;dur=0.25;desc=x, merge, total;dur=2")
+    assert got == pytest.approx({"parse": 0.0015, "scatter": 0.00025, "total": 0.002})
+    assert svc.parse_server_timing("") == {} and svc.parse_server_timing(None) == {}
+    assert svc.parse_server_timing("parse;dur=oops") == {}
+
+
+def test_summary_percentiles_and_range(svc):
+    s = svc.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s.n, s.p50, s.lo, s.hi) == (5, 3.0, 1.0, 5.0)
+    assert s.p90 == pytest.approx(4.6)
+    empty = svc.summarize([])
+    assert empty.n == 0 and math.isnan(empty.p50)
+    assert svc.ms_spread(empty) == "-" and svc.ms(float("nan")) == "-"
+    assert svc.ms_spread(s) == "3000 (1000-5000)"
+
+
+def test_ratio_difference_rates_and_targets(svc, ctx):
+    ratio, diff = svc.overhead(0.012, 0.010)
+    assert ratio == pytest.approx(1.2) and diff == pytest.approx(0.002)
+    assert svc.gbs(2e9, 4.0) == pytest.approx(0.5) and math.isnan(svc.gbs(1, 0))
+    assert ctx.target_s(0.100) == pytest.approx(0.128)
+    assert svc.met(True) == "met" and svc.met(False) == "missed"
+
+
+def test_number_labels(svc):
+    assert [svc.ms(x) for x in (0.00123, 0.0456, 0.789)] == ["1.23", "45.6", "789"]
+    assert [svc.size_label(n) for n in (1024, 2**20, 3000, 65536)] == ["1K", "1M", "3000", "64K"]
+    assert svc.bytes_label(8 * 2**30) == "8 GiB" and svc.bytes_label(300) == "300 B"
+    assert svc.parse_keys("1K, 1M,3000") == [1024, 2**20, 3000]
+
+
+def test_stages_median_and_cells(svc):
+    records = [{"parse": 0.001, "total": 0.004}, {"parse": 0.003, "total": 0.006, "merge": 0.0001}]
+    med = svc.median_stages(records)
+    assert med == pytest.approx({"parse": 0.002, "total": 0.005, "merge": 0.0001})
+    assert svc.stage_cells(med) == ["2.00", "-", "-", "0.10", "-", "5.00"]
+
+
+def test_markdown_table_shape(svc):
+    text = svc.markdown_table(["a", "b"], [[1, "x"], [2.5, "y"]])
+    assert text.splitlines() == ["| a | b |", "| --- | --- |", "| 1 | x |", "| 2.5 | y |"]
+    with pytest.raises(ValueError, match="2 cells"):
+        svc.markdown_table(["a", "b"], [[1]])
+
+
+def test_arguments(svc, ctx):
+    quick = svc.parse_args(["--quick"])
+    assert quick.repeat == 2 and quick.sweep == svc.QUICK_SWEEP and quick.ingest_mib == list(svc.QUICK_INGEST_MIB)
+    assert svc.parse_args([]).ingest_mib == [256, 512]
+    c = ctx.parse_args(["--levels", "1,4,16", "--sizes", "64K,1M"])
+    assert c.levels == [1, 4, 16] and c.sizes == [65536, 2**20]
+    assert ctx.parse_args(["--quick"]).sizes == list(ctx.QUICK_SIZES)
+    with pytest.raises(SystemExit):
+        svc.parse_args(["--repeat", "0"])
+
+
+def test_waiting_can_be_skipped_and_finds_no_such_process(svc):
+    assert "skipped" in svc.wait_for_quiet(False)
+    assert svc.others_running("no-such-process-7f3a9c1e") is False
+
+
+# ------------------------------------------------------------------ inputs and in-process baselines
+
+
+def test_shapes_and_ingest_sizes(svc):
+    assert svc.SHAPES["decode"].kv_bytes(1) == 8192 and svc.SHAPES["small"].kv_bytes(2**20) == 2**30
+    assert svc.ingest_keys(256) == 32768 and svc.ingest_keys(512) == 65536
+
+
+def test_inputs_are_reproducible_and_inprocess_is_exact(svc):
+    shape = svc.Shape("t", 3, 4, 2, 8)
+    q, k, v = svc.make_inputs(shape, 300, seed=1)
+    q2, k2, _ = svc.make_inputs(shape, 300, seed=1)
+    np.testing.assert_array_equal(k, k2)
+    np.testing.assert_array_equal(q, q2)
+    assert k.shape == (300, 2, 8) and k.dtype == np.float32
+    out, lse = svc.inprocess(q, k, v)
+    want, want_lse = reference(q, k, v)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-4, atol=1e-5)
+    assert svc.check_same("same", out, want) < 1e-4
+    with pytest.raises(RuntimeError, match="differs"):
+        svc.check_same("wrong", out + 1, want)
+
+
+def test_body_file_is_the_clients_safetensors(svc, tmp_path):
+    from service.safetensors_codec import decode_safetensors
+
+    q, k, v = svc.make_inputs(svc.Shape("t", 1, 2, 1, 4), 16, seed=2)
+    n = svc.write_body(tmp_path / "b.bin", {"q": q, "k": k, "v": v})
+    data = (tmp_path / "b.bin").read_bytes()
+    assert n == len(data)
+    got = decode_safetensors(data, {"q", "k", "v"})
+    np.testing.assert_array_equal(got["k"], k)
+
+
+def test_context_plans(ctx):
+    assert ctx.kv_bytes(2**20, "float32") == 8 * 2**30 and ctx.kv_bytes(2**20, "bfloat16") == 4 * 2**30
+    plan = ctx.upload_plan(2**20)
+    assert len(plan) == 16 and plan[0] == (0, 65536) and plan[-1][1] == 2**20
+    assert ctx.upload_plan(8192) == [(0, 4096), (4096, 8192)]  # the create fills at most one shard
+    assert ctx.choose_dtype(2**20, None) == "float32"
+    assert ctx.choose_dtype(2**20, 8 * 2**30) == "bfloat16"
+    assert ctx.choose_dtype(2**20, 64 * 2**30) == "float32"
+    half = ctx.kv_bytes(2**20, "float32") // 2
+    assert ctx.worker_budget(2**20, "float32") >= 1.5 * half  # old + new while the shard grows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_context_inprocess_baselines_agree(ctx, dtype):
+    res = ctx.SizeResult(512, dtype)
+    ctx.measure_inprocess(res, repeat=1, seed=3)  # raises if workers.attention and the resident kernel differ
+    assert len(res.resident) == 1 and res.reference.shape == (1, 32, 128)
+    k, v = ctx.contract_kv(512, dtype, seed=3)
+    q = ctx.query(3, dtype)
+    want, _ = reference(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+    np.testing.assert_allclose(res.reference, want, rtol=2e-3, atol=2e-3)
+
+
+# ------------------------------------------------------------------ reports from made-up results
+
+
+def test_service_report_from_made_up_records(svc):
+    level = svc.Level(1, 2, 0, 1.0, 10.0, 12.0, 12.0, 2.0)
+    stages = {"parse": 0.004, "scatter": 0.002, "compute": 0.003, "merge": 0.0001, "encode": 0.0001, "total": 0.0095}
+    case = svc.InlineCase(svc.SHAPES["decode"], 1024, inprocess=[0.002, 0.002], diff=0.0,
+                          c1=[svc.Record(0.010, stages), svc.Record(0.012, stages)], level1=level, level2=level)
+    ingest = svc.IngestCase(256, body_bytes=2**28,
+                            service_curl=[svc.Record(1.0, {"parse": 0.8})], service_client=[svc.Record(1.1, {"parse": 0.8})],
+                            bare_curl=[svc.Record(0.9, {"read": 0.7})])
+    rates = svc.ingest_rates(ingest)
+    assert rates["parse_curl"] == pytest.approx(2**28 / 0.8 / 1e9)
+    text = svc.report(svc.parse_args(["--quick"]), [case], [case], [ingest], ["- note"])
+    assert "| decode 1K | 8 MiB | 2.00 (2.00-2.00) | 11.0 (10.0-12.0) |" in text
+    assert "5.5x" in text and "| 88% | " in text and "missed" in text  # 11 ms > 5 ms; 0.7/0.8 of the bare rate
+
+
+def test_contexts_report_from_made_up_records(ctx, svc):
+    res = ctx.SizeResult(65536, "float32", resident=[0.040], natural=[0.050], upload_s=2.0, placement="p", diff=0.0,
+                         c1=[ctx.Record(0.050, {"compute": 0.045, "total": 0.049})],
+                         levels=[svc.Level(4, 8, 0, 1.0, 90.0, 100.0, 110.0, 40.0)])
+    text = ctx.report(ctx.parse_args(["--quick"]), [res], ["- note"])
+    assert "| 64K | float32 | 512 MiB | 40.0 (40.0-40.0) | 50.0 (50.0-50.0) | 50.0 (50.0-50.0) |" in text
+    assert "| 53.0 | met |" in text  # 1.25 x 40 + 3 = 53 ms >= 50 ms
+    assert "| 64K | 4 | 8 | 0 | 90.0 | 100 | 40.00 | 21.5 |" in text
+
+
+# ------------------------------------------------------------------ the bare ASGI app
+
+
+def run_bare(bare, chunks, length):
+    sent = []
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+
+    async def receive():
+        return messages.pop(0)
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"content-length", str(length).encode())] if length is not None else []
+    asyncio.run(bare.app({"type": "http", "headers": headers}, receive, send))
+    return sent
+
+
+@pytest.mark.parametrize("length", [10, None])
+def test_bare_app_reads_the_whole_body(bare, length):
+    sent = run_bare(bare, [b"abc", b"defg", b"hij"], length)
+    assert sent[0]["status"] == 200
+    assert any(name == b"server-timing" and value.startswith(b"read;dur=") for name, value in sent[0]["headers"])
+    assert json.loads(sent[1]["body"]) == {"bytes": 10}
+
+
+def test_busy_fraction_from_cpu_samples(svc):
+    assert svc.busy_fraction((100, 1000), (150, 1100)) == pytest.approx(0.5)
+    assert svc.busy_fraction(None, (1, 2)) == 0.0 and svc.busy_fraction((5, 10), (5, 10)) == 0.0
