@@ -184,12 +184,16 @@ def test_service_report_from_made_up_records(svc):
                           c1=[svc.Record(0.010, stages), svc.Record(0.012, stages)], level1=level, level2=level)
     ingest = svc.IngestCase(256, body_bytes=2**28,
                             service_curl=[svc.Record(1.0, {"parse": 0.8})], service_client=[svc.Record(1.1, {"parse": 0.8})],
-                            bare_curl=[svc.Record(0.9, {"read": 0.7})])
-    rates = svc.ingest_rates(ingest)
-    assert rates["parse_curl"] == pytest.approx(2**28 / 0.8 / 1e9)
+                            bare={"bare": [svc.Record(0.9, {"alloc": 0.1, "read": 0.62})]})
+    assert svc.ingest_ratio(ingest, "bare") == pytest.approx(0.72 / 0.8)
+    assert math.isnan(svc.ingest_ratio(ingest, "bare, heap kept"))
+    readers = [(reader, stage) for reader, stage, _, _ in svc.ingest_rows(ingest)]
+    assert readers == [("bare", "alloc + read"), ("bare", "read only"), ("service, curl", "parse"),
+                       ("service, Client", "parse")]
     text = svc.report(svc.parse_args(["--quick"]), [case], [case], [ingest], ["- note"])
     assert "| decode 1K | 8 MiB | 2.00 (2.00-2.00) | 11.0 (10.0-12.0) |" in text
-    assert "5.5x" in text and "| 88% | " in text and "missed" in text  # 11 ms > 5 ms; 0.7/0.8 of the bare rate
+    assert "5.5x" in text and "| 90% (met) | - |" in text and "missed" in text  # 11 ms > 5 ms; 0.72/0.8 of bare
+    assert "| 256 MiB | bare | read only | 0.43 (0.43-0.43) | 0.30 (0.30-0.30) |" in text
 
 
 def test_contexts_report_from_made_up_records(ctx, svc):
@@ -203,6 +207,10 @@ def test_contexts_report_from_made_up_records(ctx, svc):
 
 
 # ------------------------------------------------------------------ the bare ASGI app
+
+
+def bare_timing_stages(header):
+    return [part.strip().split(";")[0] for part in header.split(",")]
 
 
 def run_bare(bare, chunks, length):
@@ -224,7 +232,8 @@ def run_bare(bare, chunks, length):
 def test_bare_app_reads_the_whole_body(bare, length):
     sent = run_bare(bare, [b"abc", b"defg", b"hij"], length)
     assert sent[0]["status"] == 200
-    assert any(name == b"server-timing" and value.startswith(b"read;dur=") for name, value in sent[0]["headers"])
+    timing = dict(sent[0]["headers"])[b"server-timing"].decode()
+    assert set(bare_timing_stages(timing)) == {"alloc", "read"}
     assert json.loads(sent[1]["body"]) == {"bytes": 10}
 
 
