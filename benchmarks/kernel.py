@@ -22,17 +22,20 @@ Everything runs in one process with the same number of threads for everyone:
 Decode (``n_q=1, h_q=32, h_kv=8, d=128``, float32) reports GB/s of K+V bytes
 read; prefill (``n_q=256`` over 32K keys) reports GFLOP/s counting
 ``4 n_q h_q n_k d`` (QK and PV; causal counts the same). Each cell is the median
-of ``--repeat`` timed runs after one warm-up run, with the min-max range. Every
+of ``--repeat`` timed runs with the min-max range; the implementations are
+timed in interleaved rounds, each timed call right after a pause and an
+untimed call (see :func:`measure`). Every
 implementation's ``out`` is compared with the resident kernel's, and the run
 stops if they disagree, so the table cannot compare different computations.
 
-Memory: K and V are generated in chunks from a fixed seed, never all at once.
-For each decode size the resident layout and SDPA's copy of K come first (SDPA
-reads the resident values in place: they are already ``[h_kv, n_k, d]``), are
-freed, and the contract-layout arrays are generated again from the same seed for
-the inline kernel and naive NumPy: the peak is about 1.5x the K+V bytes (12 GiB
-at 1M keys). A size that does not fit in the available memory is skipped, and
-the report says so.
+Memory: K and V are generated in chunks from a fixed seed, never all at once,
+into the resident layout plus SDPA's copy of K (SDPA reads the resident values
+in place: they are already ``[h_kv, n_k, d]``) and into the contract layout:
+2.5x the K+V bytes. When that does not fit in the available memory (1M keys:
+20 GiB), the resident kernel and SDPA are timed first and freed, then the
+contract layout is generated again from the same seed for the inline kernel and
+naive NumPy: the peak is 1.5x the K+V bytes (12 GiB at 1M keys), and the report
+marks the size. A size that does not fit even so is skipped, and the report says so.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ GEN_CHUNK = 64 * 1024
 #: Largest ``out`` difference from the resident kernel's, relative to its largest |out|.
 AGREE_RTOL = 1e-3
 SEED = 20261129
+#: Pause before each implementation's calls (see :func:`measure`).
+SETTLE_S = 0.3
 GIB = 2**30
 
 
@@ -152,15 +157,28 @@ class Cell:
         return statistics.median(self.seconds)
 
 
-def measure(fn: Callable[[], Any], repeat: int) -> tuple[Cell, Any]:
-    """One warm-up call, then ``repeat`` timed calls; returns the timings and the last result."""
-    result = fn()
-    cell = Cell()
+def measure(fns: dict[str, Callable[[], Any]], repeat: int) -> tuple[dict[str, Cell], dict[str, Any]]:
+    """Time implementations side by side, in ``repeat`` interleaved rounds.
+
+    Interleaving makes a burst of load from elsewhere on the machine hit all
+    implementations alike instead of one. In each round every implementation
+    waits ``SETTLE_S``, then runs twice, and only the second call is timed. The
+    wait lets the previous one's idle threads stop spinning (OpenBLAS workers
+    spin on a core for a while after a multithreaded call: our 64K decode ran at
+    60% speed right after naive NumPy's, even after one untimed call); the first
+    call absorbs switching BLAS thread counts (several ms in OpenBLAS) and warms
+    the caches. Returns the timings and each one's last result.
+    """
+    cells = {name: Cell() for name in fns}
+    results: dict[str, Any] = {}
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        result = fn()
-        cell.seconds.append(time.perf_counter() - t0)
-    return cell, result
+        for name, fn in fns.items():
+            time.sleep(SETTLE_S)
+            fn()
+            t0 = time.perf_counter()
+            results[name] = fn()
+            cells[name].seconds.append(time.perf_counter() - t0)
+    return cells, results
 
 
 def rate(work: float, cell: Cell | None, unit: float = 1e9) -> str:
@@ -302,7 +320,8 @@ class Row:
     work: float  # bytes (decode) or flops (prefill)
     cells: dict[str, Cell] = field(default_factory=dict)
     max_diff: float = 0.0
-    note: str = ""
+    skipped: str = ""  # why the case was not run
+    two_phases: bool = False  # the layouts did not fit in memory together
 
 
 IMPLS = ("resident", "inline", "naive", "sdpa")
@@ -314,68 +333,79 @@ def run_limits(threads: int, repeat: int, quick: bool) -> dict[str, tuple[float,
     rows, cols = (2048, 4096) if quick else (16384, 16384)  # 32 MiB or 1 GiB of float32
     a = rng.standard_normal((rows, cols), dtype=np.float32)
     x = rng.standard_normal(cols, dtype=np.float32)
-    limits = {}
-    with blas_threads(threads):
-        limits["gemv"] = (float(a.nbytes), measure(lambda: a @ x, repeat)[0])
-    with blas_threads(1):
-        limits["gemv1"] = (float(a.nbytes), measure(lambda: a @ x, repeat)[0])
-    del a
     n = 512 if quick else 4096
     b = rng.standard_normal((n, n), dtype=np.float32)
-    with blas_threads(threads):
-        limits["sgemm"] = (2.0 * n**3, measure(lambda: b @ b, repeat)[0])
+
+    # One at a time, each under its own BLAS thread count: OpenBLAS takes
+    # several ms to change it, and a ceiling should be measured at its best.
+    limits = {}
+    for name, work, fn, n_threads in (("gemv", a.nbytes, lambda: a @ x, threads), ("gemv1", a.nbytes, lambda: a @ x, 1),
+                                      ("sgemm", 2.0 * n**3, lambda: b @ b, threads)):
+        with blas_threads(n_threads):
+            cells, _ = measure({name: fn}, repeat)
+        limits[name] = (float(work), cells[name])
     return limits
 
 
-def run_decode(n_k: int, args: argparse.Namespace, torch: Any) -> Row:
+def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespace, torch: Any) -> Row:
+    """Time the four implementations on one case and check that they agree.
+
+    When the resident layout, SDPA's K and the contract layout fit in memory
+    together, all four are timed side by side; otherwise the first two, then
+    (after freeing them) the last two.
+    """
     h_q, h_kv, d = HEADS["h_q"], HEADS["h_kv"], HEADS["d"]
     kv_bytes = 2 * n_k * h_kv * d * 4
-    row = Row(label=f"{n_k // 1024}K" if n_k < 2**20 else f"{n_k / 2**20:g}M", work=float(kv_bytes))
-    need = kv_bytes * (1.5 if torch is not None else 1.0)
+    apart = kv_bytes * (1.5 if torch is not None else 1.0)
     avail = available_bytes()
-    if avail is not None and need + GIB > avail:
-        row.note = f"skipped: needs about {need / GIB:.1f} GiB, {avail / GIB:.1f} GiB available"
+    if avail is not None and apart + GIB > avail:
+        row.skipped = f"skipped: needs about {apart / GIB:.1f} GiB, {avail / GIB:.1f} GiB available"
         return row
-    q = queries(1, h_q, d, SEED)
-    seed = SEED + n_k
-    view, k_sdpa = resident_kv(n_k, h_kv, d, d, seed, torch)
-    row.cells["resident"], (ref, _) = measure(lambda: ours_resident(q, view, False, args.threads), args.repeat)
-    if torch is not None:
-        v_sdpa = torch.from_numpy(view.v)[None]  # [1, h_kv, n_k, d], each head contiguous
-        row.cells["sdpa"], (out, _) = measure(lambda: sdpa(torch, q, k_sdpa, v_sdpa, False), args.repeat)
-        row.max_diff = max(row.max_diff, check_agree("SDPA", out, ref))
-        del v_sdpa
-    del view, k_sdpa
-    gc.collect()
-    k, v = contract_kv(n_k, h_kv, d, d, seed)
-    row.cells["inline"], (out, _) = measure(lambda: ours_inline(q, k, v, False, args.threads), args.repeat)
-    row.max_diff = max(row.max_diff, check_agree("inline kernel", out, ref))
-    row.cells["naive"], (out, _) = measure(lambda: naive_numpy(q, k, v, False, args.threads), args.repeat)
-    row.max_diff = max(row.max_diff, check_agree("naive NumPy", out, ref))
-    del k, v
-    gc.collect()
-    return row
-
-
-def run_prefill(causal: bool, args: argparse.Namespace, torch: Any) -> Row:
-    h_q, h_kv, d = HEADS["h_q"], HEADS["h_kv"], HEADS["d"]
-    n_q, n_k = args.prefill["n_q"], args.prefill["n_k"]
-    row = Row(label=f"{n_q} x {n_k // 1024}K" + (" causal" if causal else ""), work=4.0 * n_q * h_q * n_k * d)
+    together = avail is None or apart + kv_bytes + 2 * GIB <= avail
     q = queries(n_q, h_q, d, SEED)
     seed = SEED + n_k
     view, k_sdpa = resident_kv(n_k, h_kv, d, d, seed, torch)
-    row.cells["resident"], (ref, _) = measure(lambda: ours_resident(q, view, causal, args.threads), args.repeat)
+    first: dict[str, Callable[[], Any]] = {"resident": lambda: ours_resident(q, view, causal, args.threads)}
     if torch is not None:
-        v_sdpa = torch.from_numpy(view.v)[None]  # [1, h_kv, n_k, d]
-        row.cells["sdpa"], (out, _) = measure(lambda: sdpa(torch, q, k_sdpa, v_sdpa, causal), args.repeat)
-        row.max_diff = max(row.max_diff, check_agree("SDPA", out, ref))
-    del view, k_sdpa
-    k, v = contract_kv(n_k, h_kv, d, d, seed)
-    row.cells["inline"], (out, _) = measure(lambda: ours_inline(q, k, v, causal, args.threads), args.repeat)
-    row.max_diff = max(row.max_diff, check_agree("inline kernel", out, ref))
-    row.cells["naive"], (out, _) = measure(lambda: naive_numpy(q, k, v, causal, args.threads), args.repeat)
-    row.max_diff = max(row.max_diff, check_agree("naive NumPy", out, ref))
+        v_sdpa = torch.from_numpy(view.v)[None]  # [1, h_kv, n_k, d], each head contiguous
+        first["sdpa"] = lambda: sdpa(torch, q, k_sdpa, v_sdpa, causal)
+
+    def contract() -> dict[str, Callable[[], Any]]:
+        k, v = contract_kv(n_k, h_kv, d, d, seed)
+        return {"inline": lambda: ours_inline(q, k, v, causal, args.threads),
+                "naive": lambda: naive_numpy(q, k, v, causal, args.threads)}
+
+    if together:
+        cells, outs = measure({**first, **contract()}, args.repeat)
+    else:
+        cells, outs = measure(first, args.repeat)
+        first.clear()
+        del view, k_sdpa
+        v_sdpa = None
+        gc.collect()
+        more_cells, more_outs = measure(contract(), args.repeat)
+        cells.update(more_cells)
+        outs.update(more_outs)
+    row.cells = cells
+    ref = outs["resident"][0]
+    for name, label in (("sdpa", "SDPA"), ("inline", "inline kernel"), ("naive", "naive NumPy")):
+        if name in outs:
+            row.max_diff = max(row.max_diff, check_agree(label, outs[name][0], ref))
+    row.two_phases = not together
     return row
+
+
+def run_decode(n_k: int, args: argparse.Namespace, torch: Any) -> Row:
+    kv_bytes = 2 * n_k * HEADS["h_kv"] * HEADS["d"] * 4
+    row = Row(label=f"{n_k // 1024}K" if n_k < 2**20 else f"{n_k / 2**20:g}M", work=float(kv_bytes))
+    return run_case(row, 1, n_k, False, args, torch)
+
+
+def run_prefill(causal: bool, args: argparse.Namespace, torch: Any) -> Row:
+    n_q, n_k = args.prefill["n_q"], args.prefill["n_k"]
+    row = Row(label=f"{n_q} x {n_k // 1024}K" + (" causal" if causal else ""),
+              work=4.0 * n_q * HEADS["h_q"] * n_k * HEADS["d"])
+    return run_case(row, n_q, n_k, causal, args, torch)
 
 
 # ------------------------------------------------------------------ report
@@ -426,7 +456,8 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         "",
         *machine(torch),
         f"- threads: {t} for everyone (splitkey: {t} worker threads, BLAS at 1 each; naive NumPy and the limits: "
-        f"BLAS at {t}; SDPA: torch.set_num_threads({t})); {args.repeat} timed runs per cell after one warm-up",
+        f"BLAS at {t}; SDPA: torch.set_num_threads({t})); {args.repeat} interleaved rounds, each timed call "
+        f"right after a {SETTLE_S:g} s pause and an untimed call",
         "",
         "Cells: median (min-max over the runs).",
         "",
@@ -445,10 +476,10 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in decode:
-        if row.note:
-            lines.append("| " + " | ".join([row.label, f"{row.work / GIB:.2f} GiB", row.note] + ["-"] * 8) + " |")
+        if row.skipped:
+            lines.append("| " + " | ".join([row.label, f"{row.work / GIB:.2f} GiB", row.skipped] + ["-"] * 8) + " |")
         else:
-            lines.append(table_row([row.label, f"{row.work / GIB:.2f} GiB"], row, gemv_gbs))
+            lines.append(table_row([row.label + " *" * row.two_phases, f"{row.work / GIB:.2f} GiB"], row, gemv_gbs))
     n_q, n_k = args.prefill["n_q"], args.prefill["n_k"]
     lines += [
         "",
@@ -459,11 +490,13 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in prefill:
-        lines.append(table_row([row.label], row, sgemm_gfs))
+        lines.append(table_row([row.label + " *" * row.two_phases], row, sgemm_gfs))
     lines += [
         "",
         "max abs diff: largest |out - out of the resident kernel| over the other implementations "
-        f"(the run stops above {AGREE_RTOL:g} x max |out|).",
+        f"(the run stops above {AGREE_RTOL:g} x max |out|). Implementations are timed in interleaved rounds; "
+        "a size marked * did not fit in memory with all layouts at once: resident and SDPA were timed side "
+        "by side, then freed, then inline and naive NumPy on the same keys generated again.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -75,6 +75,7 @@ def test_sizes_and_quick_arguments(bench):
 def test_quick_run_writes_the_markdown_report(bench, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(bench, "QUICK_PREFILL", {"n_q": 4, "n_k": 512})
     out = tmp_path / "bench.md"
+    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
     assert bench.main(["--quick", "--no-torch", "--repeat", "1", "--sizes", "2K", "--out", str(out)]) == 0
     text = out.read_text()
     assert text in capsys.readouterr().out
