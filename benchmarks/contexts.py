@@ -15,7 +15,8 @@ in the memory available falls back to bfloat16, and the report says so):
    options=AttentionOptions(), kernel=KernelOptions(threads=2))`` + ``merge.finalize``
    with BLAS at one thread; then ``workers.attention(q, k, v, threads=2)`` on the
    contract layout. Median of ``--repeat`` after a warm-up; only one copy of the
-   keys exists at a time.
+   keys exists at a time. The resident kernel runs again after step 2 and both
+   sets are pooled (this shared VM drifts over minutes).
 2. **service**: ``splitkey serve --workers 2`` started for this size, with
    ``SPLITKEY_CONTEXT_SHARD_KEYS = n_k / 2`` and a worker memory budget that fits
    half the context (growth included). The context is created from the first
@@ -180,7 +181,8 @@ def contract_kv(n_k: int, dtype: str, seed: int) -> tuple[np.ndarray, np.ndarray
 class SizeResult:
     n_k: int
     dtype: str
-    resident: list[float] = field(default_factory=list)
+    resident_before: list[float] = field(default_factory=list)
+    resident_after: list[float] = field(default_factory=list)
     natural: list[float] = field(default_factory=list)
     reference: Any = None
     upload_s: float = float("nan")
@@ -193,21 +195,32 @@ class SizeResult:
     def label(self) -> str:
         return size_label(self.n_k)
 
+    @property
+    def resident(self) -> list[float]:
+        """Every in-process resident timing, before and after the service ran."""
+        return self.resident_before + self.resident_after
 
-def measure_inprocess(res: SizeResult, repeat: int, seed: int) -> None:
-    """Resident streaming kernel, then workers.attention on the contract layout; one copy at a time."""
-    q = query(seed, res.dtype)
-    q_pos = np.array([res.n_k - 1])
-    view = resident_view(res.n_k, res.dtype, seed)
+
+def time_resident(n_k: int, dtype: str, repeat: int, seed: int) -> tuple[list[float], np.ndarray]:
+    """The resident streaming kernel in-process (2 threads, BLAS at 1): timings and ``out``."""
+    q = query(seed, dtype)
+    q_pos = np.array([n_k - 1])
+    view = resident_view(n_k, dtype, seed)
 
     def resident() -> tuple[Any, Any]:
         with blas_threads(1):
             return finalize(partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(),
                                                        kernel=KernelOptions(threads=2)))
 
-    res.resident, (res.reference, _) = time_calls(resident, repeat)
-    view = None  # free the resident copy before the contract-layout one exists
-    gc.collect()
+    seconds, (out, _) = time_calls(resident, repeat)
+    return seconds, out
+
+
+def measure_inprocess(res: SizeResult, repeat: int, seed: int) -> None:
+    """Resident streaming kernel, then workers.attention on the contract layout; one copy at a time."""
+    res.resident_before, res.reference = time_resident(res.n_k, res.dtype, repeat, seed)
+    gc.collect()  # the resident copy is gone before the contract-layout one exists
+    q = query(seed, res.dtype)
     k, v = contract_kv(res.n_k, res.dtype, seed)
 
     def natural() -> tuple[Any, Any]:
@@ -216,8 +229,15 @@ def measure_inprocess(res: SizeResult, repeat: int, seed: int) -> None:
 
     res.natural, (out, _) = time_calls(natural, repeat)
     check_same(f"workers.attention {res.label}", out, res.reference)
-    print(f"in-process {res.label} {res.dtype}: resident {ms(statistics.median(res.resident))} ms, "
+    print(f"in-process {res.label} {res.dtype}: resident {ms(statistics.median(res.resident_before))} ms, "
           f"attention {ms(statistics.median(res.natural))} ms", file=sys.stderr)
+
+
+def measure_inprocess_after(res: SizeResult, repeat: int, seed: int) -> None:
+    """The resident kernel again once the server is gone: the machine may have drifted meanwhile."""
+    res.resident_after, out = time_resident(res.n_k, res.dtype, repeat, seed)
+    check_same(f"resident kernel {res.label}", out, res.reference)
+    print(f"in-process {res.label} after: resident {ms(statistics.median(res.resident_after))} ms", file=sys.stderr)
 
 
 def upload(c: Client, res: SizeResult, seed: int) -> str:
@@ -266,6 +286,7 @@ def run_size(n_k: int, args: argparse.Namespace, workdir: Path) -> SizeResult:
     with splitkey_server(workdir, args.workers, server_args, env) as url:
         measure_service(url, res, args.repeat, args.seed, args.levels, args.level_seconds)
     gc.collect()
+    measure_inprocess_after(res, args.repeat, args.seed)
     return res
 
 
@@ -273,7 +294,7 @@ def run_size(n_k: int, args: argparse.Namespace, workdir: Path) -> SizeResult:
 
 
 def latency_table(results: list[SizeResult]) -> str:
-    head = ["context", "dtype", "K+V bytes", "in-process resident ms", "in-process workers.attention ms",
+    head = ["context", "dtype", "K+V bytes", "in-process resident ms", "before / after", "in-process workers.attention ms",
             "service p50 ms (min-max)", "p90 ms", "ratio", "+ms", "bound 1.25x+3ms", "target", "max abs diff"]
     rows = []
     for r in results:
@@ -281,6 +302,7 @@ def latency_table(results: list[SizeResult]) -> str:
         inp = statistics.median(r.resident)
         ratio, diff = overhead(s.p50, inp)
         rows.append([r.label, r.dtype, bytes_label(kv_bytes(r.n_k, r.dtype)), ms_spread(summarize(r.resident)),
+                     f"{ms(summarize(r.resident_before).p50)} / {ms(summarize(r.resident_after).p50)}",
                      ms_spread(summarize(r.natural)), ms_spread(s), ms(s.p90), f"{ratio:.2f}x", ms(diff),
                      ms(target_s(inp)), met(s.p50 <= target_s(inp)), f"{r.diff:.1e}"])
     return markdown_table(head, rows)
@@ -309,7 +331,8 @@ def upload_table(results: list[SizeResult]) -> str:
 def setup_lines(args: argparse.Namespace) -> list[str]:
     shape = f"n_q=1, h_q={HEADS['h_q']}, h_kv={HEADS['h_kv']}, d={HEADS['d']}"
     return [(f"- decode query `{shape}`; server `splitkey serve --workers {args.workers}` (1 CPU, 1 BLAS thread per "
-             "worker), one shard of n_k/2 keys per worker; in-process: 2 threads, BLAS at 1, before any server starts"),
+             "worker), one shard of n_k/2 keys per worker; in-process: 2 threads, BLAS at 1, with no server running: "
+             "the resident kernel before and again after the service's turn, pooled"),
             (f"- {args.repeat} requests at concurrency 1 after a checked warm-up; closed loops of at most "
              f"max(4 x concurrency, {args.repeat}) requests or {args.level_seconds:g} s per level")]
 

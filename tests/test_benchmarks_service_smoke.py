@@ -167,7 +167,8 @@ def test_context_plans(ctx):
 def test_context_inprocess_baselines_agree(ctx, dtype):
     res = ctx.SizeResult(512, dtype)
     ctx.measure_inprocess(res, repeat=1, seed=3)  # raises if workers.attention and the resident kernel differ
-    assert len(res.resident) == 1 and res.reference.shape == (1, 32, 128)
+    ctx.measure_inprocess_after(res, repeat=1, seed=3)
+    assert len(res.resident) == 2 and res.reference.shape == (1, 32, 128)
     k, v = ctx.contract_kv(512, dtype, seed=3)
     q = ctx.query(3, dtype)
     want, _ = reference(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
@@ -197,11 +198,11 @@ def test_service_report_from_made_up_records(svc):
 
 
 def test_contexts_report_from_made_up_records(ctx, svc):
-    res = ctx.SizeResult(65536, "float32", resident=[0.040], natural=[0.050], upload_s=2.0, placement="p", diff=0.0,
+    res = ctx.SizeResult(65536, "float32", resident_before=[0.040], resident_after=[0.040], natural=[0.050], upload_s=2.0, placement="p", diff=0.0,
                          c1=[ctx.Record(0.050, {"compute": 0.045, "total": 0.049})],
                          levels=[svc.Level(4, 8, 0, 1.0, 90.0, 100.0, 110.0, 40.0)])
     text = ctx.report(ctx.parse_args(["--quick"]), [res], ["- note"])
-    assert "| 64K | float32 | 512 MiB | 40.0 (40.0-40.0) | 50.0 (50.0-50.0) | 50.0 (50.0-50.0) |" in text
+    assert "| 64K | float32 | 512 MiB | 40.0 (40.0-40.0) | 40.0 / 40.0 | 50.0 (50.0-50.0) | 50.0 (50.0-50.0) |" in text
     assert "| 53.0 | met |" in text  # 1.25 x 40 + 3 = 53 ms >= 50 ms
     assert "| 64K | 4 | 8 | 0 | 90.0 | 100 | 40.00 | 21.5 |" in text
 
