@@ -34,6 +34,18 @@ class TileInputs:
     options: AttentionOptions
 
 
+def operand_rows(hb: int, rows: int, itemsize: int) -> int:
+    """Rows for which ALiBi and mask operands ``[rows, B]`` are built at once.
+
+    Per row and key they take up to ``16 + (hb + 1) * itemsize`` bytes (an int64
+    difference and its absolute value, the cast distance, slope x distance; the
+    boolean masks take less); the tile takes ``hb * itemsize``. Half a tile of
+    operands at a time is what ``plan.CPU_TILE_HALVES`` budgets.
+    """
+    per_row = 16 + (hb + 1) * itemsize
+    return max(1, min(rows, hb * rows * itemsize // 2 // per_row))
+
+
 def stream(tile: TileInputs, kv: Any, k_pos_host: Any, k0: int, k1: int, h0: int, h1: int,
            block: int, acc_dtype: Any, xp: Any) -> tuple[Any, Any, Any]:
     """Stream keys ``[k0, k1)`` of kv heads ``[h0, h1)`` through the tile; return (m, l, acc).
@@ -44,8 +56,9 @@ def stream(tile: TileInputs, kv: Any, k_pos_host: Any, k0: int, k1: int, h0: int
     Scratch is allocated once per call and reused by every block: the score
     tile ``[hb, rows, B]`` (scores, then probabilities, in place), one
     ``[hb, rows, d_v]`` product and a few ``[hb, rows]`` vectors. On top of
-    that, ALiBi and partially masked blocks allocate ``[rows, B]`` operands, and
-    a layout that casts copies one BLAS call's keys and values.
+    that, ALiBi and partially masked blocks build their operands a few rows at a
+    time (:func:`operand_rows`), and a layout that casts copies one BLAS call's
+    keys and values.
     """
     hb, rows = int(tile.q.shape[0]), int(tile.q.shape[1])
     d_v = int(kv.v.shape[-1])
@@ -73,6 +86,7 @@ def stream(tile: TileInputs, kv: Any, k_pos_host: Any, k0: int, k1: int, h0: int
         call = kv.call_keys(acc_dtype, rows)
     call = call or width
     split = call < width
+    op_rows = operand_rows(hb, rows, xp.dtype(acc_dtype).itemsize)
     masked = tile.options.masked
     for start in range(k0, k1, block):
         stop = min(start + block, k1)
@@ -94,13 +108,19 @@ def stream(tile: TileInputs, kv: Any, k_pos_host: Any, k0: int, k1: int, h0: int
         if tile.softcap is not None:
             xp.tanh(s, out=s)
             s *= tile.softcap
-        kp_dev = as_array(kv.k_pos[start:stop], xp) if (tile.slopes is not None or kind is BlockKind.PARTIAL) else None
-        if tile.slopes is not None:
-            dist = xp.abs(tile.q_pos[:, None] - kp_dev[None, :]).astype(acc_dtype)  # [rows, B]
-            s -= tile.slopes[:, :, None] * dist[None]
-        if kind is BlockKind.PARTIAL:
-            ok = visible(tile.q_pos, kp_dev, tile.options)  # [rows, B]
-            xp.copyto(s, NO_SCORE, where=~ok[None])
+        if tile.slopes is not None or kind is BlockKind.PARTIAL:
+            kp_dev = as_array(kv.k_pos[start:stop], xp)
+            # A few rows at a time: the int64 distances, masks and products stay
+            # within half the score tile (plan.CPU_TILE_HALVES), whatever rows is.
+            for r0 in range(0, rows, op_rows):
+                r1 = min(r0 + op_rows, rows)
+                sr = s[:, r0:r1]  # [hb, r1-r0, B] view
+                if tile.slopes is not None:
+                    dist = xp.abs(tile.q_pos[r0:r1, None] - kp_dev[None, :]).astype(acc_dtype)  # [r1-r0, B]
+                    sr -= tile.slopes[:, r0:r1, None] * dist[None]
+                if kind is BlockKind.PARTIAL:
+                    ok = visible(tile.q_pos[r0:r1], kp_dev, tile.options)  # [r1-r0, B]
+                    xp.copyto(sr, NO_SCORE, where=~ok[None])
         s.max(axis=-1, out=m_new)
         xp.maximum(m_new, m, out=m_new)  # [hb, rows]
         # Guard: a row that has seen no visible key has m_new = -inf; measure it
