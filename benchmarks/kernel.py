@@ -50,9 +50,10 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -60,9 +61,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from merge import finalize  # noqa: E402
-from workers import StreamingKV, partial_attention, partial_attention_resident  # noqa: E402
-from workers.options import AttentionOptions, KernelOptions  # noqa: E402
+# The repository's packages, also when run as a script from elsewhere.
+from merge import finalize
+from workers import StreamingKV, partial_attention, partial_attention_resident
+from workers.options import AttentionOptions, KernelOptions
 
 HEADS = {"h_q": 32, "h_kv": 8, "d": 128}
 DECODE_KEYS = (64 * 1024, 256 * 1024, 1024 * 1024)
@@ -128,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def blas_threads(n: int) -> contextlib.AbstractContextManager:
     """Limit BLAS to ``n`` threads (threadpoolctl); a no-op where it is not installed."""
     try:
-        from threadpoolctl import threadpool_limits  # noqa: PLC0415 - optional: the [bench] extra
+        from threadpoolctl import threadpool_limits  # optional: the [bench] extra
     except ImportError:
         return contextlib.nullcontext()
     return threadpool_limits(limits=n, user_api="blas")
@@ -139,7 +141,7 @@ def load_torch(enabled: bool, threads: int) -> Any:
     if not enabled:
         return None
     try:
-        import torch  # noqa: PLC0415 - optional peer, never a dependency
+        import torch  # optional peer, never a dependency
     except ImportError:
         return None
     torch.set_num_threads(threads)
@@ -281,7 +283,7 @@ def naive_numpy(q: Any, k: Any, v: Any, causal: bool, threads: int) -> tuple[Any
                 s[np.arange(n_k)[None, :] > q_pos[:, None]] = -np.inf
             m = s.max(axis=1, keepdims=True)  # [n_q*g, 1]
             p = np.exp(s - m)  # [n_q*g, n_k]
-            l = p.sum(axis=1, keepdims=True)  # noqa: E741
+            l = p.sum(axis=1, keepdims=True)
             out[:, h * g:(h + 1) * g] = ((p @ v[:, h]) / l).reshape(n_q, g, d_v)  # [n_q, g, d_v]
             lse[:, h * g:(h + 1) * g] = (m + np.log(l)).reshape(n_q, g)
     return out, lse
@@ -305,7 +307,8 @@ def check_agree(name: str, out: Any, ref: Any) -> float:
     diff = float(np.max(np.abs(out.astype(np.float64) - ref.astype(np.float64))))
     scale = float(np.max(np.abs(ref)))
     if not diff <= AGREE_RTOL * scale:
-        raise RuntimeError(f"{name} disagrees with the resident kernel: max |diff| = {diff:.3g}, max |out| = {scale:.3g}")
+        raise RuntimeError(f"{name} disagrees with the resident kernel: "
+                           f"max |diff| = {diff:.3g}, max |out| = {scale:.3g}")
     return diff
 
 
@@ -422,7 +425,7 @@ def machine(torch: Any) -> list[str]:
         pass
     blas = "unknown (threadpoolctl not installed)"
     with contextlib.suppress(ImportError):
-        from threadpoolctl import threadpool_info  # noqa: PLC0415
+        from threadpoolctl import threadpool_info
 
         libs = [i for i in threadpool_info() if i.get("user_api") == "blas"]
         blas = ", ".join(f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')})" for i in libs) or blas
@@ -456,9 +459,9 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         f"Command: `{' '.join(['python', 'benchmarks/kernel.py', *argv])}`",
         "",
         *machine(torch),
-        f"- threads: {t} for everyone (splitkey: {t} worker threads, BLAS at 1 each; naive NumPy and the limits: "
-        f"BLAS at {t}; SDPA: torch.set_num_threads({t})); {args.repeat} interleaved rounds, each timed call "
-        f"right after a {SETTLE_S:g} s pause and an untimed call",
+        (f"- threads: {t} for everyone (splitkey: {t} worker threads, BLAS at 1 each; naive NumPy and the limits: "
+         f"BLAS at {t}; SDPA: torch.set_num_threads({t})); {args.repeat} interleaved rounds, each timed call "
+         f"right after a {SETTLE_S:g} s pause and an untimed call"),
         "",
         "Cells: median (min-max over the runs).",
         "",
@@ -472,8 +475,8 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         "",
         f"### Decode: n_q=1, h_q={HEADS['h_q']}, h_kv={HEADS['h_kv']}, d={HEADS['d']}, float32 (GB/s of K+V)",
         "",
-        "| n_k | K+V | splitkey resident | splitkey inline | naive NumPy | SDPA | resident / SDPA | inline / SDPA "
-        "| resident / GEMV | inline / GEMV | max abs diff |",
+        ("| n_k | K+V | splitkey resident | splitkey inline | naive NumPy | SDPA | resident / SDPA | inline / SDPA "
+         "| resident / GEMV | inline / GEMV | max abs diff |"),
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in decode:
@@ -486,18 +489,18 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         "",
         f"### Prefill: n_q={n_q}, n_k={n_k}, same heads, float32 (GFLOP/s, 4 n_q h_q n_k d)",
         "",
-        "| case | splitkey resident | splitkey inline | naive NumPy | SDPA | resident / SDPA | inline / SDPA "
-        "| resident / sgemm | inline / sgemm | max abs diff |",
+        ("| case | splitkey resident | splitkey inline | naive NumPy | SDPA | resident / SDPA | inline / SDPA "
+         "| resident / sgemm | inline / sgemm | max abs diff |"),
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in prefill:
         lines.append(table_row([row.label + " *" * row.two_phases], row, sgemm_gfs))
     lines += [
         "",
-        "max abs diff: largest |out - out of the resident kernel| over the other implementations "
-        f"(the run stops above {AGREE_RTOL:g} x max |out|). Implementations are timed in interleaved rounds; "
-        "a size marked * did not fit in memory with all layouts at once: resident and SDPA were timed side "
-        "by side, then freed, then inline and naive NumPy on the same keys generated again.",
+        ("max abs diff: largest |out - out of the resident kernel| over the other implementations "
+         f"(the run stops above {AGREE_RTOL:g} x max |out|). Implementations are timed in interleaved rounds; "
+         "a size marked * did not fit in memory with all layouts at once: resident and SDPA were timed side "
+         "by side, then freed, then inline and naive NumPy on the same keys generated again."),
     ]
     return "\n".join(lines) + "\n"
 

@@ -63,7 +63,7 @@ def stream(tile: TileInputs, kv: Any, k_pos_host: Any, k0: int, k1: int, h0: int
     hb, rows = int(tile.q.shape[0]), int(tile.q.shape[1])
     d_v = int(kv.v.shape[-1])
     m = xp.full((hb, rows), NO_SCORE, dtype=acc_dtype)
-    l = xp.zeros((hb, rows), dtype=acc_dtype)  # noqa: E741
+    l = xp.zeros((hb, rows), dtype=acc_dtype)
     acc = xp.zeros((hb, rows, d_v), dtype=acc_dtype)
     if k1 <= k0:
         return m, l, acc
