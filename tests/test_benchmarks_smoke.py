@@ -4,27 +4,17 @@ No timing is asserted: this only guards against the benchmark comparing
 different computations (wrong layout, scale, head mapping or mask alignment).
 """
 
-import importlib.util
-import pathlib
-import sys
 
 import numpy as np
 import pytest
+from benchloader import benchmark_module
 from reference import reference
-
-PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "kernel.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmarks_kernel", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_module("kernel.py") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 @pytest.mark.parametrize("n_q, n_k, causal", [(1, 700, False), (5, 300, True), (9, 257, False)])

@@ -1,27 +1,17 @@
 """The CPU side of benchmarks/gpu.py: arguments, derived numbers, report; and its answer without a GPU."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
+from benchloader import benchmark_module
 
 from workers import gpu
-
-PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("benchmarks_gpu", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_module("gpu.py") as module:
         yield module
-    finally:
-        del sys.modules[spec.name]
 
 
 def test_benchmark_arguments_default_to_the_issue_cases_and_out_from_the_environment(bench, monkeypatch):
