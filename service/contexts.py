@@ -39,6 +39,12 @@ DIRECTORY_RETRY_S = 0.1
 LEASE_POLL_S = 0.01
 
 
+async def put_once(pairs: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """Each shard's keys and values into the object store once, off the event loop:
+    every replica's write then reads the same objects instead of its own serialised copy."""
+    return await asyncio.to_thread(lambda: [(ray.put(k), ray.put(v)) for k, v in pairs])
+
+
 def new_context_id() -> str:
     """An unguessable id (144 random bits), URL-safe."""
     return "ctx_" + secrets.token_urlsafe(18)
@@ -184,7 +190,8 @@ class ContextService:
         placement = await self._place([hi - lo for lo, hi in bounds], record)
         for i, (lo, hi) in enumerate(bounds):
             record["shards"].append({"index": i, "length": hi - lo, "workers": [self.pool.slots[w].name for w in placement[i]]})
-        writes = [(w, "create_shard", (record["id"], i, k[lo:hi], v[lo:hi], k_pos[lo:hi], dtype, capacity, record))
+        parts = await put_once([(k[lo:hi], v[lo:hi]) for lo, hi in bounds])
+        writes = [(w, "create_shard", (record["id"], i, *parts[i], k_pos[lo:hi], dtype, capacity, record))
                   for i, (lo, hi) in enumerate(bounds) for w in placement[i]]
         try:
             await self._write_all(writes)
@@ -223,8 +230,9 @@ class ContextService:
                 if not holders:
                     raise ApiError("context_lost", f"shard {last['index']} of context {ctx_id} has no live replica left")
                 last["workers"] = [self.pool.slots[w].name for w in holders]
+                [(k_ref, v_ref)] = await put_once([(k[:take], v[:take])])
                 for w in holders:
-                    writes.append((w, "append_shard", (ctx_id, last["index"], k[:take], v[:take], k_pos[:take], cap,
+                    writes.append((w, "append_shard", (ctx_id, last["index"], k_ref, v_ref, k_pos[:take], cap,
                                                        last["length"])))
                     undo.append((w, "truncate_shard", (ctx_id, last["index"], last["length"])))
                 last["length"] += take
@@ -234,12 +242,14 @@ class ContextService:
             if sizes:
                 placement = await self._place(sizes, new)
                 lo = start
-                for size, workers in zip(sizes, placement):
+                starts = [start + sum(sizes[:i]) for i in range(len(sizes))]
+                parts = await put_once([(k[a:a + n], v[a:a + n]) for a, n in zip(starts, sizes)])
+                for (k_ref, v_ref), size, workers in zip(parts, sizes, placement):
                     idx = len(new["shards"])
                     new["shards"].append({"index": idx, "length": size, "workers": [self.pool.slots[w].name for w in workers]})
                     for w in workers:
-                        writes.append((w, "create_shard", (ctx_id, idx, k[lo:lo + size], v[lo:lo + size],
-                                                           k_pos[lo:lo + size], new["dtype"], cap, new)))
+                        writes.append((w, "create_shard", (ctx_id, idx, k_ref, v_ref, k_pos[lo:lo + size],
+                                                           new["dtype"], cap, new)))
                         undo.append((w, "drop", (ctx_id, idx)))
                     lo += size
             try:
