@@ -199,7 +199,7 @@ def test_service_report_from_made_up_records(svc):
 
 
 def test_contexts_report_from_made_up_records(ctx, svc):
-    res = ctx.SizeResult(65536, "float32", resident_before=[0.060], resident_after=[0.040], natural=[0.050], upload_s=2.0, placement="p", diff=0.0,
+    res = ctx.SizeResult(65536, "float32", resident_before=[0.060], resident_after=[0.040], natural=[0.050], upload_s=[1.0, 1.0], placement="p", diff=0.0,
                          c1=[ctx.Record(0.050, {"compute": 0.045, "total": 0.049})],
                          levels=[svc.Level(4, 8, 0, 1.0, 90.0, 100.0, 110.0, 40.0)])
     text = ctx.report(ctx.parse_args(["--quick"]), [res], ["- note"])
@@ -207,6 +207,7 @@ def test_contexts_report_from_made_up_records(ctx, svc):
     assert "| 64K | float32 | 512 MiB | 60.0 (60.0-60.0) | 40.0 (40.0-40.0) | 40.0 | 50.0 (50.0-50.0) |" in text
     assert "| 53.0 | met |" in text  # 1.25 x 40 + 3 = 53 ms >= 50 ms
     assert "| 64K | 4 | 8 | 0 | 90.0 | 100 | 40.00 | 21.5 |" in text
+    assert "| 64K | 512 MiB | 2 | 256 MiB | 2.0 | 0.27 | 1000 (1000-1000) | p |" in text
 
 
 # ------------------------------------------------------------------ the bare ASGI app
