@@ -55,7 +55,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # see b
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.service import (  # noqa: E402
+from benchmarks.service import (
     GIB,
     KIB,
     MIB,
@@ -84,12 +84,12 @@ from benchmarks.service import (  # noqa: E402
     time_calls,
     wait_for_quiet,
 )
-from merge import finalize  # noqa: E402
-from service.client import Client  # noqa: E402
-from service.loadtest import Level  # noqa: E402
-from workers import BFLOAT16, StreamingKV, partial_attention_resident  # noqa: E402
-from workers import attention as inprocess_attention  # noqa: E402
-from workers.options import AttentionOptions, KernelOptions  # noqa: E402
+from merge import finalize
+from service.client import Client
+from service.loadtest import Level
+from workers import BFLOAT16, StreamingKV, partial_attention_resident
+from workers import attention as inprocess_attention
+from workers.options import AttentionOptions, KernelOptions
 
 HEADS = {"h_q": 32, "h_kv": 8, "d": 128}
 SIZES = (64 * KIB, 256 * KIB, 1024 * KIB)

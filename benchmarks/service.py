@@ -64,10 +64,10 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from service.client import Client  # noqa: E402
-from service.loadtest import Level, run_level  # noqa: E402
-from service.safetensors_codec import encode_safetensors  # noqa: E402
-from workers import attention as inprocess_attention  # noqa: E402
+from service.client import Client
+from service.loadtest import Level, run_level
+from service.safetensors_codec import encode_safetensors
+from workers import attention as inprocess_attention
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 SEED = 20261129
@@ -484,7 +484,7 @@ def write_body(path: Path, tensors: dict[str, np.ndarray]) -> int:
 def blas_threads(n: int) -> contextlib.AbstractContextManager:
     """Limit BLAS to ``n`` threads (threadpoolctl), as each Ray worker runs."""
     try:
-        from threadpoolctl import threadpool_limits  # noqa: PLC0415 - the [bench] extra
+        from threadpoolctl import threadpool_limits  # optional: the [bench] extra
     except ImportError:
         return contextlib.nullcontext()
     return threadpool_limits(limits=n, user_api="blas")

@@ -6,49 +6,31 @@ the in-process baselines compute the same thing as the reference.
 """
 
 import asyncio
-import importlib.util
 import json
 import math
-import pathlib
-import sys
 
 import numpy as np
 import pytest
+from benchloader import benchmark_module
 from reference import reference
-
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def load(name: str, filename: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / filename)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def svc():
-    try:
-        yield load("benchmarks_service_smoke", "service.py")
-    finally:
-        sys.modules.pop("benchmarks_service_smoke", None)
+    with benchmark_module("service.py") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
 def ctx():
-    try:
-        yield load("benchmarks_contexts_smoke", "contexts.py")
-    finally:
-        sys.modules.pop("benchmarks_contexts_smoke", None)
+    with benchmark_module("contexts.py") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
 def bare():
-    try:
-        yield load("benchmarks_bare_asgi_smoke", "bare_asgi.py")
-    finally:
-        sys.modules.pop("benchmarks_bare_asgi_smoke", None)
+    with benchmark_module("bare_asgi.py") as module:
+        yield module
 
 
 # ------------------------------------------------------------------ statistics and formatting
@@ -199,7 +181,8 @@ def test_service_report_from_made_up_records(svc):
 
 
 def test_contexts_report_from_made_up_records(ctx, svc):
-    res = ctx.SizeResult(65536, "float32", resident_before=[0.060], resident_after=[0.040], natural=[0.050], upload_s=[1.0, 1.0], placement="p", diff=0.0,
+    res = ctx.SizeResult(65536, "float32", resident_before=[0.060], resident_after=[0.040], natural=[0.050],
+                         upload_s=[1.0, 1.0], placement="p", diff=0.0,
                          c1=[ctx.Record(0.050, {"compute": 0.045, "total": 0.049})],
                          levels=[svc.Level(4, 8, 0, 1.0, 90.0, 100.0, 110.0, 40.0)])
     text = ctx.report(ctx.parse_args(["--quick"]), [res], ["- note"])
