@@ -3,7 +3,7 @@
 Run from the repository root (``pip install -e '.[bench]'``; curl on the PATH)::
 
     .venv/bin/python benchmarks/service.py --repeat 5 --out /tmp/service_bench.md
-    .venv/bin/python benchmarks/service.py --quick          # smoke run, tiny sizes, about a minute
+    .venv/bin/python benchmarks/service.py --quick          # smoke run, tiny sizes, about 15 s
 
 It starts its own servers on free loopback ports and always stops them:
 ``splitkey serve --workers 2`` (embedded Ray, its own HOME) and, for the ingest
@@ -20,15 +20,17 @@ ceiling, ``benchmarks/bare_asgi.py`` under the same uvicorn. Measured side by si
   measured first, before any server runs: ratio and difference of the medians;
 * **ingest**: 256 MiB and 512 MiB safetensors bodies (decode shape) written to a
   file and posted with curl to the service and to the bare app: body bytes / time
-  of the service's parse stage, of the bare app's read, and of each whole request;
-  then the same arrays sent by ``service.client.Client``, against curl;
+  of the service's parse stage, of the bare app's allocation + read, and of each
+  whole request; the bare app runs twice, as started and with glibc keeping its
+  freed heap (``BARE_VARIANTS``: the Ray-loaded service process behaves like the
+  second); then the same arrays sent by ``service.client.Client``, against curl;
 * **small requests**: n_k = 1K, many requests, for a tiny shape
   (``h_q=2, h_kv=1, d=16``, 128 KiB of K+V) and the decode shape (8 MiB).
 
 Before measuring it waits (up to 20 minutes, polling every 30 s) until no
-``benchmarks/kernel.py`` runs on this shared machine, and the report says
-whether it had to measure anyway. Every service answer is compared with the
-in-process one, so a fast wrong path cannot pass.
+``benchmarks/kernel.py`` runs on this shared machine and the CPUs are at most
+25% busy, and the report says whether it had to measure anyway. Every service
+answer is compared with the in-process one, so a fast wrong path cannot pass.
 """
 
 from __future__ import annotations
