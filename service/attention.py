@@ -9,6 +9,7 @@ position (from 0 with no context), and queries without ``q_pos`` are the last
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,28 @@ def check_finite(name: str, x: np.ndarray) -> None:
     for start in range(0, flat.shape[0], FINITE_CHUNK):
         if not np.isfinite(flat[start:start + FINITE_CHUNK]).all():
             raise ApiError("invalid_tensor", f"{name} must be finite, got NaN or infinity")
+
+
+#: Above this many bytes in all, the finiteness check runs in a thread, not on the event loop.
+FINITE_INLINE_BYTES = 4 * 2**20
+
+
+async def check_all_finite(tensors: dict[str, Any]) -> None:
+    """:func:`check_finite` over every float tensor given (None entries are skipped).
+
+    A pass over a GiB takes ~0.1 s: large bodies are checked off the event loop so
+    other requests keep being read meanwhile.
+    """
+    present = {n: a for n, a in tensors.items() if a is not None and np.dtype(a.dtype).kind == "f"}
+
+    def run() -> None:
+        for name, arr in present.items():
+            check_finite(name, arr)
+
+    if sum(a.nbytes for a in present.values()) > FINITE_INLINE_BYTES:
+        await asyncio.to_thread(run)
+    else:
+        run()
 
 
 @dataclass
@@ -79,10 +102,7 @@ class AttentionService:
             raise ApiError("invalid_tensor", f"k and v must be sent together, got only {'k' if call.v is None else 'v'}")
         if call.k is None and not call.contexts:
             raise ApiError("invalid_tensor", "k and v must be given when no contexts are named, got neither")
-        for name in ("q", "k", "v"):
-            arr = getattr(call, name)
-            if arr is not None and np.dtype(arr.dtype).kind == "f":
-                check_finite(name, arr)
+        await check_all_finite({name: getattr(call, name) for name in ("q", "k", "v")})
         # 1. The contexts named, resolved to their committed shards (404 if unknown).
         resolved = None
         next_pos = 0

@@ -21,6 +21,7 @@ import numpy as np
 import ray
 
 from service.directory import DIRECTORY_NAME, DirectoryActor
+from service.attention import check_all_finite
 from service.errors import ApiError
 from service.orchestrator import Job, shard_bounds
 from service.placement import WorkerLoad, place
@@ -170,8 +171,9 @@ class ContextService:
 
     # -- writes ---------------------------------------------------------------
     async def create(self, k: Any, v: Any, k_pos: Any, *, replicas: int | None, shards: int | None) -> dict:
-        n, h_kv, d = (int(s) for s in k.shape)
         self._check_kv(k, v)
+        await check_all_finite({"k": k, "v": v})
+        n, h_kv, d = (int(s) for s in k.shape)
         k_pos = self._positions(k_pos, n, start=0)
         replicas = 1 if replicas is None else replicas
         live = [s for s in self.pool.slots if s.alive]
@@ -210,6 +212,7 @@ class ContextService:
             if np.dtype(k.dtype) != np.dtype(BFLOAT16 if old["dtype"] == "bfloat16" else old["dtype"]):
                 raise ApiError("invalid_tensor", f"k must have the context's dtype {old['dtype']}, got {DTYPE_NAMES.get(np.dtype(k.dtype), k.dtype)}")
             self._check_kv(k, v)
+            await check_all_finite({"k": k, "v": v})
             if (int(k.shape[1]), int(k.shape[2]), int(v.shape[2])) != (old["h_kv"], old["d"], old["d_v"]):
                 raise ApiError("invalid_tensor", f"k, v must have [h_kv, d, d_v] = {[old['h_kv'], old['d'], old['d_v']]} "
                                                  f"as the context, got {[int(k.shape[1]), int(k.shape[2]), int(v.shape[2])]}")
@@ -279,8 +282,6 @@ class ContextService:
                 raise ApiError("invalid_tensor", f"{name} must be 3-d [n_k, h_kv, {'d' if name == 'k' else 'd_v'}], got shape {list(x.shape)}")
             if np.dtype(x.dtype) not in DTYPE_NAMES:
                 raise ApiError("invalid_tensor", f"{name} must have dtype float16, bfloat16, float32 or float64, got {x.dtype}")
-            if not np.isfinite(x).all():
-                raise ApiError("invalid_tensor", f"{name} must be finite, got NaN or infinity")
         if tuple(k.shape[:2]) != tuple(v.shape[:2]):
             raise ApiError("invalid_tensor", f"v must be [n_k, h_kv, d_v] with [n_k, h_kv] = {list(k.shape[:2])} as k, got {list(v.shape)}")
         if np.dtype(k.dtype) != np.dtype(v.dtype):

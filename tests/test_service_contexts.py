@@ -204,3 +204,13 @@ def test_json_create_and_query(server, rng):
     assert r.status_code == 200, r.text
     assert_close_to_reference(np.array(r.json()["out"]), np.array(r.json()["lse"]), q, k, v)
     assert httpx.delete(server.url + f"/v1/contexts/{ctx['id']}").status_code == 200
+
+
+def test_context_with_nan_keys_is_refused_and_nothing_is_stored(client, rng):
+    k, v = kv(rng, 40)
+    k[7, 1, 3] = np.nan
+    before = client.cluster()["bytes_held"]
+    with pytest.raises(SplitkeyError) as err:
+        client.create_context(k, v)
+    assert err.value.status == 422 and "k must be finite" in err.value.detail
+    assert client.cluster()["bytes_held"] == before
