@@ -48,7 +48,11 @@ def init_ray(settings: ServiceSettings) -> bool:
     if ray.is_initialized():
         return False
     if settings.ray_address is None:
-        ray.init(namespace=settings.ray_namespace, include_dashboard=False, _node_ip_address="127.0.0.1",
+        # address="local" always starts a new instance: without it ray.init() connects to
+        # whatever /tmp/ray/ray_current_cluster or RAY_ADDRESS names (a user's `ray start`
+        # cluster, or a dead one a killed process left behind), and embedded would not be.
+        ray.init(address="local", namespace=settings.ray_namespace, include_dashboard=False,
+                 _node_ip_address="127.0.0.1",
                  logging_level=logging.WARNING, log_to_driver=False, configure_logging=False)
         return True
     ray.init(address=settings.ray_address, namespace=settings.ray_namespace, logging_level=logging.WARNING,

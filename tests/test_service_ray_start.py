@@ -48,3 +48,15 @@ def test_serve_joins_a_ray_start_head_cluster_with_auto(head, tmp_path):
         assert_close_to_reference(out, lse, q, k, k, causal=True)
     finally:
         srv.stop()
+
+
+def test_embedded_serve_starts_its_own_ray_whatever_ray_address_names(tmp_path):
+    # Without --ray-address the service must start its own Ray, never join (or hang on)
+    # a cluster named by RAY_ADDRESS or by a stale /tmp/ray/ray_current_cluster.
+    srv = Server(tmp_path / "fe", args=("--workers", "1"), env={"RAY_ADDRESS": "127.0.0.1:1"}, startup_s=90)
+    srv.start()
+    try:
+        with Client(srv.url) as c:
+            assert len(c.cluster()["workers"]) == 1
+    finally:
+        srv.stop()
