@@ -86,7 +86,7 @@ from benchmarks.service import (
 )
 from merge import finalize
 from service.client import Client
-from service.loadtest import Level
+from service.client.loadtest import Level
 from workers import BFLOAT16, StreamingKV, partial_attention_resident
 from workers import attention as inprocess_attention
 from workers.options import AttentionOptions, KernelOptions

@@ -9,7 +9,7 @@ PyTorch (see docs/GPU.md); or ``python benchmarks/gpu.py --out DIR``. Cases:
   / time) and to torch SDPA (flash backend, ``enable_gqa``) on the same arrays;
 * prefill: ``n_q = 2048`` over 32K keys, same heads, against SDPA (TFLOP/s).
 
-Paths: ``generic`` and ``fused`` (workers.gpu), ``sdpa``. Each time is the median
+Paths: ``generic`` and ``fused`` (workers.gpu.backend), ``sdpa``. Each time is the median
 of several CUDA-event-timed runs after warm-up (which includes compiling). Each
 result also carries the largest difference of ``out`` from SDPA's, since the
 fused kernels are not yet verified elsewhere. Results are written after every
@@ -17,7 +17,7 @@ case to ``OUT/gpu_bench.json`` and ``OUT/gpu_bench.md``, so a run cut short keep
 what it measured.
 
 Argument parsing and the report are plain Python: this module imports without
-cupy or torch (tests/test_gpu_bench.py).
+cupy or torch (tests/test_workers_gpu_bench.py).
 """
 
 from __future__ import annotations
@@ -167,7 +167,9 @@ def run_case(case: str, dtype: str, n_q: int, n_k: int, args: argparse.Namespace
     """Every path on one set of inputs; SDPA first, as the reference for time and output."""
     cp, torch, gpu, bf16 = ctx["cp"], ctx["torch"], ctx["gpu"], ctx["bf16"]
     from merge import finalize  # noqa: PLC0415
-    from workers.options import AttentionOptions, KernelOptions, check_problem  # noqa: PLC0415
+    from workers.layout import NaturalKV
+    from workers.options import AttentionOptions, GpuKernels, KernelOptions
+    from workers.problem import check_problem
 
     h_q, h_kv, d = HEADS["h_q"], HEADS["h_kv"], HEADS["d"]
     raw = [random_16bit(cp, shape, dtype) for shape in ((n_q, h_q, d), (n_k, h_kv, d), (n_k, h_kv, d))]
@@ -187,7 +189,7 @@ def run_case(case: str, dtype: str, n_q: int, n_k: int, args: argparse.Namespace
 
     def ours(kernels: Any) -> Any:
         def fn() -> None:
-            outs[kernels.value] = gpu.partial_attention_gpu(q, k, v, problem, KernelOptions(), kernels=kernels)
+            outs[kernels.value] = gpu.run_gpu(q, NaturalKV(k, v, problem.k_pos), problem, KernelOptions(gpu_kernels=kernels))
         return fn
 
     results, sdpa_ms = [], None
@@ -199,7 +201,7 @@ def run_case(case: str, dtype: str, n_q: int, n_k: int, args: argparse.Namespace
                                     lambda a, b: a.elapsed_time(b), args.repeats, args.warmup, args.case_seconds)
                 sdpa_ms = statistics.median(r.ms_runs)
             else:
-                kernels = gpu.GpuKernels(path)
+                kernels = GpuKernels(path)
                 r.ms_runs = time_ms(ours(kernels), cp.cuda.Event, cp.cuda.get_elapsed_time, args.repeats,
                                     args.warmup, args.case_seconds)
                 if "sdpa" in outs:
@@ -224,14 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     sys.path.insert(0, str(ROOT))
-    from workers import BFLOAT16, gpu  # noqa: PLC0415 - after the sys.path entry above
+    from workers import BFLOAT16  # after the sys.path entry above
+    from workers.gpu import backend as gpu
 
     reason = gpu.unavailable_reason()
     if reason is not None:
         write_report(out, {"error": reason}, None, [])
         print(f"no GPU benchmark: {reason}", file=sys.stderr)
         return 2
-    import cupy as cp  # noqa: PLC0415 - the GPU part only
+    import cupy as cp  # the GPU part only
 
     try:
         import torch  # noqa: PLC0415

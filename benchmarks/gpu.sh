@@ -27,13 +27,13 @@ try:
     print("torch cuda:", torch.cuda.is_available(), "flash sdp enabled:", torch.backends.cuda.flash_sdp_enabled())
 except Exception as exc:
     print("torch:", exc)
-from workers import gpu
-print("workers.gpu:", gpu.unavailable_reason() or "available")
+from workers.gpu import backend as gpu
+print("workers.gpu.backend:", gpu.unavailable_reason() or "available")
 PYEOF
 } 2>&1 | tee "$OUT_DIR/env.txt"
 
 echo "## GPU tests"
-timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu_kernels.py tests/test_gpu_worker.py 2>&1 | tee "$OUT_DIR/gpu_tests.txt"
+timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_workers_gpu_kernels.py tests/test_workers_gpu_worker.py 2>&1 | tee "$OUT_DIR/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 echo "## benchmark"

@@ -67,8 +67,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from service.client import Client
-from service.loadtest import Level, run_level
-from service.safetensors_codec import encode_safetensors
+from service.client.loadtest import Level, run_level
+from service.wire.safetensors import encode_safetensors
 from workers import attention as inprocess_attention
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
@@ -439,7 +439,7 @@ class Record:
 
 def closed_loop(url: str, send: Callable[[TimedClient], Any], concurrency: int, requests: int,
                 max_s: float) -> tuple[list[Record], Level]:
-    """``service.loadtest.run_level`` with one TimedClient per thread, recording every request."""
+    """``service.client.loadtest.run_level`` with one TimedClient per thread, recording every request."""
     records: list[Record] = []
     lock = threading.Lock()
 

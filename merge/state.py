@@ -23,7 +23,7 @@ import numpy as np
 NO_SCORE = -np.inf
 
 #: Dtypes a state may hold. Inputs in float16/bfloat16/float32 accumulate in
-#: float32; float64 inputs accumulate in float64 (CONTRACT section 2).
+#: float32; float64 inputs accumulate in float64 (docs/API.md section 2).
 STATE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 

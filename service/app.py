@@ -1,9 +1,8 @@
-"""The FastAPI application: built from settings, its lifespan owns Ray and the workers.
+"""The FastAPI application: built from settings; its lifespan owns Ray and the workers.
 
-Routes are thin (``service/routes/``): they parse, call a service object held in
-``app.state.splitkey`` (:class:`Runtime`), and encode. Nothing here is global: two
-apps with different settings can live in one process (tests do that for the
-settings that need no Ray).
+Routes are thin (``service/routes/``): they read a body, decode it into a typed
+request (``service.wire``), call a service object of the :class:`Runtime`, and
+encode. Every error reaches the client through one place, :func:`service.errors.render`.
 """
 
 from __future__ import annotations
@@ -12,8 +11,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
@@ -21,80 +18,48 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
 from service.attention import AttentionService
-from service.contexts import ContextService, Directory
-from service.errors import ApiError, error_body
+from service.cluster.connect import connect, disconnect
+from service.cluster.orchestrator import Orchestrator
+from service.cluster.pool import WorkerPool
+from service.contexts.directory import Directory
+from service.contexts.service import ContextService
+from service.errors import InvalidOption, ServiceError, WorkersUnavailable, render
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
-from service.orchestrator import Orchestrator
-from service.pool import WorkerPool
+from service.routes import attention, contexts, kserve, ops
+from service.runtime import AppState, Runtime
 from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Runtime:
-    """What the lifespan builds and the routes use."""
-
-    settings: ServiceSettings
-    metrics: Metrics
-    pool: WorkerPool | None = None
-    attention: AttentionService | None = None
-    contexts: ContextService | None = None
-
-
-def init_ray(settings: ServiceSettings) -> bool:
-    """Start an embedded Ray (loopback, no dashboard) or join a cluster; True if we started it."""
-    if ray.is_initialized():
-        return False
-    if settings.ray_address is None:
-        # address="local" always starts a new instance: without it ray.init() connects to
-        # whatever /tmp/ray/ray_current_cluster or RAY_ADDRESS names (a user's `ray start`
-        # cluster, or a dead one a killed process left behind), and embedded would not be.
-        ray.init(address="local", namespace=settings.ray_namespace, include_dashboard=False,
-                 _node_ip_address="127.0.0.1",
-                 logging_level=logging.WARNING, log_to_driver=False, configure_logging=False)
-        return True
-    ray.init(address=settings.ray_address, namespace=settings.ray_namespace, logging_level=logging.WARNING,
-             log_to_driver=False, configure_logging=False)
-    return False
-
-
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    rt: Runtime = app.state.splitkey
-    settings = rt.settings
-    started = init_ray(settings)
+    state: AppState = app.state.splitkey
+    settings = state.settings
+    started = connect(settings)
     detached = settings.ray_address is not None
     pool = await WorkerPool.start(settings, detached=detached)
-    orch = Orchestrator(pool, fanin=settings.merge_fanin, remote_merge_bytes=settings.remote_merge_bytes)
-    directory = await Directory.connect(settings, pool, detached=detached)
-    rt.pool = pool
-    rt.contexts = ContextService(settings, pool, directory)
-    rt.attention = AttentionService(settings, orch, rt.contexts)
-    rt.metrics.workers.labels(state="alive").set(pool.size)
+    directory = await Directory.connect(settings, [s.name for s in pool.slots], detached=detached)
+    context_service = ContextService(settings, pool, directory)
+    orchestrator = Orchestrator(pool, fanin=settings.merge_fanin, remote_merge_bytes=settings.remote_merge_bytes)
+    state.runtime = Runtime(pool=pool, attention=AttentionService(settings, pool, orchestrator, context_service),
+                            contexts=context_service)
+    state.metrics.workers.labels(state="alive").set(pool.size)
     log.info("splitkey ready: %d %s workers", pool.size, pool.device)
-    healer = asyncio.create_task(heal_forever(pool, settings.heal_interval_s))
+    healer = asyncio.create_task(pool.heal_forever(settings.heal_interval_s))
     try:
         yield
     finally:
         healer.cancel()
+        state.runtime = None
         pool.shutdown()
-        if started:
-            ray.shutdown()
+        disconnect(started)
 
 
-async def heal_forever(pool: WorkerPool, interval_s: float) -> None:
-    """Replace workers that were found dead (their resident shards are gone; replicas cover them)."""
-    while True:
-        await asyncio.sleep(interval_s)
-        if any(not s.alive for s in pool.slots):
-            try:
-                replaced = await pool.heal()
-                if replaced:
-                    log.warning("replaced dead workers: %s", ", ".join(replaced))
-            except Exception:  # the loop must outlive one failed attempt
-                log.exception("healing the worker pool failed")
+def _respond(err: ServiceError, request: Request) -> Response:
+    status, body, headers = render(err, request.url.path)
+    return Response(content=body, status_code=status, media_type="application/json", headers=headers)
 
 
 def create_app(settings: ServiceSettings | None = None) -> FastAPI:
@@ -104,29 +69,27 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         title="splitkey",
         version="0.1.0",
         summary="Exact split-key attention over HTTP.",
-        description="See README.md and docs/SERVICE.md. Errors are JSON {detail, code}.",
+        description="See README.md and docs/API.md. Errors are JSON {detail, code}.",
         lifespan=lifespan,
     )
-    app.state.splitkey = Runtime(settings=settings, metrics=metrics)
+    app.state.splitkey = AppState(settings=settings, limits=settings.limits(), metrics=metrics)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> Any:
-        return _error_response(exc)
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> Response:
+        return _respond(exc, request)
 
     @app.exception_handler(ray.exceptions.RayError)
-    async def _ray_error(_: Request, exc: ray.exceptions.RayError) -> Any:
-        # A worker or actor failure that no layer below turned into a contract error:
-        # the cluster is at fault, not the client, so 503 rather than 500.
+    async def _ray_error(request: Request, exc: ray.exceptions.RayError) -> Response:
+        # A worker or actor failure no layer below turned into a service error: the
+        # cluster is at fault, not the client, so 503 rather than 500.
         log.warning("Ray error reached the route: %s", exc)
-        return _error_response(ApiError("workers_unavailable", f"the cluster must answer, got {type(exc).__name__}"))
+        return _respond(WorkersUnavailable(f"the cluster must answer, got {type(exc).__name__}"), request)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> Any:
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {"loc": ["body"], "msg": "invalid"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
-        return _error_response(ApiError("invalid_option", f"{where or 'request'} must be valid: {first.get('msg')}"))
-
-    from service.routes import attention, contexts, kserve, ops  # here: the routes import this module's types
+        return _respond(InvalidOption(f"{where or 'request'} must be valid: {first.get('msg')}"), request)
 
     app.include_router(ops.router)
     app.include_router(attention.router)
@@ -135,8 +98,3 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), max_inflight=settings.max_inflight,
                        retry_after_s=settings.retry_after_s, metrics=metrics)
     return app
-
-
-def _error_response(exc: ApiError) -> Response:
-    return Response(content=error_body(exc), status_code=exc.status, media_type="application/json",
-                    headers=exc.headers)

@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _loadtest(args: argparse.Namespace) -> int:
-    from service.loadtest import main as loadtest_main
+    from service.client.loadtest import main as loadtest_main
 
     return loadtest_main(args)
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-memory-bytes", type=int, default=None, help="resident context bytes per worker (default 2 GiB)")
     s.set_defaults(func=_serve)
     lt = sub.add_parser("loadtest", help="load-test a running service with long contexts")
-    from service.loadtest import add_arguments
+    from service.client.loadtest import add_arguments
 
     add_arguments(lt)
     lt.set_defaults(func=_loadtest)

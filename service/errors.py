@@ -1,10 +1,11 @@
-"""The HTTP error model (CONTRACT section 6): one exception, a table of codes, one body format.
+"""Every error a client can see: one exception per kind, one table of codes and statuses.
 
-Every client mistake becomes an :class:`ApiError` whose ``code`` is a stable
-snake_case name and whose ``detail`` names the field and the bad value
-("q must be ..., got ..."). The status follows from the code (:data:`STATUS`), so a
-code can never travel with the wrong status. The body is JSON
-``{"detail": ..., "code": ...}`` (:func:`error_body`).
+Code anywhere in the service raises a :class:`ServiceError` subclass with a
+detail that names the field and the bad value ("q must be ..., got ...");
+:data:`ERRORS` gives each subclass its stable ``code`` and HTTP status
+(docs/API.md section 7), and :func:`render` writes the one body format for
+every route, the KServe ones included. No layer matches messages or builds a
+status of its own.
 """
 
 from __future__ import annotations
@@ -12,76 +13,140 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-
-#: Status of each error code. The codes are part of the public contract: add, never rename.
-STATUS: Mapping[str, int] = {
-    "invalid_body": 400,  # the body cannot be parsed (bad JSON, malformed safetensors)
-    "unauthorized": 401,  # missing or wrong API key
-    "context_not_found": 404,  # unknown context id
-    "body_too_large": 413,  # body, safetensors header or one tensor over its limit
-    "unsupported_media_type": 415,  # Content-Type is neither JSON nor safetensors
-    "invalid_tensor": 422,  # well-formed, but a tensor is wrong (name, dtype, shape, values)
-    "invalid_option": 422,  # well-formed, but an option or field is wrong
-    "overloaded": 429,  # too many requests in flight; see Retry-After
-    "workers_unavailable": 503,  # no Ray workers answering
-    "context_lost": 503,  # a shard of a needed context was lost with its worker
-    "deadline_exceeded": 504,  # the request ran past its deadline
-    "insufficient_capacity": 507,  # no room on the workers for a context
-}
+from dataclasses import dataclass
 
 
-class ApiError(Exception):
-    """A client-visible error: ``status`` (from ``code``), ``code``, ``detail`` and extra ``headers``."""
+class ServiceError(Exception):
+    """An error the client sees; its ``code`` and ``status`` come from :data:`ERRORS`."""
 
-    def __init__(self, code: str, detail: str, headers: Mapping[str, str] | None = None) -> None:
-        if code not in STATUS:
-            raise ValueError(f"code must be one of {', '.join(STATUS)}, got {code!r}")
+    def __init__(self, detail: str, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(detail)
-        self.code = code
-        self.status = STATUS[code]
         self.detail = detail
         self.headers = dict(headers or {})
 
+    @property
+    def code(self) -> str:
+        return ERRORS[type(self)].code
+
+    @property
+    def status(self) -> int:
+        return ERRORS[type(self)].status
+
     def __repr__(self) -> str:
-        return f"ApiError({self.code!r}, {self.detail!r})"
+        return f"{type(self).__name__}({self.detail!r})"
 
 
-def error_body(err: ApiError) -> bytes:
-    """The JSON body of an error response: ``{"detail": ..., "code": ...}`` (UTF-8)."""
-    return json.dumps({"detail": err.detail, "code": err.code}, separators=(",", ":")).encode()
+class InvalidBody(ServiceError):
+    """The body cannot be parsed (bad JSON, malformed safetensors, a broken KServe request)."""
 
 
-def from_value_error(err: ValueError, code: str = "invalid_tensor") -> ApiError:
-    """Wrap a library ``ValueError`` ("x must be ..., got ...") raised on client input."""
-    return ApiError(code, str(err))
+class Unauthorized(ServiceError):
+    """Missing or wrong API key; carries the ``WWW-Authenticate: Bearer`` challenge (RFC 9110)."""
+
+    def __init__(self, detail: str = "Authorization must be 'Bearer <api key>', got a missing or wrong key") -> None:
+        super().__init__(detail, {"WWW-Authenticate": "Bearer"})
 
 
-def unauthorized(detail: str = "a valid API key is required in the Authorization header") -> ApiError:
-    """401 with ``WWW-Authenticate: Bearer`` (RFC 9110 asks for the challenge)."""
-    return ApiError("unauthorized", detail, {"WWW-Authenticate": "Bearer"})
+class ContextNotFound(ServiceError):
+    """An unknown context id."""
 
 
-def overloaded(detail: str, retry_after_s: float) -> ApiError:
-    """429 with ``Retry-After`` in whole seconds (rounded up, at least 1)."""
-    if type(retry_after_s) not in (int, float) or not math.isfinite(retry_after_s):
-        raise ValueError(f"retry_after_s must be a finite number, got {retry_after_s!r}")
-    return ApiError("overloaded", detail, {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+class BodyTooLarge(ServiceError):
+    """The body, a safetensors header or one tensor is over its limit."""
 
 
-def error_responses(*statuses: int) -> dict[int, dict]:
+class UnsupportedMediaType(ServiceError):
+    """The Content-Type (or Content-Encoding) is not one the service reads."""
+
+
+class InvalidTensor(ServiceError):
+    """Well-formed, but a tensor is wrong: name, dtype, shape or values."""
+
+
+class InvalidOption(ServiceError):
+    """Well-formed, but an option or field is wrong."""
+
+
+class Overloaded(ServiceError):
+    """Too many requests in flight; carries ``Retry-After`` in whole seconds (rounded up, at least 1)."""
+
+    def __init__(self, detail: str, retry_after_s: float) -> None:
+        if isinstance(retry_after_s, bool) or not isinstance(retry_after_s, (int, float)) \
+                or not math.isfinite(retry_after_s):
+            raise ValueError(f"retry_after_s must be a finite number, got {retry_after_s!r}")
+        super().__init__(detail, {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
+class WorkersUnavailable(ServiceError):
+    """No Ray worker could take the work (died, its node went away, or none are up yet)."""
+
+
+class ContextLost(ServiceError):
+    """A shard of a needed context has no live replica left."""
+
+
+class DeadlineExceeded(ServiceError):
+    """The request ran past its deadline."""
+
+
+class InsufficientCapacity(ServiceError):
+    """No room on the workers for a context."""
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    code: str  #: stable snake_case name, part of the public contract: add, never rename
+    status: int
+
+
+#: The one table: each error's code and HTTP status (docs/API.md section 7).
+ERRORS: Mapping[type[ServiceError], ErrorKind] = {
+    InvalidBody: ErrorKind("invalid_body", 400),
+    Unauthorized: ErrorKind("unauthorized", 401),
+    ContextNotFound: ErrorKind("context_not_found", 404),
+    BodyTooLarge: ErrorKind("body_too_large", 413),
+    UnsupportedMediaType: ErrorKind("unsupported_media_type", 415),
+    InvalidTensor: ErrorKind("invalid_tensor", 422),
+    InvalidOption: ErrorKind("invalid_option", 422),
+    Overloaded: ErrorKind("overloaded", 429),
+    WorkersUnavailable: ErrorKind("workers_unavailable", 503),
+    ContextLost: ErrorKind("context_lost", 503),
+    DeadlineExceeded: ErrorKind("deadline_exceeded", 504),
+    InsufficientCapacity: ErrorKind("insufficient_capacity", 507),
+}
+
+#: Routes under this prefix speak the Open Inference Protocol, whose clients read an ``error`` key.
+KSERVE_PREFIX = "/v2"
+
+
+def error_body(err: ServiceError, *, kserve: bool = False) -> bytes:
+    """``{"detail", "code"}`` as UTF-8 JSON; KServe routes add the protocol's ``error`` (the same message)."""
+    doc = {"error": err.detail} if kserve else {}
+    doc.update(detail=err.detail, code=err.code)
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def render(err: ServiceError, path: str) -> tuple[int, bytes, dict[str, str]]:
+    """``(status, body, headers)`` of the response to ``err`` on ``path``: the one place errors are written."""
+    return err.status, error_body(err, kserve=path.startswith(KSERVE_PREFIX)), dict(err.headers)
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
     """OpenAPI ``responses=`` entries for FastAPI routes: the error body schema per status."""
+    codes = [kind.code for kind in ERRORS.values()]
     schema = {
         "type": "object",
         "required": ["detail", "code"],
-        "properties": {"detail": {"type": "string"}, "code": {"type": "string", "enum": list(STATUS)}},
+        "properties": {"detail": {"type": "string"}, "code": {"type": "string", "enum": codes}},
     }
-    out = {}
+    out: dict[int | str, dict] = {}
     for status in statuses:
-        codes = [c for c, s in STATUS.items() if s == status]
-        if not codes:
-            raise ValueError(f"status must be one of {sorted(set(STATUS.values()))}, got {status!r}")
+        with_status = [kind.code for kind in ERRORS.values() if kind.status == status]
+        if not with_status:
+            known = sorted({kind.status for kind in ERRORS.values()})
+            raise ValueError(f"status must be one of {known}, got {status!r}")
         out[status] = {
-            "description": "error: " + ", ".join(codes),
+            "description": "error: " + ", ".join(with_status),
             "content": {"application/json": {"schema": schema}},
         }
     return out

@@ -1,11 +1,30 @@
-"""Prometheus metrics of one app instance (its own registry, so tests can run several)."""
+"""Prometheus metrics of one app instance (its own registry, so tests can run several),
+and the per-request stage timings that feed them and the ``Server-Timing`` header."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 STAGES = ("parse", "scatter", "compute", "merge", "encode", "total")
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclass
+class Timings:
+    """Seconds spent per stage of one request (``STAGES``)."""
+
+    stages: dict[str, float] = field(default_factory=dict)
+
+    def add(self, stage: str, seconds: float) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
+        self.stages[stage] = self.stages.get(stage, 0.0) + seconds
+
+    def header(self) -> str:
+        """The ``Server-Timing`` header value: ``parse;dur=1.234, ...`` in milliseconds."""
+        return ", ".join(f"{name};dur={sec * 1000:.3f}" for name, sec in self.stages.items())
 
 
 class Metrics:
@@ -22,10 +41,10 @@ class Metrics:
         self.rejected = Counter("splitkey_rejected_requests", "Requests refused by admission control.", ["reason"], registry=r)
         self.workers = Gauge("splitkey_workers", "Shard workers by state.", ["state"], registry=r)
         self.worker_bytes = Gauge("splitkey_worker_bytes_held", "Resident context bytes per worker.", ["worker"], registry=r)
-        self.contexts = Gauge("splitkey_contexts", "Resident contexts.", registry=r)
+        self.contexts = Gauge("splitkey_contexts", "Resident contexts in the directory.", registry=r)
 
-    def observe_stages(self, route: str, stages: dict[str, float]) -> None:
-        for stage, sec in stages.items():
+    def observe_stages(self, route: str, timings: Timings) -> None:
+        for stage, sec in timings.stages.items():
             self.stage_seconds.labels(route=route, stage=stage).observe(sec)
 
     def render(self) -> bytes:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from service import kserve_codec
-from service.errors import ApiError, error_body
+from service.errors import Overloaded, ServiceError, Unauthorized, render
 from service.metrics import Metrics
 
 #: Paths that answer without a key (orchestrators probe them unauthenticated).
@@ -50,15 +49,13 @@ class ServiceMiddleware:
         path = scope["path"]
         route = route_label(path)
         if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
-            await self._error(send, route, ApiError("unauthorized", "Authorization must be 'Bearer <api key>', got a missing or wrong key",
-                                                    headers={"www-authenticate": "Bearer"}))
+            await self._error(send, path, route, Unauthorized())
             return
         work = path.startswith(WORK_PREFIXES)
         if work and self.inflight >= self.max_inflight:
             self.metrics.rejected.labels(reason="inflight").inc()
-            await self._error(send, route, ApiError(
-                "overloaded", f"in-flight requests must stay below {self.max_inflight}, got one more; retry later",
-                headers={"retry-after": str(self.retry_after_s)}))
+            await self._error(send, path, route, Overloaded(
+                f"in-flight requests must stay below {self.max_inflight}, got one more; retry later", self.retry_after_s))
             return
         status = {"code": 500}
         sent = {"bytes": 0}
@@ -89,11 +86,10 @@ class ServiceMiddleware:
                 return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
         return False
 
-    async def _error(self, send: Any, route: str, err: ApiError) -> None:
-        # KServe clients read an "error" key; its routes' bodies carry it next to detail and code.
-        body = kserve_codec.error_body(err) if route.startswith("/v2") else error_body(err)
+    async def _error(self, send: Any, path: str, route: str, err: ServiceError) -> None:
+        status, body, extra = render(err, path)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        headers += [(k.encode(), v.encode()) for k, v in (err.headers or {}).items()]
-        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-        self.metrics.requests.labels(route=route, code=str(err.status)).inc()
+        self.metrics.requests.labels(route=route, code=str(status)).inc()

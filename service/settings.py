@@ -12,6 +12,9 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.wire.rules import Limits
+from workers.options import GpuKernels
+
 
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPLITKEY_", extra="forbid", frozen=True)
@@ -28,7 +31,7 @@ class ServiceSettings(BaseSettings):
     max_body_bytes: int = Field(2 * 2**30, ge=1024, description="Largest request body (413 above).")
     max_inflight: int = Field(64, ge=1, description="Requests admitted at once; more get 429.")
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request deadline (504 past it).")
-    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429.")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429, in seconds.")
 
     # Sharding and merge
     shards: int | None = Field(None, ge=1, description="Shards per inline request; default: the number of workers.")
@@ -41,7 +44,8 @@ class ServiceSettings(BaseSettings):
     kernel_threads: int = Field(1, ge=1, description="Threads per worker's kernel (one CPU each by default).")
     worker_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker.")
     worker_memory_bytes: int = Field(2 * 2**30, ge=0, description="Resident context bytes per worker.")
-    fused_gpu_kernels: bool = False
+    gpu_kernels: GpuKernels = Field(GpuKernels.GENERIC, description="GPU implementation: generic or fused "
+                                                                    "(docs/GPU.md).")
     heal_interval_s: float = Field(2.0, gt=0, description="How often dead workers are looked for and replaced.")
 
     # Resident contexts
@@ -55,6 +59,12 @@ class ServiceSettings(BaseSettings):
         if v is not None and not v.strip():
             raise ValueError("ray_address must be 'auto' or HOST:PORT, got an empty string")
         return v
+
+    def limits(self) -> Limits:
+        """The request limits these settings imply (built once, when the app is)."""
+        return Limits(max_body_bytes=self.max_body_bytes,
+                      max_json_body_bytes=min(self.max_body_bytes, Limits().max_json_body_bytes),
+                      max_replicas=self.max_replicas)
 
     def api_key(self) -> str | None:
         """The bearer token, read from ``api_key_file`` (stripped), or None."""

@@ -89,3 +89,9 @@ def assert_close_to_reference(out, lse, q, k, v, factor: float = 2.0, **opts) ->
             f"lse error {err_lse:.3g} > {factor} x one-shot error {base_err_lse:.3g} + {lse_floor:.3g}"
         )
     assert np.all(out[~np.isfinite(lse)] == 0), "fully masked rows must give out = 0"
+
+
+def contract_layout(view) -> tuple[np.ndarray, np.ndarray]:
+    """The keys and values of a ``StreamingView`` back in the contract layout (copies):
+    ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]``."""
+    return np.ascontiguousarray(view.kt.transpose(2, 0, 1)), np.ascontiguousarray(view.v.transpose(1, 0, 2))

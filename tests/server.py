@@ -73,3 +73,26 @@ class Server:
                 self.proc.wait(timeout=10)
         self._log.close()
         self.proc = None
+
+
+def read_response(sock: socket.socket) -> str:
+    """Status line, headers and body of one HTTP/1.1 response read off a raw socket.
+
+    The head and the body may arrive in separate segments: read until the
+    Content-Length is satisfied (or the server closes the connection).
+    """
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data.decode()
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return (head + b"\r\n\r\n" + body).decode()

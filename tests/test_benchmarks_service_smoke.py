@@ -124,7 +124,7 @@ def test_inputs_are_reproducible_and_inprocess_is_exact(svc):
 
 
 def test_body_file_is_the_clients_safetensors(svc, tmp_path):
-    from service.safetensors_codec import decode_safetensors
+    from service.wire.safetensors import decode_safetensors
 
     q, k, v = svc.make_inputs(svc.Shape("t", 1, 2, 1, 4), 16, seed=2)
     n = svc.write_body(tmp_path / "b.bin", {"q": q, "k": k, "v": v})

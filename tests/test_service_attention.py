@@ -8,9 +8,10 @@ import httpx
 import numpy as np
 import pytest
 from reference import assert_close_to_reference
+from server import read_response
 
-from service.client import Client
-from service.safetensors_codec import decode_safetensors, encode_safetensors, to_bytes
+from service.client import Client, SplitkeyError
+from service.wire.safetensors import decode_safetensors, encode_safetensors, to_bytes
 from workers import BFLOAT16
 
 pytestmark = pytest.mark.ray
@@ -161,8 +162,20 @@ def test_non_finite_inputs_are_refused(client):
     q = np.ones((1, 1, 4), np.float32)
     k = np.ones((3, 1, 4), np.float32)
     k[1, 0, 2] = np.nan
-    with pytest.raises(Exception, match="k must be finite"):
+    with pytest.raises(SplitkeyError, match="k must be finite") as err:
         client.attention(q, k, np.ones((3, 1, 4), np.float32))
+    assert (err.value.status, err.value.code) == (422, "invalid_tensor")
+
+
+def test_non_finite_alibi_slopes_over_a_context_are_422_not_a_worker_failure(client):
+    ctx = client.create_context(np.ones((8, 1, 4), np.float32), np.ones((8, 1, 4), np.float32))
+    slopes = np.array([np.nan], np.float32)
+    with pytest.raises(SplitkeyError, match="alibi_slopes must be finite") as err:
+        client.attention(np.ones((1, 1, 4), np.float32), contexts=[ctx["id"]], alibi_slopes=slopes)
+    assert (err.value.status, err.value.code) == (422, "invalid_option")
+    with pytest.raises(SplitkeyError, match=r"alibi_slopes must have shape \[1\]") as err:
+        client.attention(np.ones((1, 1, 4), np.float32), contexts=[ctx["id"]], alibi_slopes=np.ones(2, np.float32))
+    client.delete_context(ctx["id"])
 
 
 def test_body_over_the_limit_gets_413_from_content_length_and_from_chunks(server):
@@ -170,7 +183,7 @@ def test_body_over_the_limit_gets_413_from_content_length_and_from_chunks(server
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(b"POST /v1/attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
                      b"Content-Length: " + str(65 * 2**20).encode() + b"\r\n\r\n")
-        head = sock.recv(65536).decode()
+        head = read_response(sock)
     assert head.startswith("HTTP/1.1 413") and "body_too_large" in head
 
     def chunks():
@@ -187,7 +200,9 @@ def test_shapes_declared_beyond_the_body_are_refused_before_allocation(server):
     header = json.dumps({"q": {"dtype": "F32", "shape": [100000, 100000, 1000], "data_offsets": [0, 16]}}).encode()
     body = len(header).to_bytes(8, "little") + header + b"\0" * 16
     r = httpx.post(server.url + "/v1/attention", content=body, headers={"Content-Type": "application/octet-stream"})
-    assert r.status_code in (400, 413) and "q" in r.json()["detail"]
+    # The offsets cannot hold the declared shape: a malformed body (400), found from the header alone.
+    assert r.status_code == 400 and r.json()["code"] == "invalid_body"
+    assert "q data_offsets must span prod(shape) * itemsize = 40000000000000 bytes" in r.json()["detail"]
 
 
 def test_operations_endpoints(server, client, rng):

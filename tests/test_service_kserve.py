@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import pathlib
 import re
@@ -14,13 +13,12 @@ import sys
 import httpx
 import numpy as np
 import pytest
-import ray
 import tritonclient.http as triton
 from reference import assert_close_to_reference
+from server import read_response
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from service.client import Client
-from service.routes.kserve import kserve_errors
 from workers import BFLOAT16
 
 pytestmark = pytest.mark.ray
@@ -255,20 +253,9 @@ def test_bad_framing_is_refused_before_the_body_is_used(server):
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(f"POST {INFER} HTTP/1.1\r\nHost: x\r\nContent-Length: {65 * 2**20}\r\n"
                      f"Inference-Header-Content-Length: 10\r\n\r\n".encode())
-        head = sock.recv(65536).decode()
+        head = read_response(sock)
     assert head.startswith("HTTP/1.1 413") and '"error"' in head and "body_too_large" in head
     assert httpx.get(server.url + "/v2/health/live").json() == {"live": True}
-
-
-def test_a_ray_error_reaching_the_route_is_503_with_the_error_key():
-    async def failing(request):
-        raise ray.exceptions.RaySystemError("worker gone")
-
-    response = asyncio.run(kserve_errors(failing)(None))
-    assert response.status_code == 503
-    assert json.loads(response.body) == {"error": "the cluster must answer, got RaySystemError",
-                                         "detail": "the cluster must answer, got RaySystemError",
-                                         "code": "workers_unavailable"}
 
 
 # -- the examples of docs/KSERVE.md ----------------------------------------------------------

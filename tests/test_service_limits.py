@@ -10,7 +10,7 @@ from reference import assert_close_to_reference
 from server import Server
 
 from service.client import Client, SplitkeyError
-from service.safetensors_codec import encode_safetensors, to_bytes
+from service.wire.safetensors import encode_safetensors, to_bytes
 
 pytestmark = pytest.mark.ray
 

@@ -20,7 +20,7 @@ def make(rng, n_q, h_q, h_kv, d, d_v, n_k, dtype=np.float64, spread=1.0):
 
 
 def random_options(rng, n_q, n_k, h_q):
-    """One random combination of every option of CONTRACT section 3."""
+    """One random combination of every option of docs/API.md section 3."""
     opts = {}
     if rng.random() < 0.5:
         opts["causal"] = True
@@ -150,6 +150,16 @@ def test_default_positions_align_queries_with_the_last_keys(rng):
     np.testing.assert_allclose(out[:1], ref_out, rtol=1e-12)
 
 
+def test_default_query_positions_end_one_past_the_last_given_key_position(rng):
+    # Keys given at 100..109: queries without positions are the last n_q of them, as the
+    # service places them, not 6..9 (which would see no key under causal).
+    q, k, v = make(rng, 4, 2, 1, 8, 8, 10)
+    out, lse = attention(q, k, v, causal=True, k_pos=np.arange(100, 110))
+    explicit = attention(q, k, v, causal=True, q_pos=np.arange(106, 110), k_pos=np.arange(100, 110))
+    np.testing.assert_array_equal(out, explicit[0])
+    assert np.isfinite(lse).all()
+
+
 def test_gqa_maps_query_head_i_to_kv_head_i_div_g(rng):
     q, k, v = make(rng, 1, 4, 2, 8, 8, 20)
     out, _ = attention(q, k, v)
@@ -172,8 +182,9 @@ def test_gqa_maps_query_head_i_to_kv_head_i_div_g(rng):
         (lambda q, k, v: partial_attention(q, k, v, scale=-1.0), "scale must be a finite number > 0, got -1.0"),
         (lambda q, k, v: partial_attention(q, k, v, scale=float("nan")), "scale must be a finite number, got nan"),
         (lambda q, k, v: partial_attention(q, k, v, scale=10**400), "scale must be a finite number, got 1000"),
-        (lambda q, k, v: partial_attention(q, k, v, window=(1,)), r"window must be a pair \[left, right\], got \(1,\)"),
-        (lambda q, k, v: partial_attention(q, k, v, window=(-1, None)), "window left must be null or an int"),
+        (lambda q, k, v: partial_attention(q, k, v, window=(1,)), r"window must be \[left, right\], .* got \[1\]"),
+        (lambda q, k, v: partial_attention(q, k, v, window=(-1, None)),
+         r"window must be \[left, right\], each null or an int in \[0, 2\*\*62\], got \[-1, None\]"),
         (lambda q, k, v: partial_attention(q, k, v, softcap=-2.0), "softcap must be a finite number >= 0, got -2.0"),
         (lambda q, k, v: partial_attention(q, k, v, alibi_slopes=np.ones(3)), r"alibi_slopes must have shape \[4\], got \(3,\)"),
         (lambda q, k, v: partial_attention(q, k, v, block_size=0), "block_size must be null or an int >= 1, got 0"),

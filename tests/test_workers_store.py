@@ -1,7 +1,9 @@
 import numpy as np
 import pytest
+from reference import contract_layout
 
 from workers.store import CapacityError, ShardMissing, ShardStore
+from workers.tasks import ShardWrite
 
 
 def kv(n, h_kv=2, d=8, d_v=4, seed=0):
@@ -12,11 +14,11 @@ def kv(n, h_kv=2, d=8, d_v=4, seed=0):
 def test_create_append_view_and_held_report():
     st = ShardStore(budget_bytes=10**8)
     k, v = kv(300)
-    st.create("c1", 0, k[:100], v[:100], np.arange(100), dtype="float32", max_capacity=1000, context={"version": 1})
-    info = st.append("c1", 0, k[100:], v[100:], np.arange(100, 300), max_capacity=1000, committed=100)
-    assert info.length == 300 and info.pos_max == 299
+    st.create(ShardWrite("c1", 0, "float32", 1000, np.arange(100)), k[:100], v[:100], context={"version": 1})
+    info = st.append(ShardWrite("c1", 0, "float32", 1000, np.arange(100, 300)), k[100:], v[100:], committed=100)
+    assert info.length == 300 and info.nbytes == st.used
     view = st.view("c1", 0, 200)
-    k2, v2 = view.natural()
+    k2, v2 = contract_layout(view)
     np.testing.assert_array_equal(k2, k[:200])
     np.testing.assert_array_equal(v2, v[:200])
     [rep] = st.held()
@@ -26,10 +28,10 @@ def test_create_append_view_and_held_report():
 def test_append_drops_an_uncommitted_tail_first():
     st = ShardStore(budget_bytes=10**8)
     k, v = kv(30)
-    st.create("c", 0, k[:10], v[:10], np.arange(10), dtype="float32", max_capacity=100, context={})
-    st.append("c", 0, k[10:20], v[10:20], np.arange(10, 20), max_capacity=100, committed=10)  # never committed
-    st.append("c", 0, k[20:30], v[20:30], np.arange(10, 20), max_capacity=100, committed=10)
-    got, _ = st.view("c", 0, 20).natural()
+    st.create(ShardWrite("c", 0, "float32", 100, np.arange(10)), k[:10], v[:10], context={})
+    st.append(ShardWrite("c", 0, "float32", 100, np.arange(10, 20)), k[10:20], v[10:20], committed=10)  # never committed
+    st.append(ShardWrite("c", 0, "float32", 100, np.arange(10, 20)), k[20:30], v[20:30], committed=10)
+    got, _ = contract_layout(st.view("c", 0, 20))
     np.testing.assert_array_equal(got, np.concatenate([k[:10], k[20:30]]))
 
 
@@ -37,7 +39,7 @@ def test_over_budget_raises_capacity_error_and_writes_nothing():
     st = ShardStore(budget_bytes=50_000)
     k, v = kv(1000)
     with pytest.raises(CapacityError, match="budget"):
-        st.create("c", 0, k, v, np.arange(1000), dtype="float32", max_capacity=1000, context={})
+        st.create(ShardWrite("c", 0, "float32", 1000, np.arange(1000)), k, v, context={})
     assert st.held() == [] and st.used == 0
 
 
@@ -46,7 +48,7 @@ def test_missing_shards_and_short_shards_raise_shard_missing():
     with pytest.raises(ShardMissing):
         st.view("nope", 0, 1)
     k, v = kv(5)
-    st.create("c", 0, k, v, np.arange(5), dtype="float32", max_capacity=10, context={})
+    st.create(ShardWrite("c", 0, "float32", 10, np.arange(5)), k, v, context={})
     with pytest.raises(ShardMissing, match="fewer than the 6 committed"):
         st.view("c", 0, 6)
 
@@ -55,6 +57,6 @@ def test_drop_frees_the_memory():
     st = ShardStore(budget_bytes=10**8)
     k, v = kv(100)
     for i in range(3):
-        st.create("c", i, k, v, np.arange(100), dtype="float32", max_capacity=100, context={})
+        st.create(ShardWrite("c", i, "float32", 100, np.arange(100)), k, v, context={})
     assert st.drop("c", 1) == 1 and len(st.held()) == 2
     assert st.drop("c") == 2 and st.used == 0

@@ -1,25 +1,27 @@
 """Kernels and shard workers: partial attention over one shard of keys -> State.
 
-``partial_attention`` and ``attention`` take numpy (CPU kernel) or cupy arrays
-(GPU path, ``workers.gpu``). Ray actors live in ``workers.actor`` and are not
-imported here, so library use needs no Ray.
+``partial_attention`` and ``attention`` take numpy (CPU backend, ``workers.cpu``)
+or cupy arrays (GPU backend, ``workers.gpu``). Ray actors live in
+``workers.actor`` and are not imported here, so library use needs no Ray.
 """
 
-from workers.api import attention, partial_attention, partial_attention_resident
-from workers.dtypes import BFLOAT16, bfloat16_from_bits, bfloat16_to_float32
+from workers.api import attention, partial_attention, partial_attention_resident, partial_attention_shard
+from workers.dtypes import BFLOAT16, DTYPES, bfloat16_from_bits
 from workers.layout import NaturalKV, StreamingKV, StreamingView
-from workers.options import AttentionOptions, KernelOptions
+from workers.options import AttentionOptions, GpuKernels, KernelOptions
 
 __all__ = [
     "BFLOAT16",
+    "DTYPES",
     "AttentionOptions",
+    "GpuKernels",
     "KernelOptions",
     "NaturalKV",
     "StreamingKV",
     "StreamingView",
     "attention",
     "bfloat16_from_bits",
-    "bfloat16_to_float32",
     "partial_attention",
     "partial_attention_resident",
+    "partial_attention_shard",
 ]

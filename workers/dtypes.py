@@ -1,4 +1,8 @@
-"""Input dtypes and the accumulation dtype (CONTRACT section 2).
+"""The one table of input dtypes, and the accumulation dtype (docs/API.md section 2).
+
+Every layer names dtypes through :data:`DTYPES` (``"bfloat16"`` <-> ``np.dtype``):
+the JSON ``dtype`` field, context records, the worker's store, the load generator.
+Wire formats add their own codes for the same dtypes in ``service/wire/dtypes.py``.
 
 NumPy has no bfloat16; ``ml_dtypes.bfloat16`` supplies one. A bfloat16 is the top
 16 bits of a float32, so raw bits (``uint16``) convert by a shift, see
@@ -7,6 +11,7 @@ NumPy has no bfloat16; ``ml_dtypes.bfloat16`` supplies one. A bfloat16 is the to
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import ml_dtypes
@@ -17,15 +22,31 @@ FLOAT16 = np.dtype(np.float16)
 FLOAT32 = np.dtype(np.float32)
 FLOAT64 = np.dtype(np.float64)
 
-#: Input dtypes accepted for q, k and v.
-INPUT_DTYPES = (FLOAT16, BFLOAT16, FLOAT32, FLOAT64)
+#: Input dtypes accepted for q, k and v, by their public names, narrowest first.
+DTYPES: Mapping[str, np.dtype] = {"float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32, "float64": FLOAT64}
 INPUT_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+
+def dtype_name(dtype: Any) -> str:
+    """The public name of an input dtype (``"bfloat16"``), or raise naming it."""
+    dt = np.dtype(dtype)
+    if dt not in _NAMES:
+        raise ValueError(f"dtype must be {INPUT_DTYPE_NAMES}, got {dt}")
+    return _NAMES[dt]
+
+
+def dtype_of(name: str) -> np.dtype:
+    """The numpy dtype of a public dtype name, or raise naming it."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
 
 
 def check_input_dtype(name: str, dtype: Any) -> np.dtype:
     """Return ``dtype`` as a numpy dtype, or raise naming the argument."""
     dt = np.dtype(dtype)
-    if dt not in INPUT_DTYPES:
+    if dt not in _NAMES:
         raise ValueError(f"{name} must have dtype {INPUT_DTYPE_NAMES}, got {dt}")
     return dt
 
@@ -41,8 +62,3 @@ def bfloat16_from_bits(bits: Any) -> Any:
         raise ValueError(f"bits must have dtype uint16, got {bits.dtype}")
     return bits.view(BFLOAT16)
 
-
-def bfloat16_to_float32(x: Any) -> np.ndarray:
-    """Exact widening of bfloat16 (or its uint16 bits) to float32: the bits shifted up 16."""
-    u16 = x.view(np.uint16)
-    return (u16.astype(np.uint32) << 16).view(np.float32)

@@ -26,13 +26,19 @@ from typing import Any
 import numpy as np
 
 from merge import array_module
-from workers.options import as_array
 from workers.plan import CALL_KEYS, DECODE_ROWS
+from workers.positions import as_array
+from workers.problem import KVDims
 
 #: Row stride padding of StreamingKV's d-major keys, in elements (see module doc).
 STRIDE_PAD = 16
 #: Capacity granule of StreamingKV, in keys.
 CAPACITY_GRANULE = 256
+
+
+def bytes_per_key(h_kv: int, d: int, d_v: int, dtype: Any) -> int:
+    """Bytes one resident key takes: its key and value rows in ``dtype`` and an int64 position."""
+    return h_kv * (d + d_v) * np.dtype(dtype).itemsize + 8
 
 
 def padded_capacity(n: int) -> int:
@@ -131,7 +137,7 @@ class StreamingKV:
         return int(self._kt.nbytes + self._v.nbytes + self._pos.nbytes)
 
     def bytes_per_key(self) -> int:
-        return self.h_kv * (self.d + self.d_v) * self.dtype.itemsize + 8
+        return bytes_per_key(self.h_kv, self.d, self.d_v, self.dtype)
 
     def growth(self, n: int, max_capacity: int | None = None) -> int:
         """Capacity after appending ``n`` keys (unchanged if they fit)."""
@@ -195,6 +201,11 @@ class StreamingView:
     def n_k(self) -> int:
         return int(self.k_pos.shape[0])
 
+    @property
+    def dims(self) -> KVDims:
+        h_kv, d, n_k = (int(s) for s in self.kt.shape)
+        return KVDims(n_k=n_k, h_kv=h_kv, d=d, d_v=int(self.v.shape[2]))
+
     #: Keys per CPU BLAS call over views (see :meth:`call_keys`): the value
     #: product of a decode tile streams best with about a thousand keys per call.
     VIEW_CALL_KEYS = 1024
@@ -221,8 +232,3 @@ class StreamingView:
     def block(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> tuple[Any, Any]:
         """``(kt [hb, d, B], v [hb, B, d_v])`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``."""
         return self.keys(start, stop, h0, h1, acc_dtype), self.values(start, stop, h0, h1, acc_dtype)
-
-    def natural(self) -> tuple[Any, Any]:
-        """The keys and values back in the contract layout (copies): ``k [n_k, h_kv, d]``, ``v``."""
-        xp = array_module(self.kt)
-        return xp.ascontiguousarray(self.kt.transpose(2, 0, 1)), xp.ascontiguousarray(self.v.transpose(1, 0, 2))

@@ -1,4 +1,4 @@
-"""Masks as key-position intervals, and the block skip (CONTRACT section 3).
+"""Masks as key-position intervals, and the block skip (docs/API.md section 3).
 
 A query at position p sees the keys with positions in ``[p - left, p + right]``
 (either bound may be unbounded; causal means right = 0). Over a tile of queries

@@ -17,10 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from workers.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
-from workers.layout import StreamingKV, StreamingView, padded_capacity
-
-DTYPES_BY_NAME = {"float16": FLOAT16, "bfloat16": BFLOAT16, "float32": FLOAT32, "float64": FLOAT64}
+from workers.dtypes import dtype_name, dtype_of
+from workers.layout import StreamingKV, StreamingView, bytes_per_key, padded_capacity
+from workers.tasks import ShardWrite
 
 
 class CapacityError(Exception):
@@ -42,7 +41,6 @@ class ShardInfo:
     d: int
     d_v: int
     dtype: str
-    pos_max: int
     nbytes: int
     context: dict  # the context's newest committed record seen here, for a directory rebuild
 
@@ -56,7 +54,6 @@ class ShardStore:
         self.xp = xp
         self._shards: dict[tuple[str, int], StreamingKV] = {}
         self._info: dict[str, dict] = {}  # context_id -> the newest committed context record seen
-        self._pos_max: dict[tuple[str, int], int] = {}
 
     @property
     def used(self) -> int:
@@ -68,43 +65,41 @@ class ShardStore:
                 f"{what} needs {extra} bytes, but this worker holds {self.used} of its {self.budget}-byte budget"
             )
 
-    def create(self, context_id: str, index: int, k: Any, v: Any, k_pos: Any, *, dtype: str,
-               max_capacity: int, context: dict) -> ShardInfo:
+    def create(self, write: ShardWrite, k: Any, v: Any, *, context: dict) -> ShardInfo:
+        """A new shard holding ``k``, ``v`` at ``write.k_pos``; ``context`` is the record to remember."""
+        context_id, index = write.context_id, write.index
         key = (context_id, index)
         if key in self._shards:
             raise ValueError(f"shard must not exist yet, got an existing shard {index} of {context_id}")
-        dt = DTYPES_BY_NAME[dtype]
+        dt = dtype_of(write.dtype)
         n, h_kv, d = (int(s) for s in k.shape)
         d_v = int(v.shape[2])
-        need = padded_capacity(n) * (h_kv * (d + d_v) * dt.itemsize + 8)
-        self._reserve(need, f"shard {index} of context {context_id}")
+        self._reserve(padded_capacity(n) * bytes_per_key(h_kv, d, d_v, dt), f"shard {index} of context {context_id}")
         kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=n)
-        kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(k_pos), max_capacity=max_capacity)
+        kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos), max_capacity=write.max_capacity)
         self._shards[key] = kv
         self.note_context(context_id, context)
-        self._pos_max[key] = int(np.max(k_pos)) if n else -1
         return self.info(context_id, index)
 
-    def append(self, context_id: str, index: int, k: Any, v: Any, k_pos: Any, *, max_capacity: int,
-               committed: int) -> ShardInfo:
+    def append(self, write: ShardWrite, k: Any, v: Any, *, committed: int) -> ShardInfo:
         """Append after the first ``committed`` keys (the directory's length).
 
         Keys past ``committed`` are an earlier append that never committed (its
         front end failed or gave up); they are dropped first, so the new keys
         always follow the committed prefix.
         """
+        context_id, index = write.context_id, write.index
         kv = self._get(context_id, index)
         if committed > kv.n_k:
             raise ShardMissing(f"shard {index} of context {context_id} holds {kv.n_k} keys, fewer than the {committed} committed")
         kv.truncate(committed)
         n = int(k.shape[0])
-        grown = kv.growth(n, max_capacity)
+        grown = kv.growth(n, write.max_capacity)
         if grown != kv.capacity:
             # While growing, old and new arrays both exist: reserve the new ones in full.
             self._reserve(grown * kv.bytes_per_key(), f"append to shard {index} of context {context_id}")
-        kv.append(self._to(k, kv.dtype), self._to(v, kv.dtype), self._to_pos(k_pos), max_capacity=max_capacity)
-        if n:
-            self._pos_max[(context_id, index)] = max(self._pos_max[(context_id, index)], int(np.max(k_pos)))
+        kv.append(self._to(k, kv.dtype), self._to(v, kv.dtype), self._to_pos(write.k_pos),
+                  max_capacity=write.max_capacity)
         return self.info(context_id, index)
 
     def truncate(self, context_id: str, index: int, length: int) -> None:
@@ -114,7 +109,7 @@ class ShardStore:
         """Free one shard or every shard of a context; returns the number freed."""
         keys = [key for key in self._shards if key[0] == context_id and (index is None or key[1] == index)]
         for key in keys:
-            del self._shards[key], self._pos_max[key]
+            del self._shards[key]
         if not any(key[0] == context_id for key in self._shards):
             self._info.pop(context_id, None)
         return len(keys)
@@ -134,11 +129,9 @@ class ShardStore:
         return StreamingView(kt=full.kt[:, :, :length], v=full.v[:, :length], k_pos=full.k_pos[:length])
 
     def info(self, context_id: str, index: int) -> ShardInfo:
-        key = (context_id, index)
         kv = self._get(context_id, index)
-        name = next(n for n, dt in DTYPES_BY_NAME.items() if dt == kv.dtype)
         return ShardInfo(context_id=context_id, index=index, length=kv.n_k, h_kv=kv.h_kv, d=kv.d, d_v=kv.d_v,
-                         dtype=name, pos_max=self._pos_max[key], nbytes=kv.nbytes,
+                         dtype=dtype_name(kv.dtype), nbytes=kv.nbytes,
                          context=dict(self._info.get(context_id, {})))
 
     def held(self) -> list[ShardInfo]:

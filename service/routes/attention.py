@@ -6,20 +6,21 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from service.attention import AttentionCall
-from service.codec import ATTENTION, attention_options
-from service.errors import ApiError, error_responses
-from service.json_codec import AttentionRequest, AttentionResult
-from service.orchestrator import Timings
-from service.routes.common import encode_result, read_request, runtime, with_deadline
+from service.errors import error_responses
+from service.metrics import Timings
+from service.routes.common import app_state, body_limit, encode_result, off_loop, read_body, runtime, with_deadline
+from service.wire.decode import decode_attention
+from service.wire.json_codec import AttentionRequestModel, AttentionResult
+from service.wire.negotiation import request_format
 
 router = APIRouter(tags=["attention"])
 
+ROUTE = "/v1/attention"
 BODY_DOC = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": AttentionRequest.model_json_schema()},
+            "application/json": {"schema": AttentionRequestModel.model_json_schema()},
             "application/octet-stream": {"schema": {"type": "string", "format": "binary",
                                                     "description": "safetensors: q, k, v, q_pos, k_pos, alibi_slopes; "
                                                                    "options as query parameters"}},
@@ -34,7 +35,7 @@ BODY_DOC = {
 
 
 @router.post(
-    "/v1/attention",
+    ROUTE,
     summary="Exact attention of q over inline keys and/or resident contexts",
     responses={200: {"content": {"application/json": {"schema": AttentionResult.model_json_schema()},
                                  "application/octet-stream": {}},
@@ -43,19 +44,16 @@ BODY_DOC = {
     openapi_extra=BODY_DOC,
 )
 async def attention(request: Request) -> Response:
-    rt = runtime(request)
+    state, rt = app_state(request), runtime(request)
     t0 = time.perf_counter()
     timings = Timings()
-    fmt, tensors, options, _ = await read_request(request, ATTENTION, timings)
-    try:
-        opts = attention_options(options, tensors.get("alibi_slopes"))
-    except ValueError as exc:
-        raise ApiError("invalid_option", str(exc)) from None
-    call = AttentionCall(q=tensors["q"], k=tensors.get("k"), v=tensors.get("v"), q_pos=tensors.get("q_pos"),
-                         k_pos=tensors.get("k_pos"), options=opts, contexts=options.get("contexts", []))
-    out, lse = await with_deadline(rt.attention.attention(call, timings), rt.settings.request_timeout_s)
+    fmt = request_format(request.headers.get("content-type"))
+    body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
+    req = await off_loop(len(body), decode_attention, fmt, body, request.query_params, state.limits)
+    timings.add("parse", time.perf_counter() - t0)
+    out, lse = await with_deadline(rt.attention.attention(req, timings), state.settings.request_timeout_s)
     response = encode_result(request, fmt, out, lse, timings)
     timings.add("total", time.perf_counter() - t0)
     response.headers["Server-Timing"] = timings.header()
-    rt.metrics.observe_stages("/v1/attention", timings.stages)
+    state.metrics.observe_stages(ROUTE, timings)
     return response

@@ -5,60 +5,70 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from service.codec import CONTEXT_APPEND, CONTEXT_CREATE, CONTEXT_ID
-from service.errors import ApiError, error_responses
-from service.json_codec import ContextAppendRequest, ContextCreateRequest
-from service.orchestrator import Timings
-from service.routes.common import read_request, runtime, without_deadline
+from service.errors import ContextNotFound, error_responses
+from service.routes.common import app_state, body_limit, off_loop, read_body, runtime, to_completion
+from service.runtime import AppState
+from service.wire.decode import decode_context_write
+from service.wire.json_codec import ContextAppendRequestModel, ContextCreateRequestModel
+from service.wire.negotiation import request_format
+from service.wire.request import ContextWrite
+from service.wire.rules import CONTEXT_APPEND, CONTEXT_CREATE, BodyKind, is_context_id
 
 router = APIRouter(tags=["contexts"])
 
+ROUTE = "/v1/contexts"
 
-def _body_doc(model: type) -> dict:
+
+def _body_doc(model: type[ContextAppendRequestModel]) -> dict:
     return {"requestBody": {"required": True, "content": {
         "application/json": {"schema": model.model_json_schema()},
         "application/octet-stream": {"schema": {"type": "string", "format": "binary",
                                                 "description": "safetensors: k, v, optional k_pos"}}}}}
 
 
-def _check_id(ctx_id: str) -> str:
-    if not CONTEXT_ID.fullmatch(ctx_id) or len(ctx_id) > 128:
-        raise ApiError("context_not_found", f"id must name an existing context, got {ctx_id[:64]!r}")
+def _check_id(state: AppState, ctx_id: str) -> str:
+    if not is_context_id(ctx_id, state.limits):
+        raise ContextNotFound(f"id must name an existing context, got {ctx_id[:64]!r}")
     return ctx_id
 
 
-@router.post("/v1/contexts", status_code=201, summary="Store k, v on the workers",
-             responses=error_responses(400, 401, 413, 415, 422, 429, 503, 507), openapi_extra=_body_doc(ContextCreateRequest))
+async def _write(request: Request, kind: BodyKind) -> ContextWrite:
+    state = app_state(request)
+    fmt = request_format(request.headers.get("content-type"))
+    body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
+    return await off_loop(len(body), decode_context_write, fmt, body, request.query_params, kind, state.limits)
+
+
+@router.post(ROUTE, status_code=201, summary="Store k, v on the workers",
+             responses=error_responses(400, 401, 413, 415, 422, 429, 503, 507),
+             openapi_extra=_body_doc(ContextCreateRequestModel))
 async def create_context(request: Request) -> JSONResponse:
     rt = runtime(request)
-    _, tensors, options, _ = await read_request(request, CONTEXT_CREATE, Timings())
-    desc = await without_deadline(rt.contexts.create(tensors["k"], tensors["v"], tensors.get("k_pos"),
-                                                     replicas=options.get("replicas"), shards=options.get("shards")))
-    return JSONResponse(desc, status_code=201, headers={"Location": f"/v1/contexts/{desc['id']}"})
+    desc = await to_completion(rt.contexts.create(await _write(request, CONTEXT_CREATE)))
+    return JSONResponse(desc, status_code=201, headers={"Location": f"{ROUTE}/{desc['id']}"})
 
 
-@router.post("/v1/contexts/{ctx_id}/append", summary="Append k, v to a context",
-             responses=error_responses(400, 401, 404, 413, 415, 422, 429, 503, 507), openapi_extra=_body_doc(ContextAppendRequest))
+@router.post(ROUTE + "/{ctx_id}/append", summary="Append k, v to a context",
+             responses=error_responses(400, 401, 404, 413, 415, 422, 429, 503, 507),
+             openapi_extra=_body_doc(ContextAppendRequestModel))
 async def append_context(ctx_id: str, request: Request) -> JSONResponse:
     rt = runtime(request)
-    _check_id(ctx_id)
-    _, tensors, _, _ = await read_request(request, CONTEXT_APPEND, Timings())
-    desc = await without_deadline(rt.contexts.append(ctx_id, tensors["k"], tensors["v"], tensors.get("k_pos")))
+    _check_id(app_state(request), ctx_id)
+    desc = await to_completion(rt.contexts.append(ctx_id, await _write(request, CONTEXT_APPEND)))
     return JSONResponse(desc)
 
 
-@router.get("/v1/contexts", summary="List contexts", responses=error_responses(401))
+@router.get(ROUTE, summary="List contexts", responses=error_responses(401))
 async def list_contexts(request: Request) -> JSONResponse:
-    return JSONResponse({"contexts": await runtime(request).contexts.list()})
+    return JSONResponse({"contexts": await runtime(request).contexts.describe_all()})
 
 
-@router.get("/v1/contexts/{ctx_id}", summary="Describe a context", responses=error_responses(401, 404))
+@router.get(ROUTE + "/{ctx_id}", summary="Describe a context", responses=error_responses(401, 404))
 async def get_context(ctx_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(await runtime(request).contexts.get(_check_id(ctx_id)))
+    return JSONResponse(await runtime(request).contexts.get(_check_id(app_state(request), ctx_id)))
 
 
-@router.delete("/v1/contexts/{ctx_id}", summary="Free a context", responses=error_responses(401, 404))
+@router.delete(ROUTE + "/{ctx_id}", summary="Free a context", responses=error_responses(401, 404))
 async def delete_context(ctx_id: str, request: Request) -> JSONResponse:
-    rt = runtime(request)
-    desc = await without_deadline(rt.contexts.delete(_check_id(ctx_id)))
+    desc = await to_completion(runtime(request).contexts.delete(_check_id(app_state(request), ctx_id)))
     return JSONResponse({"id": desc["id"], "deleted": True, "length": desc["length"]})

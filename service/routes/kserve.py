@@ -1,37 +1,33 @@
 """The Open Inference Protocol (KServe v2) for Triton and KServe clients; see docs/KSERVE.md.
 
-One model, ``attention`` (version ``1``), over the same :class:`AttentionService` as
-``POST /v1/attention``. Decoding and encoding are in :mod:`service.kserve_codec`.
-Errors from these routes carry the protocol's ``error`` key besides the contract's
-``detail`` and ``code``.
+One model, ``attention`` (version ``1``), over the same ``AttentionService`` as
+``POST /v1/attention``. Decoding and encoding are in ``service.wire.kserve``;
+errors are written by ``service.errors.render``, which adds the protocol's
+``error`` key on these routes.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
 import time
-from collections.abc import Awaitable, Callable
 
-import ray
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from service.attention import AttentionCall
-from service.body import declared_length, read_into_buffer
-from service.codec import attention_options
-from service.errors import ApiError, error_responses
-from service.kserve_codec import (
+from service.errors import UnsupportedMediaType, error_responses
+from service.metrics import Timings
+from service.routes.common import app_state, off_loop, read_body, runtime, with_deadline
+from service.routes.ops import workers_ready
+from service.wire.kserve import (
     MODEL_NAME,
     MODEL_VERSION,
+    InferRequest,
     decode_infer_request,
     encode_infer_response,
-    error_body,
     header_length,
     model_metadata,
 )
-from service.orchestrator import Timings
-from service.routes.common import limits_of, runtime, with_deadline
+from service.wire.request import AttentionRequest, attention_request
+from service.wire.rules import Limits
 
 router = APIRouter(tags=["kserve"])
 
@@ -43,41 +39,16 @@ VERSIONED = f"{MODEL}/versions/{MODEL_VERSION}"
 SERVER_NAME = "splitkey"
 EXTENSIONS = ["binary_tensor_data"]
 
-Handler = Callable[[Request], Awaitable[Response]]
-log = logging.getLogger(__name__)
 
-
-def _error(err: ApiError) -> Response:
-    return Response(content=error_body(err), status_code=err.status, media_type="application/json",
-                    headers=err.headers)
-
-
-def kserve_errors(handler: Handler) -> Handler:
-    """Answer an :class:`ApiError` (and a stray Ray error, 503) with ``{"error", "detail", "code"}``.
-
-    KServe clients read ``error``; the contract's ``detail`` and ``code`` come along.
-    """
-
-    @functools.wraps(handler)
-    async def wrapped(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ApiError as err:
-            return _error(err)
-        except ray.exceptions.RayError as exc:  # as the app's handler: the cluster's fault, 503 not 500
-            log.warning("Ray error reached the KServe route: %s", exc)
-            return _error(ApiError("workers_unavailable", f"the cluster must answer, got {type(exc).__name__}"))
-
-    return wrapped
+def _decode(body: memoryview, header_len: int | None, limits: Limits) -> tuple[InferRequest, AttentionRequest]:
+    parsed = decode_infer_request(body, header_len, limits)
+    return parsed, attention_request(parsed.decoded)
 
 
 async def _ready(request: Request) -> bool:
     """Ray connected and every worker answering a ping (as ``GET /readyz``)."""
-    rt = request.app.state.splitkey
-    if rt.pool is None:
-        return False
-    await rt.pool.refresh(timeout_s=5.0)
-    return all(s.alive for s in rt.pool.slots)
+    alive, total = await workers_ready(request)
+    return total > 0 and alive == total
 
 
 @router.get("/v2", summary="Server metadata (KServe v2)")
@@ -119,36 +90,27 @@ async def metadata() -> JSONResponse:
                                    "description": "bytes of JSON at the start of a body with binary tensors"}]},
 )
 @router.post(f"{VERSIONED}/infer", include_in_schema=False)
-@kserve_errors
 async def infer(request: Request) -> Response:
-    rt = runtime(request)
+    state, rt = app_state(request), runtime(request)
     t0 = time.perf_counter()
     timings = Timings()
     encoding = request.headers.get("content-encoding")
     if encoding is not None and encoding.strip().lower() != "identity":
-        raise ApiError("unsupported_media_type", f"Content-Encoding must be identity (send the request "
-                       f"uncompressed), got {encoding!r}")
-    limits = limits_of(rt)
+        raise UnsupportedMediaType(f"Content-Encoding must be identity (send the request uncompressed), "
+                                   f"got {encoding!r}")
     declared_header = request.headers.get(HEADER)
-    limit = limits.max_json_body_bytes if declared_header is None else limits.max_body_bytes
-    length = declared_length(request.headers.get("content-length"), limit)
-    if length is not None:
-        header_length(declared_header, length)  # refuse a bad header before reading the body
-    body = await read_into_buffer(request.stream(), length, limit)
-    rt.metrics.bytes_in.labels(route=ROUTE).inc(len(body))
-    parsed = decode_infer_request(body, header_length(declared_header, len(body)), limits)
-    try:
-        opts = attention_options(parsed.options, parsed.tensors.get("alibi_slopes"))
-    except ValueError as exc:
-        raise ApiError("invalid_option", str(exc)) from None
-    t = parsed.tensors
-    call = AttentionCall(q=t["q"], k=t.get("k"), v=t.get("v"), q_pos=t.get("q_pos"), k_pos=t.get("k_pos"),
-                         options=opts, contexts=parsed.options.get("contexts", []))
+    limit = state.limits.max_json_body_bytes if declared_header is None else state.limits.max_body_bytes
+
+    def check_header(body_len: int) -> None:  # refuse a bad header before reading the body
+        header_length(declared_header, body_len)
+
+    body = await read_body(request, limit, ROUTE, before_read=check_header)
+    parsed, req = await off_loop(len(body), _decode, body, header_length(declared_header, len(body)), state.limits)
     timings.add("parse", time.perf_counter() - t0)
-    deadline = rt.settings.request_timeout_s
+    deadline = state.settings.request_timeout_s
     if parsed.timeout_s is not None:
         deadline = min(deadline, parsed.timeout_s)
-    out, lse = await with_deadline(rt.attention.attention(call, timings), deadline)
+    out, lse = await with_deadline(rt.attention.attention(req, timings), deadline)
     t1 = time.perf_counter()
     buffers, json_len = encode_infer_response(parsed.id, {"out": out, "lse": lse}, parsed.outputs)
     content = b"".join(buffers)
@@ -159,5 +121,5 @@ async def infer(request: Request) -> Response:
     if json_len is not None:
         headers[HEADER] = str(json_len)
         media = "application/octet-stream"
-    rt.metrics.observe_stages(ROUTE, timings.stages)
+    state.metrics.observe_stages(ROUTE, timings)
     return Response(content=content, media_type=media, headers=headers)

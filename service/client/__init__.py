@@ -1,0 +1,9 @@
+"""Client-side code: the Python client and the load generator (docs/SERVICE.md).
+
+Imports only ``service.wire`` (the body formats) from the service: no Ray, no
+FastAPI, nothing of the server.
+"""
+
+from service.client.sync import Client, SplitkeyError
+
+__all__ = ["Client", "SplitkeyError"]

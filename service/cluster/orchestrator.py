@@ -1,0 +1,140 @@
+"""Scatter a request's shards to the workers, await their states, merge them.
+
+A request becomes a list of :class:`Job` in key order: inline shards (any
+worker can take one) and resident context shards (only their replicas can).
+Each job yields one state; the states merge over ``merge.tree_levels``, the same
+fixed tree as ``merge_all``, so the answer is bitwise the same whichever worker
+or replica computed each state and whenever it finished.
+
+Failure rules: a job whose worker dies is retried on another candidate; a job
+with no candidate left fails the request (``ContextLost`` for a resident shard,
+``WorkersUnavailable`` for an inline one); the merge never runs with a state
+missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from merge import State, finalize, merge_all, tree_levels
+from service.cluster.pool import InlineWork, ResidentWork, WorkerPool
+from service.errors import ContextLost, WorkersUnavailable
+from service.metrics import Timings
+from workers.store import ShardMissing
+from workers.tasks import ShardQuery
+
+#: States up to this size (all shards together) merge on the event loop; larger ones in a thread.
+LOCAL_MERGE_INLINE_BYTES = 2**20
+
+
+@dataclass(frozen=True, eq=False)
+class Job:
+    """One state to compute: the work, who may run it, and how to name it in errors."""
+
+    work: InlineWork | ResidentWork
+    candidates: tuple[int, ...] | None  # None: any worker
+    label: str  # e.g. "inline shard 3" or "shard 2 of context ctx_..."
+
+
+def shard_bounds(n_k: int, shards: int) -> list[tuple[int, int]]:
+    """``shards`` contiguous key ranges whose sizes differ by at most one."""
+    return [(n_k * i // shards, n_k * (i + 1) // shards) for i in range(shards)]
+
+
+def inline_shard_count(n_k: int, workers: int, requested: int | None, min_shard_keys: int) -> int:
+    """Shards for ``n_k`` inline keys: the requested count (default: one per worker),
+    but never shards smaller than ``min_shard_keys``, and at least one."""
+    want = requested or workers
+    return max(1, min(want, n_k // min_shard_keys))
+
+
+class Orchestrator:
+    def __init__(self, pool: WorkerPool, *, fanin: int, remote_merge_bytes: int) -> None:
+        self.pool = pool
+        self.fanin = fanin
+        self.remote_merge_bytes = remote_merge_bytes
+
+    async def run(self, q: Any, query: ShardQuery, jobs: Sequence[Job], timings: Timings,
+                  state_nbytes: int) -> tuple[Any, Any]:
+        """Compute every job's state of ``q``, merge in job order, return ``(out, lse)``.
+
+        ``state_nbytes`` is the size of one state (``n_q * h_q * (d_v + 2)`` numbers):
+        with it the merge is chosen before anything runs. Remote merges keep each state
+        in the object store (the status is awaited alone); local merges fetch status and
+        state in one reply.
+        """
+        t0 = time.perf_counter()
+        remote = len(jobs) > self.fanin and state_nbytes * len(jobs) > self.remote_merge_bytes
+        results = await asyncio.gather(*(self._run_job(q, query, job, keep_state=remote) for job in jobs))
+        t1 = time.perf_counter()
+        timings.add("compute", t1 - t0)
+        if remote:
+            state = await self._merge_remote([ref for _, ref in results], [w for w, _ in results])
+        else:
+            states = [st for _, st in results]
+            if state_nbytes * len(states) > LOCAL_MERGE_INLINE_BYTES:
+                state = await asyncio.to_thread(merge_all, states, self.fanin)
+            else:
+                state = merge_all(states, self.fanin)
+        out, lse = finalize(state)
+        timings.add("merge", time.perf_counter() - t1)
+        return out, lse
+
+    async def _run_job(self, q: Any, query: ShardQuery, job: Job, keep_state: bool) -> tuple[int, Any]:
+        """Run one job, retrying on other candidates; returns ``(worker, state or its ObjectRef)``."""
+        tried: set[int] = set()
+        reasons: list[str] = []
+        while True:
+            try:
+                idx = self.pool.pick(job.candidates, exclude=tried)
+            except WorkersUnavailable:
+                detail = f"{job.label} could not be computed: {'; '.join(reasons) or 'no live worker'}"
+                raise (ContextLost(detail) if isinstance(job.work, ResidentWork) else WorkersUnavailable(detail)) \
+                    from None
+            tried.add(idx)
+            try:
+                _, state = await self.pool.compute(idx, q, query, job.work, keep_state=keep_state)
+            except WorkersUnavailable as exc:
+                reasons.append(exc.detail)
+                continue
+            except ShardMissing as exc:
+                reasons.append(f"{self.pool.slots[idx].name}: {exc.args[0] if exc.args else exc}")
+                continue
+            return idx, state
+
+    async def _merge_remote(self, refs: list[Any], workers: list[int]) -> State:
+        """Merge over the fixed tree with each node running on a worker.
+
+        Node ``(a, b)`` of a level runs on the worker that produced input ``a``
+        (or the least busy live one), so large states move worker to worker and
+        only the root comes back here. A node that fails fails the request.
+        """
+        level, owners = refs, workers
+        submitted = []
+        for groups in tree_levels(len(refs), self.fanin):
+            nxt, nxt_owners = [], []
+            for a, b in groups:
+                if b - a == 1:
+                    nxt.append(level[a])
+                    nxt_owners.append(owners[a])
+                    continue
+                idx = owners[a] if self.pool.slots[owners[a]].alive else self.pool.pick()
+                ref, done = self.pool.merge_states(idx, *level[a:b])
+                submitted.append(done)
+                nxt.append(ref)
+                nxt_owners.append(idx)
+            level, owners = nxt, nxt_owners
+        try:
+            root: State = await level[0]
+            return root
+        except ray.exceptions.RayError as exc:
+            raise WorkersUnavailable(f"the merge tree lost a node: {type(exc).__name__}") from exc
+        finally:
+            for done in submitted:
+                done()

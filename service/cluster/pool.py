@@ -1,0 +1,286 @@
+"""The pool of Ray shard workers: start or find them, pick one, call it, heal it.
+
+Workers are named actors (``splitkey-worker-<i>`` in the settings' namespace), so
+a restarted front end, or a second one on the same cluster, finds the same
+workers and the contexts they hold. When the front end joined an existing
+cluster the workers are detached (they outlive it); with an embedded Ray they
+end with the process. A worker that dies is replaced under the same name by
+:meth:`WorkerPool.heal`; what it held is gone, which the contexts layer handles
+through replicas.
+
+This is the only module that calls ``workers.actor.ShardWorker``'s methods: the
+typed methods below are its remote API. A worker that dies mid-call is marked
+dead and the call raises :class:`service.errors.WorkersUnavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from merge import State
+from service.errors import WorkersUnavailable
+from service.settings import ServiceSettings
+from workers.actor import ShardWorker
+from workers.config import WorkerConfig
+from workers.options import KernelOptions
+from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite
+
+log = logging.getLogger(__name__)
+
+WORKER_PREFIX = "splitkey-worker-"
+#: Arrays up to this size travel inside the task call instead of through ray.put.
+INLINE_ARG_BYTES = 256 * 2**10
+
+
+@dataclass
+class Slot:
+    index: int
+    name: str
+    handle: Any
+    node_id: str = ""
+    outstanding: int = 0
+    alive: bool = True
+    info: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, eq=False)
+class InlineWork:
+    """An inline shard: its keys and values (arrays or object refs) and their positions."""
+
+    k: Any
+    v: Any
+    k_pos: Any
+
+
+@dataclass(frozen=True)
+class ResidentWork:
+    """Resident shards one worker holds, read in key order and merged there over ``fanin``."""
+
+    reads: tuple[ShardRead, ...]
+    fanin: int
+
+
+def worker_config(settings: ServiceSettings, device: str) -> WorkerConfig:
+    return WorkerConfig(
+        device=device,
+        kernel=KernelOptions(block_size=settings.block_size, threads=settings.kernel_threads,
+                             gpu_kernels=settings.gpu_kernels),
+        memory_budget_bytes=settings.worker_memory_bytes,
+    )
+
+
+def resolve_device(settings: ServiceSettings) -> str:
+    """``auto`` means gpu when the cluster has GPUs, cpu otherwise; ``gpu`` needs GPUs."""
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if settings.device == "auto":
+        return "gpu" if gpus >= 1 else "cpu"
+    if settings.device == "gpu" and gpus < 1:
+        raise WorkersUnavailable("device must be cpu or auto on this cluster, got gpu: the Ray cluster has no GPU")
+    return settings.device
+
+
+def default_worker_count(settings: ServiceSettings, device: str) -> int:
+    res = ray.cluster_resources()
+    if device == "gpu":
+        return max(1, int(res.get("GPU", 1)))
+    return max(1, int(res.get("CPU", 1) // settings.worker_cpus))
+
+
+async def _await(ref: Any) -> Any:
+    """An ObjectRef as a coroutine (for ``asyncio.wait_for``)."""
+    return await ref
+
+
+class WorkerPool:
+    def __init__(self, settings: ServiceSettings, slots: list[Slot], device: str, detached: bool) -> None:
+        self.settings = settings
+        self.slots = slots
+        self.device = device
+        self.detached = detached
+        self._config = worker_config(settings, device)
+
+    # -- lifecycle --------------------------------------------------------------
+    @classmethod
+    async def start(cls, settings: ServiceSettings, detached: bool) -> WorkerPool:
+        device = resolve_device(settings)
+        n = settings.workers or default_worker_count(settings, device)
+        pool = cls(settings, [], device, detached)
+        pool.slots = [Slot(i, f"{WORKER_PREFIX}{i}", pool._spawn(f"{WORKER_PREFIX}{i}")) for i in range(n)]
+        await pool.refresh()
+        dead = [s.name for s in pool.slots if not s.alive]
+        if dead:
+            raise WorkersUnavailable(f"workers did not start: {', '.join(dead)}")
+        return pool
+
+    def _spawn(self, name: str) -> Any:
+        opts: dict[str, Any] = {
+            "name": name,
+            "namespace": self.settings.ray_namespace,
+            "get_if_exists": True,
+            "max_restarts": 0,
+            "max_concurrency": 1,
+            "num_cpus": self.settings.worker_cpus if self.device == "cpu" else 0,
+            "num_gpus": 1 if self.device == "gpu" else 0,
+            "scheduling_strategy": "SPREAD",
+        }
+        if self.detached:
+            opts["lifetime"] = "detached"
+        return ray.remote(ShardWorker).options(**opts).remote(self._config, name)
+
+    async def refresh(self, timeout_s: float = 60.0) -> None:
+        """Ping every worker; record node, bytes held and whether it answered."""
+
+        async def one(slot: Slot) -> None:
+            try:
+                slot.info = await asyncio.wait_for(_await(slot.handle.ping.remote()), timeout_s)
+                slot.node_id = slot.info.get("node_id", "")
+                slot.alive = True
+            except (TimeoutError, ray.exceptions.RayError) as exc:
+                log.warning("worker %s did not answer: %s", slot.name, exc)
+                slot.alive = False
+
+        await asyncio.gather(*(one(s) for s in self.slots))
+
+    async def heal(self) -> list[str]:
+        """Replace dead workers under their names; returns the names replaced."""
+        await self.refresh(timeout_s=10.0)
+        replaced = []
+        for slot in self.slots:
+            if not slot.alive:
+                slot.handle = self._spawn(slot.name)
+                replaced.append(slot.name)
+        if replaced:
+            await self.refresh()
+        return replaced
+
+    async def heal_forever(self, interval_s: float) -> None:
+        """Replace workers found dead, every ``interval_s`` (their resident shards are gone; replicas cover them)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            if any(not s.alive for s in self.slots):
+                try:
+                    replaced = await self.heal()
+                    if replaced:
+                        log.warning("replaced dead workers: %s", ", ".join(replaced))
+                except Exception:  # the loop must outlive one failed attempt
+                    log.exception("healing the worker pool failed")
+
+    def shutdown(self) -> None:
+        if self.detached:
+            return  # detached workers belong to the cluster, not to this front end
+        for slot in self.slots:
+            try:
+                ray.kill(slot.handle)
+            except Exception:  # best effort at exit
+                log.debug("could not kill %s", slot.name)
+
+    # -- who ----------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def alive(self) -> list[Slot]:
+        return [s for s in self.slots if s.alive]
+
+    def indexes(self, names: Sequence[str], *, alive: bool = False) -> list[int]:
+        """Indexes of the named workers this pool has (and, with ``alive``, that answer), in order."""
+        by_name = {s.name: s.index for s in self.slots}
+        return [by_name[n] for n in names if n in by_name and (not alive or self.slots[by_name[n]].alive)]
+
+    def names(self, indexes: Sequence[int]) -> list[str]:
+        return [self.slots[i].name for i in indexes]
+
+    def pick(self, candidates: Sequence[int] | None = None, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+        """The live worker with the least outstanding work (ties: lowest index)."""
+        pool = range(self.size) if candidates is None else candidates
+        live = [i for i in pool if i not in exclude and self.slots[i].alive]
+        if not live:
+            raise WorkersUnavailable("no live worker is left to take this work")
+        return min(live, key=lambda i: (self.slots[i].outstanding, i))
+
+    # -- the object store -----------------------------------------------------------
+    async def put(self, *arrays: Any) -> list[Any]:
+        """Arrays as task arguments: large ones copied into the object store once (off the
+        event loop, so every replica's call reads the same object), small ones passed by
+        value (Ray inlines them in the call, which saves a round trip to the store)."""
+        big = [i for i, a in enumerate(arrays) if a.nbytes > INLINE_ARG_BYTES]
+        out = list(arrays)
+        if big:
+            try:
+                refs = await asyncio.to_thread(lambda: [ray.put(arrays[i]) for i in big])
+            except ray.exceptions.RayError as exc:
+                raise WorkersUnavailable(f"the object store must take the request's arrays, got "
+                                         f"{type(exc).__name__}") from None
+            for i, ref in zip(big, refs):
+                out[i] = ref
+        return out
+
+    # -- calls ----------------------------------------------------------------------
+    def _submit(self, index: int, call: Callable[[Any], Any]) -> Any:
+        """Submit ``call(handle)``; the ObjectRef(s) are returned at once (await with :meth:`_result`)."""
+        slot = self.slots[index]
+        slot.outstanding += 1
+        return call(slot.handle)
+
+    async def _result(self, index: int, ref: Any) -> Any:
+        """Await a submitted call; a dead worker is marked and raises WorkersUnavailable."""
+        slot = self.slots[index]
+        try:
+            return await ref
+        except RayActorError as exc:
+            slot.alive = False
+            raise WorkersUnavailable(f"worker {slot.name} died: {type(exc).__name__}") from exc
+        finally:
+            slot.outstanding -= 1
+
+    def _call(self, index: int, call: Callable[[Any], Any]) -> Awaitable[Any]:
+        return self._result(index, self._submit(index, call))
+
+    async def compute(self, index: int, q: Any, query: ShardQuery, work: InlineWork | ResidentWork,
+                      *, keep_state: bool) -> tuple[ComputeStatus, Any]:
+        """One state of ``q`` over ``work``: ``(status, State)``; with ``keep_state`` the state stays
+        in the object store and its ObjectRef is returned (for a merge on the workers)."""
+        if isinstance(work, InlineWork):
+            def call(h: Any, n: int) -> Any:
+                return h.partial.options(num_returns=n).remote(q, work.k, work.v, query, work.k_pos)
+        else:
+            def call(h: Any, n: int) -> Any:
+                return h.partial_resident.options(num_returns=n).remote(q, query, work.reads, work.fanin)
+        if keep_state:
+            status_ref, state_ref = self._submit(index, lambda h: call(h, 2))
+            return await self._result(index, status_ref), state_ref
+        result: tuple[ComputeStatus, State] = await self._call(index, lambda h: call(h, 1))
+        return result
+
+    def merge_states(self, index: int, *states: Any) -> tuple[Any, Callable[[], None]]:
+        """Submit one node of the merge tree on a worker: ``(ref, done)``; call ``done`` once it is awaited."""
+        ref = self._submit(index, lambda h: h.merge_states.remote(*states))
+
+        def done() -> None:
+            self.slots[index].outstanding -= 1
+
+        return ref, done
+
+    def create_shard(self, index: int, write: ShardWrite, k: Any, v: Any, record: Mapping[str, object]) -> Awaitable[Any]:
+        return self._call(index, lambda h: h.create_shard.remote(write, k, v, record))
+
+    def append_shard(self, index: int, write: ShardWrite, k: Any, v: Any, committed: int) -> Awaitable[Any]:
+        return self._call(index, lambda h: h.append_shard.remote(write, k, v, committed))
+
+    def truncate_shard(self, index: int, context_id: str, shard: int, length: int) -> Awaitable[Any]:
+        return self._call(index, lambda h: h.truncate_shard.remote(context_id, shard, length))
+
+    def note_context(self, index: int, context_id: str, record: Mapping[str, object]) -> Awaitable[Any]:
+        return self._call(index, lambda h: h.note_context.remote(context_id, record))
+
+    def drop(self, index: int, context_id: str, shard: int | None = None) -> Awaitable[Any]:
+        return self._call(index, lambda h: h.drop.remote(context_id, shard))
+

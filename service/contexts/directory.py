@@ -1,0 +1,168 @@
+"""The contexts directory: a named Ray actor holding every context's committed record.
+
+Front ends are stateless: they read and commit records (``service.contexts.records``)
+here, so a restarted front end, or a second one on the same cluster, sees the same
+contexts. If the directory itself restarts, its constructor rebuilds the records
+from what the workers report holding (each worker keeps the newest committed
+record of every context it holds a shard of). Writes to one context are
+serialised by a lease (:meth:`DirectoryActor.acquire`).
+
+:class:`Directory` is the front end's handle: typed calls that wait out a
+directory restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import ray
+
+from service.contexts.records import ContextRecord
+from service.errors import WorkersUnavailable
+from service.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+DIRECTORY_NAME = "splitkey-directory"
+#: How long a directory call waits for a restarting directory, and how often it retries.
+DIRECTORY_WAIT_S = 30.0
+DIRECTORY_RETRY_S = 0.1
+
+
+class DirectoryActor:
+    def __init__(self, worker_names: list[str], namespace: str) -> None:
+        self.records: dict[str, ContextRecord] = {}
+        self.leases: dict[str, tuple[str, float]] = {}
+        self.rebuilt_from = self._rebuild(worker_names, namespace)
+
+    def _rebuild(self, worker_names: list[str], namespace: str) -> int:
+        """Rebuild records from the workers' reports; returns how many workers answered."""
+        reports: dict[str, list[dict[str, Any]]] = {}
+        answered = 0
+        for name in worker_names:
+            try:
+                handle = ray.get_actor(name, namespace=namespace)
+                held: list[dict[str, Any]] = ray.get(handle.held.remote(), timeout=30)
+            except (ValueError, ray.exceptions.RayError) as exc:
+                log.warning("directory rebuild: %s did not answer: %s", name, exc)
+                continue
+            answered += 1
+            for info in held:
+                reports.setdefault(info["context_id"], []).append({**info, "worker": name})
+        for ctx_id, infos in reports.items():
+            newest = max((i["context"] for i in infos if i["context"]), key=lambda r: r.get("version", 0), default=None)
+            if newest is None:
+                continue
+            shards = [{**shard, "workers": [i["worker"] for i in infos
+                                            if i["index"] == shard["index"] and i["length"] >= shard["length"]]}
+                      for shard in newest["shards"]]
+            self.records[ctx_id] = cast(ContextRecord, {**newest, "shards": shards})
+        return answered
+
+    # -- records ------------------------------------------------------------------
+    def get(self, ctx_id: str) -> ContextRecord | None:
+        return self.records.get(ctx_id)
+
+    def get_many(self, ids: list[str]) -> list[ContextRecord | None]:
+        return [self.records.get(i) for i in ids]
+
+    def all(self) -> list[ContextRecord]:
+        return [self.records[k] for k in sorted(self.records)]
+
+    def commit(self, record: ContextRecord, owner: str | None = None) -> None:
+        """Store a record; for an existing context only under the caller's lease."""
+        ctx_id = record["id"]
+        if ctx_id in self.records and owner is not None and not self._holds(ctx_id, owner):
+            raise ValueError(f"lease on {ctx_id} must be held by {owner}, got another holder")
+        self.records[ctx_id] = record
+
+    def remove(self, ctx_id: str) -> ContextRecord | None:
+        self.leases.pop(ctx_id, None)
+        return self.records.pop(ctx_id, None)
+
+    # -- leases -------------------------------------------------------------------
+    def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
+        now = time.monotonic()
+        held = self.leases.get(ctx_id)
+        if held is not None and held[0] != owner and held[1] > now:
+            return False
+        self.leases[ctx_id] = (owner, now + ttl_s)
+        return True
+
+    def release(self, ctx_id: str, owner: str) -> None:
+        if self._holds(ctx_id, owner):
+            del self.leases[ctx_id]
+
+    def _holds(self, ctx_id: str, owner: str) -> bool:
+        held = self.leases.get(ctx_id)
+        return held is not None and held[0] == owner and held[1] > time.monotonic()
+
+    def ping(self) -> dict:
+        return {"contexts": len(self.records), "rebuilt_from": self.rebuilt_from}
+
+
+class Directory:
+    """Front-end handle of the directory actor: typed calls that wait out a restart."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    @classmethod
+    async def connect(cls, settings: ServiceSettings, worker_names: list[str], detached: bool) -> Directory:
+        opts: dict[str, Any] = {"name": DIRECTORY_NAME, "namespace": settings.ray_namespace, "get_if_exists": True,
+                                "max_restarts": -1, "num_cpus": 0}
+        if detached:
+            opts["lifetime"] = "detached"
+        handle = ray.remote(DirectoryActor).options(**opts).remote(worker_names, settings.ray_namespace)
+        directory = cls(handle)
+        await directory.ping()
+        return directory
+
+    async def _call(self, call: Callable[[Any], Any]) -> Any:
+        """Call the directory; while Ray restarts it (it rebuilds from the workers), retry.
+
+        A directory that stays away past ``DIRECTORY_WAIT_S`` is a 503, never a 500.
+        """
+        deadline = time.monotonic() + DIRECTORY_WAIT_S
+        while True:
+            try:
+                return await call(self.handle)
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as exc:
+                if time.monotonic() > deadline:
+                    raise WorkersUnavailable(
+                        f"the contexts directory must be reachable, got {type(exc).__name__}") from None
+                await asyncio.sleep(DIRECTORY_RETRY_S)
+
+    async def ping(self) -> dict:
+        result: dict = await self._call(lambda h: h.ping.remote())
+        return result
+
+    async def get(self, ctx_id: str) -> ContextRecord | None:
+        result: ContextRecord | None = await self._call(lambda h: h.get.remote(ctx_id))
+        return result
+
+    async def get_many(self, ids: list[str]) -> list[ContextRecord | None]:
+        result: list[ContextRecord | None] = await self._call(lambda h: h.get_many.remote(ids))
+        return result
+
+    async def all(self) -> list[ContextRecord]:
+        result: list[ContextRecord] = await self._call(lambda h: h.all.remote())
+        return result
+
+    async def commit(self, record: ContextRecord, owner: str | None) -> None:
+        await self._call(lambda h: h.commit.remote(record, owner))
+
+    async def remove(self, ctx_id: str) -> ContextRecord | None:
+        result: ContextRecord | None = await self._call(lambda h: h.remove.remote(ctx_id))
+        return result
+
+    async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
+        result: bool = await self._call(lambda h: h.acquire.remote(ctx_id, owner, ttl_s))
+        return result
+
+    async def release(self, ctx_id: str, owner: str) -> None:
+        await self._call(lambda h: h.release.remote(ctx_id, owner))

@@ -1,0 +1,63 @@
+"""Context records: what the directory commits for each context, and its public description.
+
+A record is plain JSON-like data (it travels to the directory actor and to every
+worker holding a shard, which keeps it for a directory rebuild), typed here:
+
+    {"id", "h_kv", "d", "d_v", "dtype", "replicas", "shard_capacity", "next_pos",
+     "version", "shards": [{"index", "length", "workers": [worker names]}]}
+
+``length`` is the committed length: queries read only that prefix of a shard.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TypedDict
+
+from workers.dtypes import dtype_of
+from workers.layout import bytes_per_key
+
+
+class ShardEntry(TypedDict):
+    index: int
+    length: int  #: committed keys
+    workers: list[str]  #: names of the workers holding a replica
+
+
+class ContextRecord(TypedDict):
+    id: str
+    h_kv: int
+    d: int
+    d_v: int
+    dtype: str  #: public dtype name (workers.dtypes.DTYPES)
+    replicas: int
+    shard_capacity: int  #: keys a shard holds before a new one opens
+    next_pos: int  #: where default positions of appended keys start
+    version: int  #: bumped by every commit; the newest wins a directory rebuild
+    shards: list[ShardEntry]
+
+
+def new_context_id() -> str:
+    """An unguessable id (144 random bits), URL-safe."""
+    return "ctx_" + secrets.token_urlsafe(18)
+
+
+def key_bytes(record: ContextRecord) -> int:
+    """Bytes one key of the context takes on a worker."""
+    return bytes_per_key(record["h_kv"], record["d"], record["d_v"], dtype_of(record["dtype"]))
+
+
+def describe(record: ContextRecord) -> dict:
+    """The public description of a context (docs/API.md section 6)."""
+    return {
+        "id": record["id"],
+        "length": sum(s["length"] for s in record["shards"]),
+        "h_kv": record["h_kv"],
+        "d": record["d"],
+        "d_v": record["d_v"],
+        "dtype": record["dtype"],
+        "shards": len(record["shards"]),
+        "replicas": record["replicas"],
+        "next_pos": record["next_pos"],
+        "shard_lengths": [s["length"] for s in record["shards"]],
+    }

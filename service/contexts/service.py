@@ -1,0 +1,267 @@
+"""Resident KV contexts: create, append, describe, list, delete, and resolve for queries.
+
+The records live in the directory actor (``service.contexts.directory``); the keys
+live on the workers in the kernel's streaming layout (``workers.store``). Writes
+are all-or-nothing: a create or append that fails anywhere (no room: 507; a
+worker gone: 503) undoes what it wrote before the error is returned, and only
+then is the new record committed, so a query sees a context before or after an
+append, never half of it (docs/CONTEXTS.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import secrets
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.cluster.orchestrator import shard_bounds
+from service.cluster.pool import WorkerPool
+from service.contexts.directory import Directory
+from service.contexts.placement import WorkerLoad, place
+from service.contexts.records import ContextRecord, ShardEntry, describe, key_bytes, new_context_id
+from service.contexts.resolved import Resolved
+from service.errors import (
+    ContextLost,
+    ContextNotFound,
+    InsufficientCapacity,
+    InvalidOption,
+    InvalidTensor,
+    WorkersUnavailable,
+)
+from service.settings import ServiceSettings
+from service.wire.request import ContextWrite, InlineKV
+from workers.dtypes import dtype_name
+from workers.positions import Arange, check_positions
+from workers.store import CapacityError, ShardMissing
+from workers.tasks import ShardWrite
+
+LEASE_TTL_S = 60.0
+LEASE_POLL_S = 0.01
+
+
+@dataclass(frozen=True)
+class Undo:
+    """What to do to one replica if a write fails elsewhere: cut the shard back, or drop it."""
+
+    worker: int
+    context_id: str
+    shard: int
+    truncate_to: int | None  # None: drop the shard
+
+
+class ContextService:
+    def __init__(self, settings: ServiceSettings, pool: WorkerPool, directory: Directory) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.directory = directory
+        self.owner = "frontend-" + secrets.token_hex(8)
+
+    # -- queries --------------------------------------------------------------
+    async def resolve(self, ids: Sequence[str]) -> Resolved:
+        """The named contexts as committed now; 404 for an unknown id."""
+        records = await self.directory.get_many(list(ids))
+        found: list[ContextRecord] = []
+        for ctx_id, rec in zip(ids, records):
+            if rec is None:
+                raise ContextNotFound(f"contexts must name existing contexts, got unknown id {ctx_id!r}")
+            found.append(rec)
+        dims = {(r["h_kv"], r["d"], r["d_v"]) for r in found}
+        if len(dims) > 1:
+            raise InvalidOption(f"contexts must share [h_kv, d, d_v], got {sorted(dims)}")
+        return Resolved(records=tuple(found))
+
+    # -- reads ----------------------------------------------------------------
+    async def get(self, ctx_id: str) -> dict:
+        return describe(await self._record(ctx_id))
+
+    async def describe_all(self) -> list[dict]:
+        return [describe(r) for r in await self.directory.all()]
+
+    async def count(self) -> int:
+        return int((await self.directory.ping())["contexts"])
+
+    # -- writes ---------------------------------------------------------------
+    async def create(self, write: ContextWrite) -> dict:
+        kv = write.kv
+        n, dims = kv.dims.n_k, kv.dims
+        k_pos = self._positions(kv, start=0)
+        live = len(self.pool.alive)
+        replicas = 1 if write.replicas is None else write.replicas
+        if not 1 <= replicas <= min(live, self.settings.max_replicas):
+            raise InvalidOption(f"replicas must be in [1, {min(live, self.settings.max_replicas)}] "
+                                f"(live workers), got {replicas}")
+        n_shards = write.shards if write.shards is not None else \
+            max(1, min(live, -(-n // self.settings.context_shard_keys)))
+        if n_shards > max(n, 1):
+            raise InvalidOption(f"shards must be in [1, {max(n, 1)}] (one key at least each), got {n_shards}")
+        capacity = max(-(-n // n_shards), self.settings.context_shard_keys)
+        record: ContextRecord = {
+            "id": new_context_id(), "h_kv": dims.h_kv, "d": dims.d, "d_v": dims.d_v, "dtype": dtype_name(kv.k.dtype),
+            "replicas": replicas, "shard_capacity": capacity, "next_pos": int(np.max(k_pos)) + 1 if n else 0,
+            "version": 1, "shards": []}
+        bounds = shard_bounds(n, n_shards)
+        placement = await self._place([hi - lo for lo, hi in bounds], record)
+        parts = await self.pool.put(*(a for lo, hi in bounds for a in (kv.k[lo:hi], kv.v[lo:hi])))
+        writes: list[Awaitable[Any]] = []
+        for i, (lo, hi) in enumerate(bounds):
+            record["shards"].append({"index": i, "length": hi - lo, "workers": self.pool.names(placement[i])})
+            shard = ShardWrite(record["id"], i, record["dtype"], capacity, k_pos[lo:hi])
+            writes += [self.pool.create_shard(w, shard, parts[2 * i], parts[2 * i + 1], record) for w in placement[i]]
+        try:
+            await self._write_all(writes)
+        except Exception:
+            await self._drop_everywhere(record["id"])
+            raise
+        await self.directory.commit(record, None)
+        return describe(record)
+
+    async def append(self, ctx_id: str, write: ContextWrite) -> dict:
+        owner = await self._acquire(ctx_id)
+        try:
+            old = await self._record(ctx_id)
+            kv = write.kv
+            if dtype_name(kv.k.dtype) != old["dtype"]:
+                raise InvalidTensor(f"k must have the context's dtype {old['dtype']}, got {kv.k.dtype}")
+            if (kv.dims.h_kv, kv.dims.d, kv.dims.d_v) != (old["h_kv"], old["d"], old["d_v"]):
+                raise InvalidTensor(f"k, v must have [h_kv, d, d_v] = {[old['h_kv'], old['d'], old['d_v']]} "
+                                    f"as the context, got {[kv.dims.h_kv, kv.dims.d, kv.dims.d_v]}")
+            n = kv.dims.n_k
+            k_pos = self._positions(kv, start=old["next_pos"])
+            new: ContextRecord = copy.deepcopy(old)
+            new["version"] += 1
+            if n:
+                new["next_pos"] = max(old["next_pos"], int(np.max(k_pos)) + 1)
+            writes, undo, taken = await self._fill_last_shard(new, kv, k_pos)
+            more_writes, more_undo = await self._open_shards(new, kv, k_pos, taken)
+            try:
+                await self._write_all(writes + more_writes)
+            except Exception:
+                await asyncio.gather(*(self._undo(u) for u in undo + more_undo))
+                raise
+            await self.directory.commit(new, owner)
+            await self._note(new)
+            return describe(new)
+        finally:
+            await self.directory.release(ctx_id, owner)
+
+    async def delete(self, ctx_id: str) -> dict:
+        await self._acquire(ctx_id)
+        rec = await self.directory.remove(ctx_id)
+        if rec is None:
+            raise ContextNotFound(f"id must name an existing context, got {ctx_id!r}")
+        await self._drop_everywhere(ctx_id)
+        return describe(rec)
+
+    # -- the parts of an append ---------------------------------------------------
+    async def _fill_last_shard(self, new: ContextRecord, kv: InlineKV,
+                               k_pos: np.ndarray) -> tuple[list[Awaitable[Any]], list[Undo], int]:
+        """Append to the last shard while it has room; updates ``new``; returns its writes and the keys taken."""
+        last = new["shards"][-1] if new["shards"] else None
+        cap, n = new["shard_capacity"], kv.dims.n_k
+        if last is None or last["length"] >= cap or not n:
+            return [], [], 0
+        take = min(cap - last["length"], n)
+        holders = self.pool.indexes(last["workers"], alive=True)
+        if not holders:
+            raise ContextLost(f"shard {last['index']} of context {new['id']} has no live replica left")
+        last["workers"] = self.pool.names(holders)
+        k_ref, v_ref = await self.pool.put(kv.k[:take], kv.v[:take])
+        shard = ShardWrite(new["id"], last["index"], new["dtype"], cap, k_pos[:take])
+        writes = [self.pool.append_shard(w, shard, k_ref, v_ref, last["length"]) for w in holders]
+        undo = [Undo(w, new["id"], last["index"], last["length"]) for w in holders]
+        last["length"] += take
+        return writes, undo, take
+
+    async def _open_shards(self, new: ContextRecord, kv: InlineKV, k_pos: np.ndarray,
+                           start: int) -> tuple[list[Awaitable[Any]], list[Undo]]:
+        """New shards for keys ``[start, n)`` of the append; updates ``new`` and returns their writes."""
+        cap, rest = new["shard_capacity"], kv.dims.n_k - start
+        sizes = [min(cap, rest - i) for i in range(0, rest, cap)]
+        if not sizes:
+            return [], []
+        placement = await self._place(sizes, new)
+        starts = [start + sum(sizes[:i]) for i in range(len(sizes))]
+        parts = await self.pool.put(*(a for lo, size in zip(starts, sizes) for a in (kv.k[lo:lo + size],
+                                                                                    kv.v[lo:lo + size])))
+        writes: list[Awaitable[Any]] = []
+        undo: list[Undo] = []
+        for i, (lo, size, workers) in enumerate(zip(starts, sizes, placement)):
+            idx = len(new["shards"])
+            entry: ShardEntry = {"index": idx, "length": size, "workers": self.pool.names(workers)}
+            new["shards"].append(entry)
+            shard = ShardWrite(new["id"], idx, new["dtype"], cap, k_pos[lo:lo + size])
+            writes += [self.pool.create_shard(w, shard, parts[2 * i], parts[2 * i + 1], new) for w in workers]
+            undo += [Undo(w, new["id"], idx, None) for w in workers]
+        return writes, undo
+
+    # -- helpers --------------------------------------------------------------
+    async def _record(self, ctx_id: str) -> ContextRecord:
+        rec = await self.directory.get(ctx_id)
+        if rec is None:
+            raise ContextNotFound(f"id must name an existing context, got {ctx_id!r}")
+        return rec
+
+    @staticmethod
+    def _positions(kv: InlineKV, start: int) -> np.ndarray:
+        """The keys' positions: as given (checked at the edge), or continuing from ``start``."""
+        if kv.k_pos is not None:
+            return kv.k_pos
+        try:
+            default = check_positions("k_pos", Arange(start, kv.dims.n_k), kv.dims.n_k)
+        except ValueError as exc:
+            raise InvalidTensor(str(exc)) from None
+        return default.materialize()
+
+    async def _place(self, sizes: list[int], record: ContextRecord) -> list[list[int]]:
+        await self.pool.refresh(timeout_s=10.0)
+        live = [WorkerLoad(s.index, s.node_id, int(s.info.get("bytes_held", 0))) for s in self.pool.alive]
+        try:
+            return place([n * key_bytes(record) for n in sizes], record["replicas"], live)
+        except ValueError as exc:
+            raise WorkersUnavailable(f"replicas could not be placed: {exc}") from exc
+
+    async def _write_all(self, writes: list[Awaitable[Any]]) -> None:
+        """Run every write; if any fails, raise the first failure (after all finished)."""
+        results = await asyncio.gather(*writes, return_exceptions=True)
+        for res in results:
+            if isinstance(res, CapacityError):
+                raise InsufficientCapacity(f"the context does not fit: {res}")
+            if isinstance(res, ShardMissing):
+                raise ContextLost(f"a replica was lost during the write: {res}")
+            if isinstance(res, BaseException):
+                raise res
+
+    async def _note(self, record: ContextRecord) -> None:
+        """Every holder keeps the newest committed record (for a directory rebuild)."""
+        names = sorted({w for s in record["shards"] for w in s["workers"]})
+        await asyncio.gather(*(self._quietly(self.pool.note_context(i, record["id"], record))
+                               for i in self.pool.indexes(names)))
+
+    async def _undo(self, u: Undo) -> None:
+        if u.truncate_to is None:
+            await self._quietly(self.pool.drop(u.worker, u.context_id, u.shard))
+        else:
+            await self._quietly(self.pool.truncate_shard(u.worker, u.context_id, u.shard, u.truncate_to))
+
+    async def _drop_everywhere(self, ctx_id: str) -> None:
+        await asyncio.gather(*(self._quietly(self.pool.drop(s.index, ctx_id)) for s in self.pool.alive))
+
+    @staticmethod
+    async def _quietly(call: Awaitable[Any]) -> None:
+        """Best effort: a worker gone or a shard already gone is what an undo expects."""
+        try:
+            await call
+        except (WorkersUnavailable, ShardMissing, ValueError):
+            pass
+
+    async def _acquire(self, ctx_id: str) -> str:
+        """Take the context's lease for one operation; returns the owner token to commit and release with."""
+        owner = f"{self.owner}-{secrets.token_hex(6)}"
+        while not await self.directory.acquire(ctx_id, owner, LEASE_TTL_S):
+            await asyncio.sleep(LEASE_POLL_S)
+        return owner

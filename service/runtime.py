@@ -1,0 +1,36 @@
+"""What the app holds: built from the settings at once, and started by the lifespan.
+
+Routes read :class:`AppState` from ``request.app.state.splitkey`` (and the
+started :class:`Runtime` through :func:`service.routes.common.runtime`).
+Nothing here is global: two apps with different settings can live in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from service.attention import AttentionService
+from service.cluster.pool import WorkerPool
+from service.contexts.service import ContextService
+from service.metrics import Metrics
+from service.settings import ServiceSettings
+from service.wire.rules import Limits
+
+
+@dataclass
+class Runtime:
+    """The parts the lifespan starts: Ray's workers and the services over them."""
+
+    pool: WorkerPool
+    attention: AttentionService
+    contexts: ContextService
+
+
+@dataclass
+class AppState:
+    """One app's settings, limits and metrics, and its runtime once the lifespan has started it."""
+
+    settings: ServiceSettings
+    limits: Limits
+    metrics: Metrics
+    runtime: Runtime | None = None

@@ -1,0 +1,137 @@
+"""The typed requests the service works on, each checked once where it enters.
+
+A format decoder (``json_codec``, ``safetensors``, ``kserve``) reads a body into
+:class:`Decoded` (named tensors, checked options); :func:`attention_request` and
+:func:`context_write` then check every tensor rule once, through the same rule
+functions as the library (``workers.problem``, ``workers.positions``), and
+return the object that travels on: arrays, a frozen ``AttentionOptions`` and
+positions. What needs the cluster (the shapes of stored contexts, default
+positions after them) is checked by the service once the contexts are resolved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.errors import InvalidOption, InvalidTensor
+from service.wire.options import RequestOptions
+from workers.options import AttentionOptions
+from workers.positions import check_positions
+from workers.problem import KVDims, check_alibi, check_heads, check_kv, check_q
+
+#: Elements checked for finiteness at a time (bounds the temporary bool array).
+FINITE_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class Decoded:
+    """A body as one format read it: named tensors (present as the kind requires) and checked options."""
+
+    tensors: Mapping[str, np.ndarray]  #: views of the body where the format allows
+    options: RequestOptions
+
+
+@dataclass(frozen=True, eq=False)
+class InlineKV:
+    """Keys and values sent with a request."""
+
+    k: np.ndarray  # [n_k, h_kv, d]
+    v: np.ndarray  # [n_k, h_kv, d_v]
+    k_pos: np.ndarray | None  # [n_k] int64; None: they continue after the keys before them
+    dims: KVDims
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionRequest:
+    """``q`` over inline keys and/or stored contexts, checked as far as it can be without the cluster."""
+
+    q: np.ndarray  # [n_q, h_q, d]
+    q_pos: np.ndarray | None  # [n_q] int64; None: the n_q positions ending where the keys end
+    kv: InlineKV | None
+    options: AttentionOptions
+    contexts: tuple[str, ...]
+
+    @property
+    def n_q(self) -> int:
+        return int(self.q.shape[0])
+
+    @property
+    def h_q(self) -> int:
+        return int(self.q.shape[1])
+
+    @property
+    def d(self) -> int:
+        return int(self.q.shape[2])
+
+
+@dataclass(frozen=True, eq=False)
+class ContextWrite:
+    """Keys and values to store (a new context) or to append to one."""
+
+    kv: InlineKV
+    replicas: int | None
+    shards: int | None
+
+
+def check_finite(name: str, x: np.ndarray) -> None:
+    """Refuse NaN and infinities in a float tensor (checked in chunks, no full-size temporary)."""
+    if np.dtype(x.dtype).kind != "f":
+        return
+    flat = x.reshape(-1)
+    for start in range(0, flat.shape[0], FINITE_CHUNK):
+        if not np.isfinite(flat[start:start + FINITE_CHUNK]).all():
+            raise InvalidTensor(f"{name} must be finite, got NaN or infinity")
+
+
+def _positions(name: str, pos: np.ndarray | None, n: int) -> np.ndarray | None:
+    if pos is None:
+        return None
+    try:
+        return check_positions(name, pos, n)
+    except ValueError as exc:
+        raise InvalidTensor(str(exc)) from None
+
+
+def _inline(tensors: Mapping[str, np.ndarray]) -> InlineKV:
+    k, v = tensors["k"], tensors["v"]
+    try:
+        dims = check_kv(k, v)
+    except ValueError as exc:
+        raise InvalidTensor(str(exc)) from None
+    check_finite("k", k)
+    check_finite("v", v)
+    return InlineKV(k=k, v=v, k_pos=_positions("k_pos", tensors.get("k_pos"), dims.n_k), dims=dims)
+
+
+def attention_request(decoded: Decoded) -> AttentionRequest:
+    """Check the tensors of an attention request against each other and its options."""
+    t, options = decoded.tensors, decoded.options
+    q = t["q"]
+    try:
+        n_q, h_q, d = check_q(q)
+    except ValueError as exc:
+        raise InvalidTensor(str(exc)) from None
+    check_finite("q", q)
+    kv = _inline(t) if "k" in t else None
+    if kv is not None:
+        try:
+            check_heads(h_q, d, kv.dims)
+        except ValueError as exc:
+            raise InvalidTensor(str(exc)) from None
+    try:
+        check_alibi(options.attention.alibi_slopes, h_q)
+    except ValueError as exc:
+        raise InvalidOption(str(exc)) from None
+    return AttentionRequest(q=q, q_pos=_positions("q_pos", t.get("q_pos"), n_q), kv=kv, options=options.attention,
+                            contexts=options.contexts)
+
+
+def context_write(decoded: Decoded) -> ContextWrite:
+    """Check the keys and values of a context create or append; a context holds one dtype."""
+    kv = _inline(decoded.tensors)
+    if kv.k.dtype != kv.v.dtype:
+        raise InvalidTensor(f"v must have k's dtype {kv.k.dtype}, got {kv.v.dtype}")
+    return ContextWrite(kv=kv, replicas=decoded.options.replicas, shards=decoded.options.shards)

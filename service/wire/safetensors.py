@@ -1,0 +1,223 @@
+"""safetensors bodies: the header checked before any tensor memory, zero-copy decode, buffer-list encode.
+
+Layout (https://huggingface.co/docs/safetensors): a u64 little-endian header length
+``n``, ``n`` bytes of JSON ``{name: {"dtype", "shape", "data_offsets": [begin, end]}}``
+with an optional ``"__metadata__"`` (string to string), then the data section of raw
+little-endian C-order bytes, offsets relative to its start.
+
+Errors: a body that is not a well-formed safetensors file (truncated, bad JSON,
+duplicate keys, offsets that overlap, leave gaps or run out of bounds, a byte count
+that does not match the shape, ...) is 400 ``invalid_body``; a well-formed one with
+a tensor we do not take (unknown name, unsupported dtype, wrong rank or element
+kind) is 422 ``invalid_tensor``; sizes over :class:`service.wire.rules.Limits` are 413
+``body_too_large``. Tensor values are not scanned here (``service.wire.request`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from service.errors import BodyTooLarge, InvalidBody, InvalidTensor
+from service.wire.dtypes import SAFETENSORS, WireDtype, array_bytes, from_bytes, wire_of
+from service.wire.jsonio import load_json
+from service.wire.options import parse_query_options
+from service.wire.request import Decoded
+from service.wire.rules import (
+    ATTENTION,
+    DEFAULT_LIMITS,
+    TENSOR_RULES,
+    BodyKind,
+    Limits,
+    check_present,
+    show,
+    sorted_names,
+)
+
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One header entry, checked. Offsets are relative to the data section."""
+
+    wire: WireDtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A checked header: the tensors, the metadata and where the data section starts."""
+
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str]
+    data_start: int
+    body_len: int
+
+
+def header_span(prefix: bytes | bytearray | memoryview, body_len: int, limits: Limits) -> int:
+    """Bytes the length field and the JSON header take (``8 + n``): what :func:`peek_safetensors_header` needs.
+
+    ``prefix`` must hold at least the first 8 bytes of a body of ``body_len`` bytes.
+    """
+    if body_len > limits.max_body_bytes:
+        raise BodyTooLarge(f"body must be at most {limits.max_body_bytes} bytes, got {body_len}")
+    if body_len < 8:
+        raise InvalidBody(f"safetensors body must start with an 8-byte header length, got {body_len} bytes")
+    if len(prefix) < 8:
+        raise ValueError(f"prefix must hold the first 8 bytes of the body, got {len(prefix)}")
+    (n,) = struct.unpack_from("<Q", prefix)
+    if n > body_len - 8:
+        raise InvalidBody(f"safetensors header length must be at most the {body_len - 8} bytes after it, got {n}")
+    if n > limits.max_header_bytes:
+        raise BodyTooLarge(f"safetensors header must be at most {limits.max_header_bytes} bytes, got {n}")
+    return 8 + n
+
+
+def _entry(name: str, entry: Any, allowed: Iterable[str], limits: Limits) -> TensorInfo:
+    """Check one header entry; everything but its place in the data section."""
+    if name not in allowed:
+        raise InvalidTensor(f"tensor names must be among {sorted_names(allowed)}, got {show(name)}")
+    if type(entry) is not dict or entry.keys() != _ENTRY_KEYS:
+        raise InvalidBody(f"{name} must be an object with keys dtype, shape, data_offsets, got {show(entry)}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if type(dtype) is not str or dtype not in SAFETENSORS:
+        raise InvalidTensor(f"{name} dtype must be one of {sorted_names(SAFETENSORS)}, got {show(dtype)}")
+    wire = SAFETENSORS[dtype]
+    if type(shape) is not list or any(type(s) is not int or s < 0 for s in shape):
+        raise InvalidBody(f"{name} shape must be a list of ints >= 0, got {show(shape)}")
+    rule = TENSOR_RULES.get(name)
+    if rule is not None and len(shape) != rule.rank:
+        raise InvalidTensor(f"{name} must be {rule.layout} ({rule.rank} dims), got shape {show(shape)}")
+    if len(shape) > limits.max_dims:
+        raise InvalidTensor(f"{name} must have at most {limits.max_dims} dims, got shape {show(shape)}")
+    if rule is not None and (rule.kind == "int") != wire.integer:
+        wanted = "I32 or I64" if rule.kind == "int" else "F16, BF16, F32 or F64"
+        raise InvalidTensor(f"{name} dtype must be {wanted}, got {dtype}")
+    if type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets) \
+            or not 0 <= offsets[0] <= offsets[1]:
+        raise InvalidBody(f"{name} data_offsets must be [begin, end] with 0 <= begin <= end, got {show(offsets)}")
+    count = math.prod(shape)
+    nbytes = count * wire.bits.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise InvalidBody(f"{name} data_offsets must span prod(shape) * itemsize = {nbytes} bytes for shape {shape} "
+                          f"{dtype}, got {show(offsets)} ({offsets[1] - offsets[0]} bytes)")
+    if count > limits.max_elements:
+        raise BodyTooLarge(f"{name} must have at most {limits.max_elements} elements, got {count}")
+    return TensorInfo(wire, tuple(shape), offsets[0], offsets[1])
+
+
+def _check_coverage(tensors: Mapping[str, TensorInfo], data_len: int) -> None:
+    """The tensors tile the data section exactly: no overlap, no gap, nothing out of bounds."""
+    expected, previous = 0, None
+    for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if info.end > data_len:
+            raise InvalidBody(f"{name} data_offsets must end within the {data_len} data bytes, got [{info.begin}, {info.end}]")
+        if info.begin < expected:
+            raise InvalidBody(f"{name} data_offsets must not overlap {previous} (which ends at {expected}), "
+                       f"got [{info.begin}, {info.end}]")
+        if info.begin > expected:
+            raise InvalidBody(f"data bytes [{expected}, {info.begin}) must belong to a tensor, got a gap before {name}")
+        expected, previous = info.end, name
+    if expected != data_len:
+        raise InvalidBody(f"data bytes [{expected}, {data_len}) must belong to a tensor, got trailing bytes")
+
+
+def peek_safetensors_header(prefix: bytes | bytearray | memoryview, body_len: int, limits: Limits,
+                            allowed: Iterable[str]) -> Header:
+    """Check the whole header of a ``body_len``-byte body from its first bytes only.
+
+    ``prefix`` must hold at least :func:`header_span` bytes (the rest is not read). On
+    return the data section is known to be exactly tiled by tensors named in
+    ``allowed`` with supported dtypes and bounded sizes: nothing about it can fail later.
+    """
+    span = header_span(prefix, body_len, limits)
+    if len(prefix) < span:
+        raise ValueError(f"prefix must hold the first {span} bytes (length and header), got {len(prefix)}")
+    allowed = frozenset(allowed)
+    obj = load_json(memoryview(prefix)[8:span], "safetensors header")
+    if type(obj) is not dict:
+        raise InvalidBody(f"safetensors header must be a JSON object, got {show(obj)}")
+    metadata = obj.pop("__metadata__", {})
+    if type(metadata) is not dict or any(type(v) is not str for v in metadata.values()):
+        raise InvalidBody(f"__metadata__ must map strings to strings, got {show(metadata)}")
+    tensors = {name: _entry(name, entry, allowed, limits) for name, entry in obj.items()}
+    _check_coverage(tensors, body_len - span)
+    return Header(tensors=tensors, metadata=metadata, data_start=span, body_len=body_len)
+
+
+def decode_safetensors(buf: bytes | bytearray | memoryview, allowed: Iterable[str],
+                       limits: Limits = DEFAULT_LIMITS) -> dict[str, np.ndarray]:
+    """Tensors of a whole safetensors body as zero-copy views (read-only for ``bytes``).
+
+    BF16 comes back as ``ml_dtypes.bfloat16``. Never unpickles or evaluates anything.
+    """
+    mv = memoryview(buf).cast("B")
+    header = peek_safetensors_header(mv, len(mv), limits, allowed)
+    return {name: from_bytes(mv, info.wire, info.shape, header.data_start + info.begin)
+            for name, info in header.tensors.items()}
+
+
+def _wire(name: Any, a: Any) -> tuple[WireDtype, np.ndarray]:
+    """The wire dtype of ``a`` and its little-endian bytes as a flat uint8 array."""
+    if type(name) is not str or not name or name == "__metadata__":
+        raise ValueError(f"tensor names must be non-empty strings other than __metadata__, got {name!r}")
+    wire = wire_of(name, a)
+    return wire, array_bytes(a, wire)
+
+
+def encode_safetensors(tensors: Mapping[str, np.ndarray],
+                       metadata: Mapping[str, str] | None = None) -> list[bytes | memoryview]:
+    """A safetensors body as a list of buffers (length, header, one per tensor), for sending unjoined.
+
+    The layout matches ``safetensors.numpy.save`` byte for byte: tensors ordered by
+    dtype (widest first) then name, so each one starts aligned to its item size, and
+    the header padded with spaces to a multiple of 8 bytes.
+    """
+    if metadata is not None and (not isinstance(metadata, Mapping)
+                                 or any(type(k) is not str or type(v) is not str for k, v in metadata.items())):
+        raise ValueError(f"metadata must map strings to strings, got {metadata!r}")
+    wired = sorted(((wire, name, data, tuple(a.shape))
+                    for name, a in tensors.items() for wire, data in [_wire(name, a)]),
+                   key=lambda item: (-item[0].write_rank, item[1]))
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(metadata)}
+    offset = 0
+    for wire, name, data, shape in wired:
+        header[name] = {"dtype": wire.safetensors, "shape": list(shape), "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+    text = _json_header(header)
+    buffers: list[bytes | memoryview] = [struct.pack("<Q", len(text)), text]
+    return buffers + [data.data for _, _, data, _ in wired if data.nbytes]
+
+
+def _json_header(header: Mapping[str, Any]) -> bytes:
+    """Compact JSON as the reference writes it, padded with spaces to a multiple of 8 bytes."""
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    return text + b" " * (-len(text) % 8)
+
+
+def to_bytes(buffers: Iterable[bytes | memoryview]) -> bytes:
+    """Join the buffers of :func:`encode_safetensors` into one ``bytes``."""
+    return b"".join(buffers)
+
+
+def decode_binary_request(body: bytes | bytearray | memoryview, query: Mapping[str, str] | Iterable[tuple[str, str]],
+                          kind: BodyKind = ATTENTION, limits: Limits = DEFAULT_LIMITS) -> Decoded:
+    """The tensors and options of a safetensors body with its options in the URL query."""
+    tensors = decode_safetensors(body, kind.tensors, limits)
+    options = parse_query_options(query, kind, limits, alibi_slopes=tensors.get("alibi_slopes"))
+    check_present(tensors, options.contexts, kind)
+    return Decoded(tensors, options)
+

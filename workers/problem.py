@@ -1,0 +1,142 @@
+"""The checks of one attention call, one function per rule, and the checked ``Problem``.
+
+Every caller validates through these functions: the library entry points
+(``workers.api``), and the service's request decoder and context writes, which
+check a request once where it enters (docs/API.md section 2). Messages name the
+argument: "x must be ..., got ...".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from merge import array_module
+from workers.dtypes import accumulation_dtype, check_input_dtype
+from workers.options import AttentionOptions
+from workers.positions import Arange, check_positions, end_of, last_positions
+
+
+@dataclass(frozen=True)
+class KVDims:
+    """The shape of a key/value set: ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]``."""
+
+    n_k: int
+    h_kv: int
+    d: int
+    d_v: int
+
+
+@dataclass(frozen=True, eq=False)
+class Problem:
+    """Checked inputs of one attention call, with the derived sizes."""
+
+    n_q: int
+    h_q: int
+    h_kv: int
+    d: int
+    d_v: int
+    n_k: int
+    acc_dtype: np.dtype
+    q_pos: Any  # [n_q] int64
+    k_pos: Any  # [n_k] int64 array, or an Arange (the default, never materialised)
+    scale: float
+    options: AttentionOptions = field(repr=False)
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head: query head i reads kv head i // group."""
+        return self.h_q // self.h_kv
+
+
+def check_arrays(**arrays: Any) -> Any:
+    """Every argument is a numpy or cupy array, all of one array module; returns it."""
+    xp = None
+    for name, x in arrays.items():
+        if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
+        if xp is None:
+            xp = array_module(x)
+            first = name
+        elif array_module(x) is not xp:
+            raise ValueError(f"{name} must live where {first} lives ({xp.__name__}), got {type(x).__module__}")
+    return xp
+
+
+def check_q(q: Any) -> tuple[int, int, int]:
+    """``q [n_q, h_q, d]`` of an input dtype; returns ``(n_q, h_q, d)`` (sizes: :func:`check_heads`)."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [n_q, h_q, d], got shape {tuple(q.shape)}")
+    check_input_dtype("q", q.dtype)
+    n_q, h_q, d = (int(s) for s in q.shape)
+    return n_q, h_q, d
+
+
+def check_kv(k: Any, v: Any) -> KVDims:
+    """``k [n_k, h_kv, d]`` and ``v [n_k, h_kv, d_v]`` of input dtypes, agreeing on ``n_k, h_kv``."""
+    if k.ndim != 3:
+        raise ValueError(f"k must be [n_k, h_kv, d], got shape {tuple(k.shape)}")
+    if v.ndim != 3:
+        raise ValueError(f"v must be [n_k, h_kv, d_v], got shape {tuple(v.shape)}")
+    check_input_dtype("k", k.dtype)
+    check_input_dtype("v", v.dtype)
+    n_k, h_kv, d = (int(s) for s in k.shape)
+    if tuple(v.shape[:2]) != (n_k, h_kv):
+        raise ValueError(f"v must be [n_k, h_kv, d_v] with [n_k, h_kv] = [{n_k}, {h_kv}] as in k, got {tuple(v.shape)}")
+    d_v = int(v.shape[2])
+    if d < 1 or d_v < 1:
+        raise ValueError(f"head dims must be >= 1, got d = {d}, d_v = {d_v}")
+    if h_kv < 1:
+        raise ValueError(f"h_kv must be >= 1, got k of shape {tuple(k.shape)}")
+    return KVDims(n_k, h_kv, d, d_v)
+
+
+def check_heads(h_q: int, d: int, kv: KVDims, keys: str = "k") -> None:
+    """Queries of ``h_q`` heads of dim ``d`` can read ``kv`` (named ``keys`` in messages)."""
+    if kv.d != d:
+        if keys == "k":
+            raise ValueError(f"k must have head dim d = {d} as q, got {kv.d}")
+        raise ValueError(f"q must have head dim d = {kv.d} as {keys}, got {d}")
+    if h_q < 1 or kv.h_kv < 1 or h_q % kv.h_kv:
+        raise ValueError(f"h_q must be a positive multiple of h_kv, got h_q = {h_q}, h_kv = {kv.h_kv}"
+                         + ("" if keys == "k" else f" of {keys}"))
+
+
+def check_alibi(slopes: Any, h_q: int) -> None:
+    """ALiBi slopes are ``[h_q]`` finite reals."""
+    if slopes is None:
+        return
+    if not hasattr(slopes, "shape"):
+        slopes = np.asarray(slopes)
+    if slopes.ndim != 1 or slopes.shape[0] != h_q:
+        raise ValueError(f"alibi_slopes must have shape [{h_q}], got {tuple(slopes.shape)}")
+    if np.dtype(slopes.dtype).kind not in "fiu":
+        raise ValueError(f"alibi_slopes must be a float array, got dtype {slopes.dtype}")
+    host = slopes.get() if hasattr(slopes, "get") else slopes
+    if not bool(np.all(np.isfinite(np.asarray(host, dtype=np.float64)))):
+        raise ValueError("alibi_slopes must be finite, got NaN or infinity")
+
+
+def check_problem(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, options: AttentionOptions) -> Problem:
+    """Validate q, k, v (contract layout), positions and options; fill in the defaults."""
+    xp = check_arrays(q=q, k=k, v=v)
+    return build_problem(q, check_kv(k, v), (k.dtype, v.dtype), q_pos, k_pos, options, xp)
+
+
+def build_problem(q: Any, kv: KVDims, kv_dtypes: tuple[Any, Any], q_pos: Any, k_pos: Any,
+                  options: AttentionOptions, xp: Any) -> Problem:
+    """The :class:`Problem` of ``q`` over keys of shape ``kv`` (checked already), in any layout."""
+    n_q, h_q, d = check_q(q)
+    check_heads(h_q, d, kv)
+    k_pos = Arange(0, kv.n_k) if k_pos is None else check_positions("k_pos", k_pos, kv.n_k, xp)
+    q_pos = last_positions(n_q, end_of(k_pos), xp) if q_pos is None else check_positions("q_pos", q_pos, n_q, xp)
+    check_alibi(options.alibi_slopes, h_q)
+    scale = options.scale if options.scale is not None else 1.0 / math.sqrt(d)
+    return Problem(
+        n_q=n_q, h_q=h_q, h_kv=kv.h_kv, d=d, d_v=kv.d_v, n_k=kv.n_k,
+        acc_dtype=accumulation_dtype(q.dtype, *kv_dtypes),
+        q_pos=q_pos, k_pos=k_pos, scale=scale, options=options,
+    )

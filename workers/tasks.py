@@ -1,0 +1,51 @@
+"""What travels to a shard worker and back: typed, checked once where a request entered.
+
+The service builds these from a validated request and the contexts directory;
+``workers.actor.ShardWorker`` takes them as they are. ``q`` and the key/value
+arrays travel beside them as top-level task arguments, so that Ray resolves
+their object references and never copies them twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from workers.options import AttentionOptions
+
+
+@dataclass(frozen=True, eq=False)
+class ShardQuery:
+    """The query side of one request, the same for every shard it scatters to."""
+
+    q_pos: Any  # [n_q] int64 numpy array: absolute positions of the queries
+    options: AttentionOptions
+
+
+@dataclass(frozen=True)
+class ShardRead:
+    """The committed prefix of one resident shard: keys ``[0, length)`` of shard ``index``."""
+
+    context_id: str
+    index: int
+    length: int
+
+
+@dataclass(frozen=True, eq=False)
+class ShardWrite:
+    """Keys written to one resident shard (with ``k`` and ``v`` beside it)."""
+
+    context_id: str
+    index: int
+    dtype: str  # the stored dtype's public name (workers.dtypes.DTYPES)
+    max_capacity: int  # keys the shard may grow to
+    k_pos: Any  # [n] int64 numpy array
+
+
+@dataclass(frozen=True)
+class ComputeStatus:
+    """What a worker reports with each computed state (the state itself may stay in the object store)."""
+
+    worker: str
+    seconds: float
+    nbytes: int
