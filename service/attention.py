@@ -14,14 +14,13 @@ from typing import Any
 
 from service.cluster.orchestrator import Job, Orchestrator, inline_shard_count, shard_bounds
 from service.cluster.pool import InlineWork, WorkerPool
-from service.contexts.resolved import Resolved
-from service.contexts.service import ContextService
+from service.contexts.service import ContextService, Resolved
 from service.errors import InvalidTensor
 from service.metrics import Timings
 from service.settings import ServiceSettings
 from service.wire.request import AttentionRequest
 from workers.dtypes import accumulation_dtype
-from workers.positions import Arange, check_positions, end_of, last_positions
+from workers.problem import Arange, check_positions, end_of, last_positions
 from workers.tasks import ShardQuery
 
 

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import pytest
 
 from service.errors import ServiceError
-from service.wire.options import RequestOptions
+from service.wire.rules import RequestOptions
 from workers.options import AttentionOptions
 
 #: The error codes and statuses docs/API.md section 7 promises (written out here, not

@@ -130,7 +130,8 @@ def test_wire_and_client_never_import_the_server(package, forbidden):
 
 
 @pytest.mark.parametrize("modules", [
-    ["service.wire.decode", "service.wire.kserve", "service.wire.negotiation", "service.wire.body"],
+    ["service.wire.json_codec", "service.wire.safetensors", "service.wire.kserve", "service.wire.request",
+     "service.wire.negotiation", "service.wire.body"],
     ["service.client", "service.client.loadtest"],
 ])
 def test_wire_and_client_load_neither_ray_nor_the_web_framework(modules):

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 from expect import service_error
 
-from service.wire.options import RequestOptions, check_options
 from service.wire.request import Decoded, attention_request, check_finite, context_write
-from service.wire.rules import ATTENTION, CONTEXT_CREATE
+from service.wire.rules import ATTENTION, CONTEXT_CREATE, RequestOptions, check_options
 from workers import BFLOAT16
 from workers.options import AttentionOptions
 

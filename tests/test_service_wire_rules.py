@@ -1,11 +1,25 @@
-"""Limits, the named tensors and body kinds: which tensors a request must carry."""
+"""The rules of a request body: limits, required tensors, and options from JSON values and URL
+query text, checked into one typed RequestOptions."""
 
 from __future__ import annotations
 
 import pytest
-from expect import service_error
+from expect import given_options, service_error
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from service.wire.rules import ATTENTION, CONTEXT_APPEND, CONTEXT_CREATE, Limits, check_present, show
+from service.errors import ServiceError
+from service.wire.rules import (
+    ATTENTION,
+    CONTEXT_APPEND,
+    CONTEXT_CREATE,
+    Limits,
+    check_options,
+    check_present,
+    parse_query_options,
+    show,
+)
+from workers.options import AttentionOptions
 
 # -- limits ----------------------------------------------------------------------------------
 
@@ -44,3 +58,194 @@ def test_values_too_long_to_print_are_shown_by_type():
     assert show("x" * 100).endswith('...') and len(show("x" * 100)) == 60
 
 
+# -- options from JSON values ------------------------------------------------------------------
+
+def test_check_options_normalises_and_drops_nulls_and_a_zero_softcap():
+    opts = check_options({"scale": 1, "causal": False, "window": [3, None], "softcap": 0, "contexts": None},
+                         ATTENTION, Limits())
+    a = opts.attention
+    assert (a.scale, a.causal, a.window, a.softcap, opts.contexts) == (1.0, False, (3, None), None, ())
+    assert type(a.scale) is float
+
+
+@pytest.mark.parametrize("raw, fragments", [
+    ({"scale": True}, ["scale must be a number", "got true"]),
+    ({"scale": "0.125"}, ["scale must be a number", 'got "0.125"']),
+    ({"scale": 0}, ["scale must be a finite number > 0", "got 0"]),
+    ({"scale": float("nan")}, ["scale must be a finite number", "nan"]),
+    ({"softcap": -1.0}, ["softcap must be a finite number >= 0"]),
+    ({"causal": 0}, ["causal must be true or false", "got 0"]),
+    ({"causal": "true"}, ["causal must be true or false", 'got "true"']),
+    ({"window": [1.0, None]}, ["window must be [left, right]", "got [1.0, null]"]),
+    ({"window": [True, None]}, ["window must be [left, right]"]),
+    ({"window": [1]}, ["window must be [left, right]"]),
+    ({"window": "128,"}, ["window must be [left, right]"]),
+    ({"window": [-1, 0]}, ["window must be [left, right], each null or an int in [0, 2**62]", "got [-1, 0]"]),
+    ({"window": [0, 2**63]}, ["window must be [left, right]"]),
+    ({"window": [0, 10**4000]}, ["window must be [left, right]", "..."]),
+    ({"contexts": "abc"}, ["contexts must be a list of 1 to 64 ids", 'got "abc"']),
+    ({"contexts": []}, ["contexts must be a list of 1 to 64 ids"]),
+    ({"contexts": ["a", 1]}, ["contexts[1] must be an id", "got 1"]),
+    ({"contexts": ["a,b"]}, ["contexts[0] must be an id", 'got "a,b"']),
+    ({"contexts": ["x" * 129]}, ["contexts[0] must be an id of 1 to 128 characters"]),
+    ({"contexts": ["a", "a"]}, ["contexts must not repeat an id", 'got "a" twice']),
+    ({"contexts": [str(i) for i in range(65)]}, ["contexts must be a list of 1 to 64 ids"]),
+    ({"replicas": 1}, ["replicas is not an option of attention requests"]),
+])
+def test_attention_options_are_strictly_typed_and_name_the_field(raw, fragments):
+    with service_error("invalid_option", *fragments):
+        check_options(raw, ATTENTION, Limits())
+
+
+@pytest.mark.parametrize("raw, fragments", [
+    ({"replicas": 0}, ["replicas must be an int in [1, 8]", "got 0"]),
+    ({"replicas": 9}, ["replicas must be an int in [1, 8]", "got 9"]),
+    ({"replicas": 2.0}, ["replicas must be an int", "got 2.0"]),
+    ({"shards": True}, ["shards must be an int", "got true"]),
+    ({"shards": "2"}, ["shards must be an int", 'got "2"']),
+    ({"shards": 1025}, ["shards must be an int in [1, 1024]", "got 1025"]),
+    ({"causal": True}, ["causal is not an option of context requests"]),
+])
+def test_context_options_are_positive_bounded_ints(raw, fragments):
+    with service_error("invalid_option", *fragments):
+        check_options(raw, CONTEXT_CREATE, Limits())
+
+
+def test_an_unknown_option_is_rejected_even_when_null():
+    with service_error("invalid_option", "replicas is not an option of append requests"):
+        check_options({"replicas": None}, CONTEXT_APPEND, Limits())
+
+
+def test_check_options_builds_the_library_options_with_the_slopes():
+    opts = check_options({"scale": 0.5, "causal": True, "window": [4, None]}, ATTENTION, alibi_slopes=[0.5]).attention
+    assert isinstance(opts, AttentionOptions)
+    assert (opts.scale, opts.causal, opts.window, opts.softcap, opts.right) == (0.5, True, (4, None), None, 0)
+    assert opts.alibi_slopes == [0.5]
+
+
+# -- options as URL query parameters ---------------------------------------------------------
+
+@pytest.mark.parametrize("params, expected", [
+    ({}, {}),
+    ({"scale": "0.125"}, {"scale": 0.125}),
+    ({"scale": "1e-3"}, {"scale": 0.001}),
+    ({"scale": "2"}, {"scale": 2.0}),
+    ({"causal": "true"}, {"causal": True}),
+    ({"causal": "false"}, {}),
+    ({"softcap": "30"}, {"softcap": 30.0}),
+    ({"softcap": "0"}, {}),
+    ({"window": "128,"}, {"window": (128, None)}),
+    ({"window": "128,0"}, {"window": (128, 0)}),
+    ({"window": ",0"}, {"window": (None, 0)}),
+    ({"window": ","}, {"window": (None, None)}),
+    ({"contexts": "ID1,ID2"}, {"contexts": ("ID1", "ID2")}),
+    ({"contexts": "ctx_0.a~b-c"}, {"contexts": ("ctx_0.a~b-c",)}),
+])
+def test_query_options_parse_the_documented_syntax(params, expected):
+    assert given_options(parse_query_options(params)) == expected
+
+
+@pytest.mark.parametrize("params, fragments", [
+    ({"causal": "1"}, ["causal must be true or false", 'got "1"']),
+    ({"causal": "0"}, ["causal must be true or false"]),
+    ({"causal": "True"}, ["causal must be true or false", 'got "True"']),
+    ({"causal": ""}, ["causal must be true or false", 'got ""']),
+    ({"scale": "nan"}, ["scale must be a number", 'got "nan"']),
+    ({"scale": "inf"}, ["scale must be a number"]),
+    ({"scale": "0x10"}, ["scale must be a number"]),
+    ({"scale": " 1"}, ["scale must be a number"]),
+    ({"scale": "1_000"}, ["scale must be a number"]),
+    ({"scale": ".5"}, ["scale must be a number"]),
+    ({"scale": ""}, ["scale must be a number"]),
+    ({"scale": "1e999"}, ["scale must be a finite number"]),
+    ({"scale": "-1"}, ["scale must be a finite number > 0", "got -1.0"]),
+    ({"softcap": "-30"}, ["softcap must be a finite number >= 0"]),
+    ({"window": "128"}, ["window must be LEFT,RIGHT", 'got "128"']),
+    ({"window": "1,2,3"}, ["window must be LEFT,RIGHT"]),
+    ({"window": "-1,0"}, ["window must be LEFT,RIGHT", 'got "-1,0"']),
+    ({"window": "1.5,"}, ["window must be LEFT,RIGHT"]),
+    ({"window": "01,"}, ["window must be LEFT,RIGHT"]),
+    ({"window": "a,b"}, ["window must be LEFT,RIGHT"]),
+    ({"window": "9" * 22 + ","}, ["window must be LEFT,RIGHT"]),
+    ({"window": str(2**63) + ","}, ["window must be [left, right], each null or an int in [0, 2**62]"]),
+    ({"contexts": ""}, ["contexts[0] must be an id", 'got ""']),
+    ({"contexts": "a,,b"}, ["contexts[1] must be an id"]),
+    ({"contexts": "a,a"}, ["contexts must not repeat an id"]),
+    ({"contexts": "a b"}, ["contexts[0] must be an id", 'got "a b"']),
+    ({"q_pos": "1,2"}, ["query parameters of attention requests must be among", 'got "q_pos"']),
+    ({"Causal": "true"}, ['got "Causal"']),
+])
+def test_query_options_reject_bad_values_naming_parameter_and_value(params, fragments):
+    with service_error("invalid_option", *fragments):
+        parse_query_options(params)
+
+
+@pytest.mark.parametrize("params, fragments", [
+    ({"replicas": "0"}, ["replicas must be an int >= 1", 'got "0"']),
+    ({"replicas": "01"}, ["replicas must be an int >= 1"]),
+    ({"replicas": "1.0"}, ["replicas must be an int >= 1"]),
+    ({"replicas": "-1"}, ["replicas must be an int >= 1"]),
+    ({"shards": "99999999999"}, ["shards must be an int >= 1"]),
+    ({"shards": "2000"}, ["shards must be an int in [1, 1024]", "got 2000"]),
+    ({"contexts": "a"}, ["query parameters of context requests must be among"]),
+])
+def test_query_options_of_context_requests_are_bounded_counts(params, fragments):
+    with service_error("invalid_option", *fragments):
+        parse_query_options(params, CONTEXT_CREATE)
+
+
+def test_query_options_of_context_requests_parse_counts():
+    assert given_options(parse_query_options({"replicas": "2", "shards": "16"}, CONTEXT_CREATE)) == \
+        {"replicas": 2, "shards": 16}
+
+
+class MultiDict:
+    """Stands in for Starlette's QueryParams, which keeps repeated keys in ``multi_items``."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def multi_items(self):
+        return list(self.items)
+
+
+@pytest.mark.parametrize("params", [
+    [("causal", "true"), ("causal", "false")],
+    MultiDict([("causal", "true"), ("causal", "true")]),
+])
+def test_a_repeated_query_parameter_is_rejected(params):
+    with service_error("invalid_option", "causal must be given once"):
+        parse_query_options(params)
+
+
+def test_query_options_accept_a_list_of_pairs():
+    assert given_options(parse_query_options([("scale", "0.5"), ("window", "2,")])) == {"scale": 0.5, "window": (2, None)}
+
+
+def test_values_too_long_to_print_are_shown_by_type():
+    with service_error("invalid_option", "scale must be a number, got a list"):
+        check_options({"scale": [10**5000]}, ATTENTION, Limits())
+
+
+def test_the_replica_bound_is_the_settings_one():
+    with service_error("invalid_option", "replicas must be an int in [1, 3]"):
+        check_options({"replicas": 4}, CONTEXT_CREATE, Limits(max_replicas=3))
+
+
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+def test_an_int_option_beyond_float64_is_422(name):
+    with service_error("invalid_option", f"{name} must be a finite number, got 1000"):
+        check_options({name: 10**400}, ATTENTION, Limits())
+
+
+QUERY_NAMES = st.sampled_from(["scale", "causal", "window", "softcap", "contexts", "replicas", "shards", "x"])
+QUERY_TEXT = st.text(alphabet="0123456789,.-+eE_ abtrufalsnixNI", max_size=12)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(QUERY_NAMES, QUERY_TEXT), max_size=4), st.sampled_from([ATTENTION, CONTEXT_CREATE]))
+def test_random_query_parameters_only_ever_raise_service_error(pairs, kind):
+    try:
+        parse_query_options(pairs, kind)
+    except ServiceError as err:
+        assert err.code == "invalid_option"

@@ -7,7 +7,7 @@ from merge import finalize, merge_all
 from workers.actor import ShardWorker
 from workers.config import WorkerConfig
 from workers.options import AttentionOptions
-from workers.positions import Arange
+from workers.problem import Arange
 from workers.tasks import ShardQuery, ShardRead, ShardWrite
 
 

@@ -9,7 +9,7 @@ from workers.actor import ShardWorker
 from workers.config import WorkerConfig
 from workers.gpu import backend as gpu
 from workers.options import AttentionOptions, KernelOptions
-from workers.positions import Arange
+from workers.problem import Arange
 from workers.tasks import ShardQuery, ShardRead, ShardWrite
 
 REASON = gpu.unavailable_reason()

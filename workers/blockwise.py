@@ -20,7 +20,7 @@ from typing import Any
 from merge import NO_SCORE
 from workers.masking import BlockKind, TileBounds, visible
 from workers.options import AttentionOptions
-from workers.positions import as_array
+from workers.problem import as_array
 
 
 @dataclass(frozen=True, eq=False)

@@ -27,8 +27,7 @@ import numpy as np
 
 from merge import array_module
 from workers.plan import CALL_KEYS, DECODE_ROWS
-from workers.positions import as_array
-from workers.problem import KVDims
+from workers.problem import KVDims, as_array
 
 #: Row stride padding of StreamingKV's d-major keys, in elements (see module doc).
 STRIDE_PAD = 16

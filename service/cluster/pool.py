@@ -248,16 +248,17 @@ class WorkerPool:
                       *, keep_state: bool) -> tuple[ComputeStatus, Any]:
         """One state of ``q`` over ``work``: ``(status, State)``; with ``keep_state`` the state stays
         in the object store and its ObjectRef is returned (for a merge on the workers)."""
+        n = 2 if keep_state else 1
         if isinstance(work, InlineWork):
-            def call(h: Any, n: int) -> Any:
-                return h.partial.options(num_returns=n).remote(q, work.k, work.v, query, work.k_pos)
+            refs = self._submit(index, lambda h: h.partial.options(num_returns=n).remote(
+                q, work.k, work.v, query, work.k_pos))
         else:
-            def call(h: Any, n: int) -> Any:
-                return h.partial_resident.options(num_returns=n).remote(q, query, work.reads, work.fanin)
+            refs = self._submit(index, lambda h: h.partial_resident.options(num_returns=n).remote(
+                q, query, work.reads, work.fanin))
         if keep_state:
-            status_ref, state_ref = self._submit(index, lambda h: call(h, 2))
+            status_ref, state_ref = refs
             return await self._result(index, status_ref), state_ref
-        result: tuple[ComputeStatus, State] = await self._call(index, lambda h: call(h, 1))
+        result: tuple[ComputeStatus, State] = await self._result(index, refs)
         return result
 
     def merge_states(self, index: int, *states: Any) -> tuple[Any, Callable[[], None]]:
@@ -269,7 +270,8 @@ class WorkerPool:
 
         return ref, done
 
-    def create_shard(self, index: int, write: ShardWrite, k: Any, v: Any, record: Mapping[str, object]) -> Awaitable[Any]:
+    def create_shard(self, index: int, write: ShardWrite, k: Any, v: Any,
+                     record: Mapping[str, object]) -> Awaitable[Any]:
         return self._call(index, lambda h: h.create_shard.remote(write, k, v, record))
 
     def append_shard(self, index: int, write: ShardWrite, k: Any, v: Any, committed: int) -> Awaitable[Any]:

@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from service.cluster.orchestrator import shard_bounds
-from service.cluster.pool import WorkerPool
+from service.cluster.orchestrator import Job, shard_bounds
+from service.cluster.pool import ResidentWork, WorkerPool
 from service.contexts.directory import Directory
 from service.contexts.placement import WorkerLoad, place
 from service.contexts.records import ContextRecord, ShardEntry, describe, key_bytes, new_context_id
-from service.contexts.resolved import Resolved
 from service.errors import (
     ContextLost,
     ContextNotFound,
@@ -34,14 +33,49 @@ from service.errors import (
     WorkersUnavailable,
 )
 from service.settings import ServiceSettings
-from service.wire.request import ContextWrite, InlineKV
-from workers.dtypes import dtype_name
-from workers.positions import Arange, check_positions
+from service.wire.request import AttentionRequest, ContextWrite, InlineKV
+from workers.dtypes import dtype_name, dtype_of
+from workers.problem import Arange, KVDims, check_heads, check_positions
 from workers.store import CapacityError, ShardMissing
-from workers.tasks import ShardWrite
+from workers.tasks import ShardRead, ShardWrite
 
 LEASE_TTL_S = 60.0
 LEASE_POLL_S = 0.01
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The contexts one query names, as committed when it started, in the order named.
+
+    Keys of a request are the keys of each named context (in the order named), then
+    the inline keys (docs/API.md section 6); a query reads each shard's committed
+    prefix on one of its replicas.
+    """
+
+    records: tuple[ContextRecord, ...]
+    dims: KVDims  #: the contexts' shared [h_kv, d, d_v], and their keys in all
+    next_pos: int  #: where keys after these contexts start by default: past every context's positions
+    dtypes: tuple[np.dtype, ...]  #: the stored dtypes (they set the accumulation dtype)
+
+    def check(self, req: AttentionRequest) -> None:
+        """The query's heads read these contexts, and inline keys have their shape."""
+        dims = self.dims
+        try:
+            check_heads(req.h_q, req.d, dims, keys="the contexts")
+        except ValueError as exc:
+            raise InvalidTensor(str(exc)) from None
+        if req.kv is not None:
+            inline = req.kv.dims
+            if (inline.h_kv, inline.d, inline.d_v) != (dims.h_kv, dims.d, dims.d_v):
+                raise InvalidTensor(f"k, v must have [h_kv, d, d_v] = {[dims.h_kv, dims.d, dims.d_v]} as the "
+                                    f"contexts, got {[inline.h_kv, inline.d, inline.d_v]}")
+
+    def jobs(self, pool: WorkerPool, fanin: int) -> list[Job]:
+        """One job per non-empty shard, in key order; only the shard's replicas may run it."""
+        return [Job(work=ResidentWork((ShardRead(rec["id"], shard["index"], shard["length"]),), fanin),
+                    candidates=tuple(pool.indexes(shard["workers"])),
+                    label=f"shard {shard['index']} of context {rec['id']}")
+                for rec in self.records for shard in rec["shards"] if shard["length"]]
 
 
 @dataclass(frozen=True)
@@ -73,7 +107,10 @@ class ContextService:
         dims = {(r["h_kv"], r["d"], r["d_v"]) for r in found}
         if len(dims) > 1:
             raise InvalidOption(f"contexts must share [h_kv, d, d_v], got {sorted(dims)}")
-        return Resolved(records=tuple(found))
+        (h_kv, d, d_v), = dims
+        return Resolved(records=tuple(found),
+                        dims=KVDims(n_k=sum(s["length"] for r in found for s in r["shards"]), h_kv=h_kv, d=d, d_v=d_v),
+                        next_pos=max(r["next_pos"] for r in found), dtypes=tuple(dtype_of(r["dtype"]) for r in found))
 
     # -- reads ----------------------------------------------------------------
     async def get(self, ctx_id: str) -> dict:

@@ -8,10 +8,20 @@ from fastapi import APIRouter, Request, Response
 
 from service.errors import error_responses
 from service.metrics import Timings
-from service.routes.common import app_state, body_limit, encode_result, off_loop, read_body, runtime, with_deadline
-from service.wire.decode import decode_attention
+from service.routes.common import (
+    app_state,
+    body_limit,
+    decode_body,
+    encode_result,
+    off_loop,
+    read_body,
+    runtime,
+    with_deadline,
+)
 from service.wire.json_codec import AttentionRequestModel, AttentionResult
-from service.wire.negotiation import request_format
+from service.wire.negotiation import Format, request_format
+from service.wire.request import AttentionRequest, attention_request
+from service.wire.rules import ATTENTION, Limits
 
 router = APIRouter(tags=["attention"])
 
@@ -34,6 +44,10 @@ BODY_DOC = {
 }
 
 
+def _decode(fmt: Format, body: memoryview, query: object, limits: Limits) -> AttentionRequest:
+    return attention_request(decode_body(fmt, body, query, ATTENTION, limits))
+
+
 @router.post(
     ROUTE,
     summary="Exact attention of q over inline keys and/or resident contexts",
@@ -49,7 +63,7 @@ async def attention(request: Request) -> Response:
     timings = Timings()
     fmt = request_format(request.headers.get("content-type"))
     body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
-    req = await off_loop(len(body), decode_attention, fmt, body, request.query_params, state.limits)
+    req = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
     timings.add("parse", time.perf_counter() - t0)
     out, lse = await with_deadline(rt.attention.attention(req, timings), state.settings.request_timeout_s)
     response = encode_result(request, fmt, out, lse, timings)

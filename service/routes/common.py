@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 from fastapi import Request, Response
@@ -15,10 +15,11 @@ from service.errors import DeadlineExceeded, WorkersUnavailable
 from service.metrics import Timings
 from service.runtime import AppState, Runtime
 from service.wire.body import declared_length, read_into_buffer
-from service.wire.json_codec import encode_json_result
+from service.wire.json_codec import decode_json_request, encode_json_result
 from service.wire.negotiation import Format, content_type, response_format
-from service.wire.rules import Limits
-from service.wire.safetensors import encode_safetensors, to_bytes
+from service.wire.request import Decoded
+from service.wire.rules import BodyKind, Limits
+from service.wire.safetensors import decode_binary_request, encode_safetensors, to_bytes
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -56,6 +57,13 @@ async def read_body(request: Request, limit: int, route: str,
     body = await read_into_buffer(request.stream(), length, limit)
     app_state(request).metrics.bytes_in.labels(route=route).inc(len(body))
     return body
+
+
+def decode_body(fmt: Format, body: memoryview, query: Any, kind: BodyKind, limits: Limits) -> Decoded:
+    """The tensors and options of a ``/v1`` body: JSON fields, or safetensors with options in the URL query."""
+    if fmt == "json":
+        return decode_json_request(body, limits, kind)
+    return decode_binary_request(body, query, kind, limits)
 
 
 async def off_loop(nbytes: int, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

@@ -6,13 +6,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from service.errors import ContextNotFound, error_responses
-from service.routes.common import app_state, body_limit, off_loop, read_body, runtime, to_completion
+from service.routes.common import app_state, body_limit, decode_body, off_loop, read_body, runtime, to_completion
 from service.runtime import AppState
-from service.wire.decode import decode_context_write
 from service.wire.json_codec import ContextAppendRequestModel, ContextCreateRequestModel
-from service.wire.negotiation import request_format
-from service.wire.request import ContextWrite
-from service.wire.rules import CONTEXT_APPEND, CONTEXT_CREATE, BodyKind, is_context_id
+from service.wire.negotiation import Format, request_format
+from service.wire.request import ContextWrite, context_write
+from service.wire.rules import CONTEXT_APPEND, CONTEXT_CREATE, BodyKind, Limits, is_context_id
 
 router = APIRouter(tags=["contexts"])
 
@@ -36,7 +35,11 @@ async def _write(request: Request, kind: BodyKind) -> ContextWrite:
     state = app_state(request)
     fmt = request_format(request.headers.get("content-type"))
     body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
-    return await off_loop(len(body), decode_context_write, fmt, body, request.query_params, kind, state.limits)
+    return await off_loop(len(body), _decode, fmt, body, request.query_params, kind, state.limits)
+
+
+def _decode(fmt: Format, body: memoryview, query: object, kind: BodyKind, limits: Limits) -> ContextWrite:
+    return context_write(decode_body(fmt, body, query, kind, limits))
 
 
 @router.post(ROUTE, status_code=201, summary="Store k, v on the workers",

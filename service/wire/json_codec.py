@@ -23,8 +23,6 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from service.errors import BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor
-from service.wire.jsonio import array_to_json, load_json, numbers_to_array
-from service.wire.options import check_options
 from service.wire.request import Decoded
 from service.wire.rules import (
     ATTENTION,
@@ -33,10 +31,12 @@ from service.wire.rules import (
     BodyKind,
     Limits,
     TensorRule,
+    check_options,
     check_present,
     show,
     sorted_names,
 )
+from service.wire.values import array_to_json, load_json, numbers_to_array
 from workers.dtypes import DTYPES, FLOAT64
 
 #: What JSON integers become.

@@ -28,11 +28,20 @@ from typing import Any
 import numpy as np
 
 from service.errors import BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor
-from service.wire.dtypes import KSERVE, array_bytes, from_bytes, wire_of
-from service.wire.jsonio import array_to_json, load_json, numbers_to_array
-from service.wire.options import RequestOptions, check_options, query_value
 from service.wire.request import Decoded
-from service.wire.rules import ATTENTION, DEFAULT_LIMITS, TENSOR_RULES, Limits, check_present, show, sorted_names
+from service.wire.rules import (
+    ATTENTION,
+    DEFAULT_LIMITS,
+    TENSOR_RULES,
+    Limits,
+    RequestOptions,
+    check_options,
+    check_present,
+    query_value,
+    show,
+    sorted_names,
+)
+from service.wire.values import KSERVE, array_bytes, array_to_json, from_bytes, load_json, numbers_to_array, wire_of
 
 MODEL_NAME = "attention"
 MODEL_VERSION = "1"

@@ -3,7 +3,7 @@
 A format decoder (``json_codec``, ``safetensors``, ``kserve``) reads a body into
 :class:`Decoded` (named tensors, checked options); :func:`attention_request` and
 :func:`context_write` then check every tensor rule once, through the same rule
-functions as the library (``workers.problem``, ``workers.positions``), and
+functions as the library (``workers.problem``), and
 return the object that travels on: arrays, a frozen ``AttentionOptions`` and
 positions. What needs the cluster (the shapes of stored contexts, default
 positions after them) is checked by the service once the contexts are resolved.
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.errors import InvalidOption, InvalidTensor
-from service.wire.options import RequestOptions
+from service.wire.rules import RequestOptions
 from workers.options import AttentionOptions
-from workers.positions import check_positions
-from workers.problem import KVDims, check_alibi, check_heads, check_kv, check_q
+from workers.problem import KVDims, check_alibi, check_heads, check_kv, check_positions, check_q
 
 #: Elements checked for finiteness at a time (bounds the temporary bool array).
 FINITE_CHUNK = 1 << 20
@@ -53,18 +52,9 @@ class AttentionRequest:
     kv: InlineKV | None
     options: AttentionOptions
     contexts: tuple[str, ...]
-
-    @property
-    def n_q(self) -> int:
-        return int(self.q.shape[0])
-
-    @property
-    def h_q(self) -> int:
-        return int(self.q.shape[1])
-
-    @property
-    def d(self) -> int:
-        return int(self.q.shape[2])
+    n_q: int
+    h_q: int
+    d: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,7 +116,7 @@ def attention_request(decoded: Decoded) -> AttentionRequest:
     except ValueError as exc:
         raise InvalidOption(str(exc)) from None
     return AttentionRequest(q=q, q_pos=_positions("q_pos", t.get("q_pos"), n_q), kv=kv, options=options.attention,
-                            contexts=options.contexts)
+                            contexts=options.contexts, n_q=n_q, h_q=h_q, d=d)
 
 
 def context_write(decoded: Decoded) -> ContextWrite:

@@ -25,9 +25,6 @@ from typing import Any
 import numpy as np
 
 from service.errors import BodyTooLarge, InvalidBody, InvalidTensor
-from service.wire.dtypes import SAFETENSORS, WireDtype, array_bytes, from_bytes, wire_of
-from service.wire.jsonio import load_json
-from service.wire.options import parse_query_options
 from service.wire.request import Decoded
 from service.wire.rules import (
     ATTENTION,
@@ -36,9 +33,11 @@ from service.wire.rules import (
     BodyKind,
     Limits,
     check_present,
+    parse_query_options,
     show,
     sorted_names,
 )
+from service.wire.values import SAFETENSORS, WireDtype, array_bytes, from_bytes, load_json, wire_of
 
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 

@@ -42,8 +42,7 @@ from workers.layout import NaturalKV, StreamingView
 from workers.masking import TileBounds
 from workers.options import GpuKernels, KernelOptions
 from workers.plan import BLOCK_GRANULE, MIN_BLOCK, TILE_TEMPS
-from workers.positions import Arange
-from workers.problem import Problem
+from workers.problem import Arange, Problem
 from workers.rows import prepare_rows, rows_to_state
 
 #: Scratch budget of the generic path: score tile, its temporaries and the block copies.

@@ -1,25 +1,86 @@
-"""JSON text and JSON numbers, shared by the JSON bodies and the Open Inference Protocol.
+"""How values are written on the wire: dtype codes and raw bytes, JSON text and JSON numbers.
 
-* :func:`load_json`: strict parsing (UTF-8, no repeated keys), 400 on failure;
-* :func:`numbers_to_array`: the leaves of a JSON tensor to a numpy array of the
-  wanted dtype, refusing bools, strings, values that overflow the dtype and
-  non-finite values, naming the element;
-* :func:`array_to_json`: a float array to JSON lists, non-finite values as
-  ``null`` (JSON has no infinities: an ``lse`` of -inf, a fully masked row).
+* Binary: safetensors and the Open Inference Protocol name the same six dtypes with
+  different codes (``BF16`` / ``BF16``, ``F32`` / ``FP32``, ``I64`` / ``INT64``): one
+  table, :data:`WIRE_DTYPES`. Bytes are little-endian, C order; a bfloat16 travels as
+  its 16 bits and decodes to ``ml_dtypes.bfloat16`` (the numpy dtypes are those of
+  ``workers.dtypes``).
+* JSON, shared by the JSON bodies and the Open Inference Protocol: :func:`load_json`
+  (strict: UTF-8, no repeated keys; 400 on failure), :func:`numbers_to_array` (the
+  leaves of a JSON tensor to an array of the wanted dtype, refusing bools, strings,
+  values that overflow the dtype and non-finite values, naming the element) and
+  :func:`array_to_json` (non-finite values as ``null``: JSON has no infinities, and an
+  ``lse`` of -inf marks a fully masked row).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from service.errors import InvalidBody, InvalidTensor
 from service.wire.rules import show
-from workers.dtypes import FLOAT32, FLOAT64
+from workers.dtypes import BFLOAT16, DTYPES, FLOAT32, FLOAT64, bfloat16_from_bits
 
+# -- binary: dtype codes and raw bytes -------------------------------------------------------
+
+@dataclass(frozen=True)
+class WireDtype:
+    """One dtype on the wire."""
+
+    value: np.dtype  #: the dtype of the decoded array
+    bits: np.dtype  #: the little-endian dtype of its bytes (bfloat16: its uint16 bits)
+    safetensors: str  #: safetensors code
+    kserve: str  #: Open Inference Protocol datatype
+    write_rank: int  #: order of the reference safetensors writer (it writes the highest first)
+    integer: bool  #: positions (int32, int64) rather than values
+
+
+#: The table, in the reference safetensors writer's dtype order.
+WIRE_DTYPES: tuple[WireDtype, ...] = (
+    WireDtype(DTYPES["float16"], np.dtype("<f2"), "F16", "FP16", 0, False),
+    WireDtype(DTYPES["bfloat16"], np.dtype("<u2"), "BF16", "BF16", 1, False),
+    WireDtype(np.dtype(np.int32), np.dtype("<i4"), "I32", "INT32", 2, True),
+    WireDtype(DTYPES["float32"], np.dtype("<f4"), "F32", "FP32", 3, False),
+    WireDtype(DTYPES["float64"], np.dtype("<f8"), "F64", "FP64", 4, False),
+    WireDtype(np.dtype(np.int64), np.dtype("<i8"), "I64", "INT64", 5, True),
+)
+SAFETENSORS: Mapping[str, WireDtype] = {w.safetensors: w for w in WIRE_DTYPES}
+KSERVE: Mapping[str, WireDtype] = {w.kserve: w for w in WIRE_DTYPES}
+_BY_VALUE = {w.value: w for w in WIRE_DTYPES}
+NAMES = "float16, bfloat16, float32, float64, int32 or int64"
+
+
+def wire_of(name: str, a: Any) -> WireDtype:
+    """The wire dtype of array ``a`` (any byte order), or raise naming it."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+    wire = _BY_VALUE.get(a.dtype.newbyteorder("="))
+    if wire is None:
+        raise ValueError(f"{name} dtype must be {NAMES}, got {a.dtype}")
+    return wire
+
+
+def from_bytes(buf: Any, wire: WireDtype, shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """The array of ``shape`` at ``offset`` of ``buf``: a zero-copy view (on little-endian hosts)."""
+    a = np.frombuffer(buf, dtype=wire.bits, count=int(np.prod(shape, dtype=np.int64)), offset=offset)
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))
+    a = a.reshape(shape)
+    return bfloat16_from_bits(a) if wire.value == BFLOAT16 else a
+
+
+def array_bytes(a: np.ndarray, wire: WireDtype) -> np.ndarray:
+    """The little-endian bytes of ``a`` as a flat uint8 array (no copy when already contiguous and LE)."""
+    raw = a.view(np.uint16) if wire.value == BFLOAT16 else a
+    return np.ascontiguousarray(raw, dtype=wire.bits).reshape(-1).view(np.uint8)
+
+
+# -- JSON text and numbers ------------------------------------------------------------------
 
 def load_json(data: bytes | bytearray | memoryview, what: str) -> Any:
     """Parse UTF-8 JSON, rejecting duplicate object keys; 400 ``invalid_body`` if unparseable.
