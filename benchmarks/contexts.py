@@ -55,52 +55,27 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # see b
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.service import (
-    GIB,
-    KIB,
-    MIB,
-    STAGES,
-    Record,
-    blas_threads,
-    bytes_label,
-    check_same,
-    closed_loop,
-    load_average,
-    machine_lines,
-    markdown_table,
-    median_stages,
-    meminfo,
-    met,
-    ms,
-    ms_spread,
-    overhead,
-    parse_keys,
-    positive,
-    raise_on_sigterm,
-    size_label,
-    splitkey_server,
-    stage_cells,
-    summarize,
-    time_calls,
-    wait_for_quiet,
-)
+from benchmarks import common
+from benchmarks.service import closed_loop
 from merge import finalize
 from service.client import Client
 from service.client.loadtest import Level
-from workers import BFLOAT16, StreamingKV, partial_attention_resident
+from workers import DTYPES, StreamingKV, partial_attention_resident
 from workers import attention as inprocess_attention
+from workers.layout import bytes_per_key
 from workers.options import AttentionOptions, KernelOptions
 
 HEADS = {"h_q": 32, "h_kv": 8, "d": 128}
-SIZES = (64 * KIB, 256 * KIB, 1024 * KIB)
-QUICK_SIZES = (8 * KIB, 32 * KIB)
+SIZES = (64 * common.KIB, 256 * common.KIB, 1024 * common.KIB)
+QUICK_SIZES = (8 * common.KIB, 32 * common.KIB)
 LEVELS = (1, 4, 16)
-CHUNK = 64 * KIB  # keys per upload request and per generated chunk
+CHUNK = 64 * common.KIB  # keys per upload request and per generated chunk
 SEED = 20261130
 TARGET_RATIO, TARGET_PLUS_S = 1.25, 0.003
 #: Bytes kept free beyond the estimated peak before choosing float32.
-HEADROOM = 3 * GIB
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": BFLOAT16}
+HEADROOM = 3 * common.GIB
+#: The dtypes a context can be measured in (float32, or bfloat16 when float32 does not fit).
+CHOICES = ("bfloat16", "float32")
 
 
 # ------------------------------------------------------------------ pure helpers
@@ -126,8 +101,8 @@ def choose_dtype(n_k: int, available: int | None, wanted: str = "float32") -> st
 
 def worker_budget(n_k: int, dtype: str) -> int:
     """A per-worker budget that fits one shard of n_k / 2 keys while it grows (old + new reserved)."""
-    per_key = HEADS["h_kv"] * 2 * HEADS["d"] * DTYPES[dtype].itemsize + 8
-    return int(1.6 * (n_k // 2) * per_key) + 256 * MIB
+    per_key = bytes_per_key(HEADS["h_kv"], HEADS["d"], HEADS["d"], DTYPES[dtype])
+    return int(1.6 * (n_k // 2) * per_key) + 256 * common.MIB
 
 
 def target_s(inprocess_s: float) -> float:
@@ -194,13 +169,13 @@ class SizeResult:
     reference: Any = None
     upload_s: list[float] = field(default_factory=list)  # one per request: the create, then the appends
     placement: str = ""
-    c1: list[Record] = field(default_factory=list)
+    c1: list[common.Record] = field(default_factory=list)
     levels: list[Level] = field(default_factory=list)
     diff: float = float("nan")
 
     @property
     def label(self) -> str:
-        return size_label(self.n_k)
+        return common.size_label(self.n_k)
 
     @property
     def resident(self) -> list[float]:
@@ -221,11 +196,11 @@ def time_resident(n_k: int, dtype: str, repeat: int, seed: int) -> tuple[list[fl
     view = resident_view(n_k, dtype, seed)
 
     def resident() -> tuple[Any, Any]:
-        with blas_threads(1):
+        with common.blas_threads(1):
             return finalize(partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(),
                                                        kernel=KernelOptions(threads=2)))
 
-    seconds, (out, _) = time_calls(resident, repeat)
+    seconds, (out, _) = common.time_calls(resident, repeat)
     return seconds, out
 
 
@@ -237,20 +212,21 @@ def measure_inprocess(res: SizeResult, repeat: int, seed: int) -> None:
     k, v = contract_kv(res.n_k, res.dtype, seed)
 
     def natural() -> tuple[Any, Any]:
-        with blas_threads(1):
+        with common.blas_threads(1):
             return inprocess_attention(q, k, v, threads=2)
 
-    res.natural, (out, _) = time_calls(natural, repeat)
-    check_same(f"workers.attention {res.label}", out, res.reference)
-    print(f"in-process {res.label} {res.dtype}: resident {ms(statistics.median(res.resident_before))} ms, "
-          f"attention {ms(statistics.median(res.natural))} ms", file=sys.stderr)
+    res.natural, (out, _) = common.time_calls(natural, repeat)
+    common.check_same(f"workers.attention {res.label}", out, res.reference)
+    print(f"in-process {res.label} {res.dtype}: resident {common.ms(statistics.median(res.resident_before))} ms, "
+          f"attention {common.ms(statistics.median(res.natural))} ms", file=sys.stderr)
 
 
 def measure_inprocess_after(res: SizeResult, repeat: int, seed: int) -> None:
     """The resident kernel again once the server is gone: the machine may have drifted meanwhile."""
     res.resident_after, out = time_resident(res.n_k, res.dtype, repeat, seed)
-    check_same(f"resident kernel {res.label}", out, res.reference)
-    print(f"in-process {res.label} after: resident {ms(statistics.median(res.resident_after))} ms", file=sys.stderr)
+    common.check_same(f"resident kernel {res.label}", out, res.reference)
+    print(f"in-process {res.label} after: resident {common.ms(statistics.median(res.resident_after))} ms",
+          file=sys.stderr)
 
 
 def upload(c: Client, res: SizeResult, seed: int) -> str:
@@ -265,7 +241,7 @@ def upload(c: Client, res: SizeResult, seed: int) -> str:
         res.upload_s.append(time.perf_counter() - t0)
     desc = c.get_context(ctx_id)
     held = [w.get("bytes_held", 0) for w in c.cluster().get("workers", [])]
-    res.placement = f"shards {desc['shard_lengths']}, bytes held per worker {[bytes_label(h) for h in held]}"
+    res.placement = f"shards {desc['shard_lengths']}, bytes held per worker {[common.bytes_label(h) for h in held]}"
     if desc["length"] != res.n_k:
         raise RuntimeError(f"context must hold {res.n_k} keys, got {desc['length']}")
     return ctx_id
@@ -278,7 +254,7 @@ def measure_service(url: str, res: SizeResult, repeat: int, seed: int, levels: S
         ctx_id = upload(c, res, seed)
         try:
             out, _ = c.attention(q, contexts=[ctx_id])
-            res.diff = check_same(f"context {res.label}", out, res.reference)
+            res.diff = common.check_same(f"context {res.label}", out, res.reference)
 
             def send(client: Client) -> None:
                 client.attention(q, contexts=[ctx_id])
@@ -287,16 +263,16 @@ def measure_service(url: str, res: SizeResult, repeat: int, seed: int, levels: S
             res.levels = [closed_loop(url, send, n, max(4 * n, repeat), level_s)[1] for n in levels]
         finally:
             c.delete_context(ctx_id)
-    print(f"service {res.label}: p50 {ms(summarize([r.seconds for r in res.c1]).p50)} ms, upload {sum(res.upload_s):.1f} s",
-          file=sys.stderr)
+    p50 = common.summarize([r.seconds for r in res.c1]).p50
+    print(f"service {res.label}: p50 {common.ms(p50)} ms, upload {sum(res.upload_s):.1f} s", file=sys.stderr)
 
 
 def run_size(n_k: int, args: argparse.Namespace, workdir: Path) -> SizeResult:
-    res = SizeResult(n_k, choose_dtype(n_k, meminfo("MemAvailable"), args.dtype))
+    res = SizeResult(n_k, choose_dtype(n_k, common.meminfo("MemAvailable"), args.dtype))
     measure_inprocess(res, args.repeat, args.seed)
     env = {"SPLITKEY_CONTEXT_SHARD_KEYS": str(max(1, n_k // 2))}
     server_args = ["--worker-memory-bytes", str(worker_budget(n_k, res.dtype))]
-    with splitkey_server(workdir, args.workers, server_args, env) as url:
+    with common.splitkey_server(workdir, args.workers, server_args, env) as url:
         measure_service(url, res, args.repeat, args.seed, args.levels, args.level_seconds)
     gc.collect()
     measure_inprocess_after(res, args.repeat, args.seed)
@@ -312,28 +288,30 @@ def latency_table(results: list[SizeResult]) -> str:
             "target", "max abs diff"]
     rows = []
     for r in results:
-        s = summarize([x.seconds for x in r.c1])
+        s = common.summarize([x.seconds for x in r.c1])
         base = r.baseline
-        ratio, diff = overhead(s.p50, base)
-        rows.append([r.label, r.dtype, bytes_label(kv_bytes(r.n_k, r.dtype)), ms_spread(summarize(r.resident_before)),
-                     ms_spread(summarize(r.resident_after)), ms(base), ms_spread(summarize(r.natural)), ms_spread(s),
-                     ms(s.p90), f"{ratio:.2f}x", ms(diff), ms(target_s(base)), met(s.p50 <= target_s(base)),
+        ratio, diff = common.overhead(s.p50, base)
+        rows.append([r.label, r.dtype, common.bytes_label(kv_bytes(r.n_k, r.dtype)),
+                     common.ms_spread(common.summarize(r.resident_before)),
+                     common.ms_spread(common.summarize(r.resident_after)), common.ms(base),
+                     common.ms_spread(common.summarize(r.natural)), common.ms_spread(s), common.ms(s.p90),
+                     f"{ratio:.2f}x", common.ms(diff), common.ms(target_s(base)), common.met(s.p50 <= target_s(base)),
                      f"{r.diff:.1e}"])
-    return markdown_table(head, rows)
+    return common.markdown_table(head, rows)
 
 
 def stage_table(results: list[SizeResult]) -> str:
-    rows = [[r.label, *stage_cells(median_stages([x.stages for x in r.c1])),
-             ms(summarize([x.seconds for x in r.c1]).p50)] for r in results]
-    return markdown_table(["context", *STAGES, "client p50"], rows)
+    rows = [[r.label, *common.stage_cells(common.median_stages([x.stages for x in r.c1])),
+             common.ms(common.summarize([x.seconds for x in r.c1]).p50)] for r in results]
+    return common.markdown_table(["context", *common.STAGES, "client p50"], rows)
 
 
 def level_table(results: list[SizeResult]) -> str:
     head = ["context", "concurrency", "requests", "errors", "p50 ms", "p90 ms", "req/s", "GB/s of K+V scanned"]
-    rows = [[r.label, lv.concurrency, lv.requests, lv.errors, ms(lv.p50_ms / 1000), ms(lv.p90_ms / 1000),
+    rows = [[r.label, lv.concurrency, lv.requests, lv.errors, common.ms(lv.p50_ms / 1000), common.ms(lv.p90_ms / 1000),
              f"{lv.per_second:.2f}", f"{lv.per_second * kv_bytes(r.n_k, r.dtype) / 1e9:.1f}"]
             for r in results for lv in r.levels]
-    return markdown_table(head, rows)
+    return common.markdown_table(head, rows)
 
 
 def upload_table(results: list[SizeResult]) -> str:
@@ -341,11 +319,12 @@ def upload_table(results: list[SizeResult]) -> str:
     for r in results:
         total = sum(r.upload_s)
         chunk_bytes = kv_bytes(r.n_k, r.dtype) / max(1, len(r.upload_s))
-        rows.append([r.label, bytes_label(kv_bytes(r.n_k, r.dtype)), len(r.upload_s), bytes_label(chunk_bytes),
+        rows.append([r.label, common.bytes_label(kv_bytes(r.n_k, r.dtype)), len(r.upload_s),
+                     common.bytes_label(chunk_bytes),
                      f"{total:.1f}", f"{kv_bytes(r.n_k, r.dtype) / total / 1e9:.2f}" if total else "-",
-                     ms_spread(summarize(r.upload_s)), r.placement])
-    return markdown_table(["context", "K+V bytes", "requests", "per request", "seconds", "GB/s",
-                           "ms per request (min-max)", "placement"], rows)
+                     common.ms_spread(common.summarize(r.upload_s)), r.placement])
+    return common.markdown_table(["context", "K+V bytes", "requests", "per request", "seconds", "GB/s",
+                                  "ms per request (min-max)", "placement"], rows)
 
 
 def setup_lines(args: argparse.Namespace) -> list[str]:
@@ -360,7 +339,7 @@ def setup_lines(args: argparse.Namespace) -> list[str]:
 def report(args: argparse.Namespace, results: list[SizeResult], notes: list[str]) -> str:
     command = " ".join([".venv/bin/python", "benchmarks/contexts.py", *args.argv])
     lines = [f"### Resident-context benchmark, {datetime.date.today().isoformat()}", "", f"Command: `{command}`", "",
-             *machine_lines(), *setup_lines(args), *notes, "",
+             *common.machine_lines(), *setup_lines(args), *notes, "",
              "Latency (median and min-max; target: service p50 <= 1.25 x baseline + 3 ms):", "",
              latency_table(results), "", "Server-Timing, median ms per stage (concurrency 1):", "",
              stage_table(results), "", "Closed-loop throughput:", "", level_table(results), "",
@@ -374,19 +353,20 @@ def report(args: argparse.Namespace, results: list[SizeResult], notes: list[str]
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny contexts, 2 repeats, short levels: a smoke run")
-    p.add_argument("--repeat", type=positive, default=10, help="requests at concurrency 1 and in-process runs (default 10)")
-    p.add_argument("--sizes", type=parse_keys, default=None, help="context sizes in keys, e.g. 64K,256K,1M")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+    p.add_argument("--repeat", type=common.positive, default=10,
+                   help="requests at concurrency 1 and in-process runs (default 10)")
+    p.add_argument("--sizes", type=common.parse_keys, default=None, help="context sizes in keys, e.g. 64K,256K,1M")
+    p.add_argument("--dtype", choices=CHOICES, default="float32",
                    help="context dtype (default float32; a size that does not fit falls back to bfloat16)")
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="closed-loop concurrencies (default 1,4,16)")
     p.add_argument("--level-seconds", type=float, default=20.0, help="seconds per closed-loop level at most")
-    p.add_argument("--workers", type=positive, default=2)
+    p.add_argument("--workers", type=common.positive, default=2)
     p.add_argument("--no-wait", action="store_true", help="do not wait for benchmarks/kernel.py to finish")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--out", default=None, help="also write the markdown report here")
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
-    args.levels = [positive(x) for x in args.levels.split(",") if x.strip()]
+    args.levels = [common.positive(x) for x in args.levels.split(",") if x.strip()]
     if args.quick:
         args.repeat = min(args.repeat, 2)
         args.sizes = args.sizes or list(QUICK_SIZES)
@@ -398,22 +378,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    raise_on_sigterm()
+    common.raise_on_sigterm()
     t0 = time.monotonic()
-    notes = [f"- load average before: {load_average()}"]
+    notes = [f"- load average before: {common.load_average()}"]
     results = []
     with tempfile.TemporaryDirectory(prefix="splitkey-ctx-bench-") as tmp:
         for n_k in args.sizes:
-            quiet = wait_for_quiet(not args.no_wait and not args.quick)
-            notes.append(f"- before {size_label(n_k)}: {quiet.removeprefix('- ')}")
+            quiet = common.wait_for_quiet(not args.no_wait and not args.quick)
+            notes.append(f"- before {common.size_label(n_k)}: {quiet.removeprefix('- ')}")
             results.append(run_size(n_k, args, Path(tmp)))
-    notes += [f"- load average after: {load_average()}", f"- whole run: {time.monotonic() - t0:.0f} s"]
-    notes += [f"- {r.label}: {r.dtype} (float32 would need about {bytes_label(peak_bytes(r.n_k, 'float32') + HEADROOM)} "
-              f"free)" for r in results if r.dtype != args.dtype]
-    text = report(args, results, notes)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    notes += [f"- load average after: {common.load_average()}", f"- whole run: {time.monotonic() - t0:.0f} s"]
+    notes += [f"- {r.label}: {r.dtype} (float32 would need about "
+              f"{common.bytes_label(peak_bytes(r.n_k, 'float32') + HEADROOM)} free)"
+              for r in results if r.dtype != args.dtype]
+    common.emit_report(report(args, results, notes), args.out)
     return 0
 
 

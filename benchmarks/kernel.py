@@ -62,6 +62,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # The repository's packages, also when run as a script from elsewhere.
+from benchmarks.common import GIB, blas_threads, cpu_model, emit_report, meminfo, parse_keys, positive
 from merge import finalize
 from workers import StreamingKV, partial_attention, partial_attention_resident
 from workers.options import AttentionOptions, KernelOptions
@@ -78,30 +79,9 @@ AGREE_RTOL = 1e-3
 SEED = 20261129
 #: Pause before each implementation's calls (see :func:`measure`).
 SETTLE_S = 0.3
-GIB = 2**30
 
 
 # ------------------------------------------------------------------ arguments
-
-
-def parse_keys(text: str) -> list[int]:
-    """``"64K,256K,1M"`` (or plain integers) to key counts."""
-    sizes = []
-    for part in text.split(","):
-        part = part.strip().upper()
-        scale = {"K": 1024, "M": 1024**2}.get(part[-1:], 1)
-        digits = part[:-1] if scale > 1 else part
-        if not digits.isdigit() or int(digits) < 1:
-            raise argparse.ArgumentTypeError(f"sizes must be positive key counts like 64K or 1M, got {part!r}")
-        sizes.append(int(digits) * scale)
-    return sizes
-
-
-def positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
-    return n
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -125,15 +105,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------ threads and timing
-
-
-def blas_threads(n: int) -> contextlib.AbstractContextManager:
-    """Limit BLAS to ``n`` threads (threadpoolctl); a no-op where it is not installed."""
-    try:
-        from threadpoolctl import threadpool_limits  # optional: the [bench] extra
-    except ImportError:
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=n, user_api="blas")
 
 
 def load_torch(enabled: bool, threads: int) -> Any:
@@ -233,18 +204,6 @@ def resident_kv(n_k: int, h_kv: int, d: int, d_v: int, seed: int, torch: Any) ->
 
 def queries(n_q: int, h_q: int, d: int, seed: int) -> Any:
     return np.random.default_rng(seed + 1).standard_normal((n_q, h_q, d), dtype=np.float32)  # [n_q, h_q, d]
-
-
-def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, or None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 # ------------------------------------------------------------------ implementations
@@ -360,7 +319,7 @@ def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespac
     h_q, h_kv, d = HEADS["h_q"], HEADS["h_kv"], HEADS["d"]
     kv_bytes = 2 * n_k * h_kv * d * 4
     apart = kv_bytes * (1.5 if torch is not None else 1.0)
-    avail = available_bytes()
+    avail = meminfo("MemAvailable")
     if avail is not None and apart + GIB > avail:
         row.skipped = f"skipped: needs about {apart / GIB:.1f} GiB, {avail / GIB:.1f} GiB available"
         return row
@@ -417,12 +376,6 @@ def run_prefill(causal: bool, args: argparse.Namespace, torch: Any) -> Row:
 
 def machine(torch: Any) -> list[str]:
     """Lines describing the machine and the libraries."""
-    model = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
     blas = "unknown (threadpoolctl not installed)"
     with contextlib.suppress(ImportError):
         from threadpoolctl import threadpool_info
@@ -431,7 +384,7 @@ def machine(torch: Any) -> list[str]:
         blas = ", ".join(f"{i.get('internal_api')} {i.get('version')} ({i.get('architecture')})" for i in libs) or blas
     coretype = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}
     return [
-        f"- CPU: {model}, {os.cpu_count()} cores; Python {platform.python_version()}",
+        f"- CPU: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}",
         f"- numpy {np.__version__}, BLAS: {blas}; OPENBLAS_CORETYPE/L2_SIZE: {coretype or 'not set'}",
         f"- torch: {torch.__version__ if torch is not None else 'not installed or skipped: no SDPA column'}",
     ]
@@ -520,10 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill.append(run_prefill(True, args, torch))
     text = report(args, argv, limits, decode, prefill, torch)
     text += f"\nTotal run time: {time.perf_counter() - t0:.0f} s.\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    emit_report(text, args.out)
     return 0
 
 

@@ -4,6 +4,7 @@ Run from the repository root (``pip install -e '.[bench]'``; curl on the PATH)::
 
     .venv/bin/python benchmarks/service.py --repeat 5 --out /tmp/service_bench.md
     .venv/bin/python benchmarks/service.py --quick          # smoke run, tiny sizes, about 15 s
+    .venv/bin/python benchmarks/service.py --sections small --small-requests 200   # only the small requests
 
 It starts its own servers on free loopback ports and always stops them:
 ``splitkey serve --workers 2`` (embedded Ray, its own HOME) and, for the ingest
@@ -27,6 +28,10 @@ ceiling, ``benchmarks/bare_asgi.py`` under the same uvicorn. Measured side by si
 * **small requests**: n_k = 1K, many requests, for a tiny shape
   (``h_q=2, h_kv=1, d=16``, 128 KiB of K+V) and the decode shape (8 MiB).
 
+``--sections`` runs some of the parts (``sweep``, ``small``, ``ingest``; default
+all three): the report has only those, the in-process baselines are measured
+only for their cases, and the bare app is started only for ingest.
+
 Before measuring it waits (up to 20 minutes, polling every 30 s) until no
 ``benchmarks/kernel.py`` runs on this shared machine and the CPUs are at most
 25% busy, and the report says whether it had to measure anyway. Every service
@@ -40,16 +45,12 @@ import contextlib
 import datetime
 import http.client
 import os
-import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -66,15 +67,41 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import (
+    KIB,
+    MIB,
+    STAGES,
+    Record,
+    blas_threads,
+    bytes_label,
+    check_same,
+    emit_report,
+    free_port,
+    load_average,
+    machine_lines,
+    markdown_table,
+    median_stages,
+    met,
+    ms,
+    ms_spread,
+    overhead,
+    parse_keys,
+    positive,
+    raise_on_sigterm,
+    served,
+    size_label,
+    splitkey_server,
+    stage_cells,
+    summarize,
+    time_calls,
+    wait_for_quiet,
+)
 from service.client import Client
 from service.client.loadtest import Level, run_level
 from service.wire.safetensors import encode_safetensors
 from workers import attention as inprocess_attention
 
-KIB, MIB, GIB = 2**10, 2**20, 2**30
 SEED = 20261129
-STAGES = ("parse", "scatter", "compute", "merge", "encode", "total")
-QUIET_PATTERN = "benchmarks/kernel.py"
 
 
 # ------------------------------------------------------------------ shapes and cases
@@ -108,6 +135,8 @@ SWEEP = (("decode", 1 * KIB), ("decode", 16 * KIB), ("decode", 64 * KIB), ("deco
          ("small", 1 * KIB), ("small", 64 * KIB), ("small", 256 * KIB), ("small", 1024 * KIB))
 QUICK_SWEEP = (("decode", 1 * KIB), ("decode", 4 * KIB), ("small", 1 * KIB), ("small", 16 * KIB))
 SMALL_CASES = (("tiny", 1 * KIB), ("decode", 1 * KIB))
+#: The parts of the benchmark, in the order they run (``--sections`` picks some).
+SECTIONS = ("sweep", "small", "ingest")
 INGEST_MIB = (256, 512)
 #: The bare app as started (glibc defaults), and with glibc keeping freed heap memory instead of
 #: trimming it and mapping large blocks afresh: the service process (Ray loaded) behaves like the
@@ -117,23 +146,6 @@ BARE_VARIANTS = {"bare": {}, "bare, heap kept": {"MALLOC_TRIM_THRESHOLD_": str(2
 QUICK_INGEST_MIB = (8, 16)
 SMALL_TARGET_S = 0.005
 INGEST_TARGET = 0.80
-
-
-def size_label(n: int) -> str:
-    """1024 -> "1K", 2**20 -> "1M", 3000 -> "3000"."""
-    if n >= MIB and n % MIB == 0:
-        return f"{n // MIB}M"
-    if n >= KIB and n % KIB == 0:
-        return f"{n // KIB}K"
-    return str(n)
-
-
-def bytes_label(n: float) -> str:
-    """Bytes in GiB, MiB or KiB, whichever reads best."""
-    for unit, name in ((GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
-        if n >= unit:
-            return f"{n / unit:.4g} {name}"
-    return f"{int(n)} B"
 
 
 def make_inputs(shape: Shape, n_k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -153,53 +165,12 @@ def ingest_keys(mib: int) -> int:
     return mib * MIB // SHAPES["decode"].kv_bytes(1)
 
 
-# ------------------------------------------------------------------ statistics and formatting
-
-
-@dataclass(frozen=True)
-class Summary:
-    """Percentiles and range of a list of seconds."""
-
-    n: int
-    p50: float
-    p90: float
-    lo: float
-    hi: float
-
-
-def summarize(seconds: Sequence[float]) -> Summary:
-    if not seconds:
-        nan = float("nan")
-        return Summary(0, nan, nan, nan, nan)
-    a = np.asarray(seconds, dtype=np.float64)
-    return Summary(len(a), float(np.percentile(a, 50)), float(np.percentile(a, 90)), float(a.min()), float(a.max()))
-
-
-def ms(seconds: float) -> str:
-    """Seconds as milliseconds with 3 significant digits (at least one decimal below 100)."""
-    if np.isnan(seconds):
-        return "-"
-    v = seconds * 1000
-    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
-
-
-def ms_spread(s: Summary) -> str:
-    """``"p50 (min-max)"`` in milliseconds."""
-    return "-" if s.n == 0 else f"{ms(s.p50)} ({ms(s.lo)}-{ms(s.hi)})"
+# ------------------------------------------------------------------ rates and Server-Timing
 
 
 def gbs(nbytes: float, seconds: float) -> float:
     """Decimal GB/s (10^9 bytes per second), as the field notes quote them."""
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
-
-
-def overhead(service_s: float, inprocess_s: float) -> tuple[float, float]:
-    """``(ratio, difference in seconds)`` of the service's time over the in-process one."""
-    return service_s / inprocess_s, service_s - inprocess_s
-
-
-def met(ok: bool) -> str:
-    return "met" if ok else "missed"
 
 
 def parse_server_timing(header: str | None) -> dict[str, float]:
@@ -215,172 +186,7 @@ def parse_server_timing(header: str | None) -> dict[str, float]:
     return stages
 
 
-def median_stages(records: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Median of each stage over the records that have it."""
-    names = {n for r in records for n in r}
-    return {n: statistics.median(r[n] for r in records if n in r) for n in names}
-
-
-def stage_cells(stages: dict[str, float]) -> list[str]:
-    """One cell per stage of STAGES, in milliseconds (a dash when absent)."""
-    return [ms(stages[s]) if s in stages else "-" for s in STAGES]
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub markdown table; every row must have one cell per header."""
-    for row in rows:
-        if len(row) != len(headers):
-            raise ValueError(f"rows must have {len(headers)} cells as the headers, got {len(row)}: {row!r}")
-    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------ the machine
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def meminfo(field_name: str) -> int | None:
-    """A /proc/meminfo field in bytes (e.g. "MemAvailable"), or None."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1]) * 1024
-    return None
-
-
-def load_average() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f}, {five:.2f}, {fifteen:.2f}"
-
-
-def machine_lines() -> list[str]:
-    total = meminfo("MemTotal")
-    return [(f"- CPU: {cpu_model()}, {os.cpu_count()} cores; memory {bytes_label(total or 0)}; "
-             f"Python {platform.python_version()}, numpy {np.__version__}")]
-
-
-def others_running(pattern: str = QUIET_PATTERN) -> bool:
-    """True while a process whose command line contains ``pattern`` runs (pgrep -f)."""
-    try:
-        return subprocess.run(["pgrep", "-f", pattern], capture_output=True, check=False).returncode == 0
-    except FileNotFoundError:
-        return False
-
-
-def cpu_times() -> tuple[int, int] | None:
-    """``(idle, total)`` jiffies of all CPUs from /proc/stat, or None."""
-    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-        return fields[3] + fields[4], sum(fields[:8])
-    return None
-
-
-def busy_fraction(a: tuple[int, int] | None, b: tuple[int, int] | None) -> float:
-    """Share of CPU time not idle between two ``cpu_times`` samples (0 when unknown)."""
-    if a is None or b is None or b[1] <= a[1]:
-        return 0.0
-    return 1.0 - (b[0] - a[0]) / (b[1] - a[1])
-
-
-def cpu_busy(sample_s: float = 5.0) -> float:
-    a = cpu_times()
-    time.sleep(sample_s)
-    return busy_fraction(a, cpu_times())
-
-
-def wait_for_quiet(enabled: bool, poll_s: float = 30.0, max_s: float = 1200.0, pattern: str = QUIET_PATTERN,
-                   max_busy: float = 0.25) -> str:
-    """Wait until no ``pattern`` process runs and the CPUs are mostly idle; returns a line for the report."""
-    if not enabled:
-        return "- waiting for other benchmarks: skipped (--no-wait)"
-    t0 = time.monotonic()
-    while True:
-        running, busy = others_running(pattern), cpu_busy()
-        waited = time.monotonic() - t0
-        if not running and busy <= max_busy:
-            return (f"- machine quiet when measuring: no {pattern}, CPUs {busy:.0%} busy over 5 s "
-                    f"(waited {waited:.0f} s)")
-        if waited >= max_s:
-            return (f"- **machine still busy after {waited:.0f} s ({pattern} running: {running}, CPUs {busy:.0%} "
-                    "busy): measured anyway, numbers are pessimistic**")
-        print(f"waiting for a quiet machine: {pattern} running: {running}, CPUs {busy:.0%} busy", file=sys.stderr)
-        time.sleep(poll_s)
-
-
 # ------------------------------------------------------------------ servers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_status(url: str, timeout: float = 2.0) -> int | None:
-    """GET ``url``'s status, or None if nothing answers."""
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return None
-
-
-@contextlib.contextmanager
-def served(cmd: Sequence[str], env: dict[str, str], ready_url: str, log: Path,
-           startup_s: float = 180.0) -> Iterator[None]:
-    """Run ``cmd`` in its own process group until ``ready_url`` answers 200; always stop it."""
-    with log.open("w") as out:
-        proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            deadline = time.monotonic() + startup_s
-            while http_status(ready_url) != 200:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{cmd[:4]} not ready in {startup_s} s:\n{log.read_text()[-4000:]}")
-                time.sleep(0.25)
-            yield
-        finally:
-            stop_group(proc)
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group, SIGKILL it if it is still there after 30 s."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-
-
-@contextlib.contextmanager
-def splitkey_server(workdir: Path, workers: int = 2, args: Sequence[str] = (),
-                    env: dict[str, str] | None = None) -> Iterator[str]:
-    """``splitkey serve`` (embedded Ray, its own HOME under ``workdir``) on a free loopback port; yields its URL."""
-    port = free_port()
-    home = workdir / f"home-{port}"
-    home.mkdir(parents=True)
-    full_env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--workers", str(workers), *args]
-    url = f"http://127.0.0.1:{port}"
-    with served(cmd, full_env, url + "/readyz", workdir / f"splitkey-{port}.log"):
-        yield url
 
 
 @contextlib.contextmanager
@@ -392,14 +198,6 @@ def bare_server(workdir: Path, env: dict[str, str] | None = None) -> Iterator[st
     url = f"http://127.0.0.1:{port}"
     with served(cmd, {**os.environ, **(env or {})}, url + "/", workdir / f"bare-{port}.log", startup_s=30):
         yield url
-
-
-def raise_on_sigterm() -> None:
-    """Turn SIGTERM into SystemExit so every ``finally`` (server stops) runs."""
-    def handler(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 # ------------------------------------------------------------------ clients
@@ -427,14 +225,6 @@ class TimedClient(Client):
     def last_stages(self) -> dict[str, float]:
         conn = self._conn
         return parse_server_timing(conn.last_timing if isinstance(conn, RecordingConnection) else "")
-
-
-@dataclass
-class Record:
-    """One request: client-side seconds and the server's stages (seconds)."""
-
-    seconds: float
-    stages: dict[str, float] = field(default_factory=dict)
 
 
 def closed_loop(url: str, send: Callable[[TimedClient], Any], concurrency: int, requests: int,
@@ -483,42 +273,10 @@ def write_body(path: Path, tensors: dict[str, np.ndarray]) -> int:
 # ------------------------------------------------------------------ in-process
 
 
-def blas_threads(n: int) -> contextlib.AbstractContextManager:
-    """Limit BLAS to ``n`` threads (threadpoolctl), as each Ray worker runs."""
-    try:
-        from threadpoolctl import threadpool_limits  # optional: the [bench] extra
-    except ImportError:
-        return contextlib.nullcontext()
-    return threadpool_limits(limits=n, user_api="blas")
-
-
-def time_calls(fn: Callable[[], Any], repeat: int) -> tuple[list[float], Any]:
-    """One warm-up call, then ``repeat`` timed calls; the timings and the last result."""
-    result = fn()
-    seconds = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        result = fn()
-        seconds.append(time.perf_counter() - t0)
-    return seconds, result
-
-
 def inprocess(q: np.ndarray, k: np.ndarray, v: np.ndarray, threads: int = 2) -> tuple[np.ndarray, np.ndarray]:
     """``workers.attention`` over the same cores as two Ray workers: ``threads`` threads, BLAS at one."""
     with blas_threads(1):
         return inprocess_attention(q, k, v, threads=threads)
-
-
-def max_diff(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
-
-
-def check_same(name: str, got: np.ndarray, want: np.ndarray) -> float:
-    """Largest |got - want|; raises when the service answered something else."""
-    diff = max_diff(got, want)
-    if not diff <= 1e-3 * max(1.0, float(np.max(np.abs(want)))):
-        raise RuntimeError(f"{name}: the service's out differs from the in-process one by {diff:.3g}")
-    return diff
 
 
 # ------------------------------------------------------------------ measurements
@@ -699,7 +457,7 @@ def ingest_tables(cases: list[IngestCase]) -> list[str]:
 
 
 def setup_lines(args: argparse.Namespace, shapes: Sequence[str]) -> list[str]:
-    """What ran, how many times, on which shapes."""
+    """What ran, how many times, on which shapes (the in-process and service lines only for the sections using them)."""
     server = (f"- server: `splitkey serve --workers {args.workers}` (embedded Ray, 1 CPU and 1 BLAS thread per "
               "worker; default min_shard_keys 4096, so below 8K keys an inline request is one shard on one worker); "
               "client and curl run on the same 2 cores")
@@ -707,44 +465,43 @@ def setup_lines(args: argparse.Namespace, shapes: Sequence[str]) -> list[str]:
               f"{args.repeat} after a warm-up, measured before any server starts")
     service = (f"- service: {args.repeat} closed-loop requests at concurrency 1 after a checked warm-up "
                f"(p50, p90, min-max), then {2 * args.repeat} at concurrency 2 for requests/s")
-    return [server, inproc, service, *[f"- shape `{n}`: {SHAPES[n].describe()}" for n in shapes]]
+    lines = [server]
+    if "sweep" in args.sections or "small" in args.sections:
+        lines.append(inproc)
+    if "sweep" in args.sections:
+        lines.append(service)
+    return [*lines, *[f"- shape `{n}`: {SHAPES[n].describe()}" for n in shapes]]
 
 
 def report(args: argparse.Namespace, sweep: list[InlineCase], small: list[InlineCase], ingest: list[IngestCase],
            notes: list[str]) -> str:
-    shapes = sorted({c.shape.name for c in sweep + small})
+    """The markdown report of the sections in ``args.sections``."""
+    shapes = sorted({c.shape.name for c in sweep + small} | ({"decode"} if "ingest" in args.sections else set()))
     command = " ".join([".venv/bin/python", "benchmarks/service.py", *args.argv])
     lines = [f"### Service benchmark, {datetime.date.today().isoformat()}", "", f"Command: `{command}`", "",
-             *machine_lines(), *setup_lines(args, shapes), *notes, "",
-             "#### Inline requests: latency, throughput, overhead against in-process", "", *inline_tables(sweep), "",
-             f"#### Small requests (n_k = 1K, {args.small_requests} requests at concurrency 1)", "",
-             *small_table(small), "",
-             f"#### Ingest ({args.repeat} requests per cell, curl `--data-binary @file`, decode shape)", "",
-             *ingest_tables(ingest), ""]
+             *machine_lines(), *setup_lines(args, shapes), *notes, ""]
+    if "sweep" in args.sections:
+        lines += ["#### Inline requests: latency, throughput, overhead against in-process", "",
+                  *inline_tables(sweep), ""]
+    if "small" in args.sections:
+        lines += [f"#### Small requests (n_k = 1K, {args.small_requests} requests at concurrency 1)", "",
+                  *small_table(small), ""]
+    if "ingest" in args.sections:
+        lines += [f"#### Ingest ({args.repeat} requests per cell, curl `--data-binary @file`, decode shape)", "",
+                  *ingest_tables(ingest), ""]
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ main
 
 
-def parse_keys(text: str) -> list[int]:
-    """``"64K,1M"`` (or plain integers) to key counts."""
-    sizes = []
-    for part in text.split(","):
-        part = part.strip().upper()
-        scale = {"K": KIB, "M": MIB}.get(part[-1:], 1)
-        digits = part[:-1] if scale > 1 else part
-        if not digits.isdigit() or int(digits) < 1:
-            raise argparse.ArgumentTypeError(f"sizes must be positive key counts like 64K or 1M, got {part!r}")
-        sizes.append(int(digits) * scale)
-    return sizes
-
-
-def positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
-    return n
+def parse_sections(text: str) -> tuple[str, ...]:
+    """``"small,sweep"`` -> ``("sweep", "small")``: a non-empty subset of SECTIONS, in their run order."""
+    names = {part.strip() for part in text.split(",") if part.strip()}
+    if not names or not names <= set(SECTIONS):
+        raise argparse.ArgumentTypeError(f"sections must be a comma-separated subset of {','.join(SECTIONS)}, "
+                                         f"got {text!r}")
+    return tuple(s for s in SECTIONS if s in names)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -754,6 +511,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small-requests", type=positive, default=100, help="requests per small case (default 100)")
     p.add_argument("--workers", type=positive, default=2, help="shard workers of the server (default 2)")
     p.add_argument("--ingest-mib", type=parse_keys, default=None, help="ingest body sizes in MiB (default 256,512)")
+    p.add_argument("--sections", type=parse_sections, default=SECTIONS,
+                   help=f"what to measure, a comma-separated subset of {','.join(SECTIONS)} (default: all)")
     p.add_argument("--no-wait", action="store_true", help="do not wait for benchmarks/kernel.py to finish")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--out", default=None, help="also write the markdown report here")
@@ -770,24 +529,32 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def plan(args: argparse.Namespace) -> tuple[list[InlineCase], list[InlineCase], list[IngestCase]]:
+    """The sweep, small and ingest cases to measure: an empty list for a section not in ``args.sections``."""
+    sweep = [InlineCase(SHAPES[s], n) for s, n in args.sweep] if "sweep" in args.sections else []
+    small = [InlineCase(SHAPES[s], n) for s, n in SMALL_CASES] if "small" in args.sections else []
+    ingest = [IngestCase(m) for m in args.ingest_mib] if "ingest" in args.sections else []
+    return sweep, small, ingest
+
+
 def run(args: argparse.Namespace, workdir: Path) -> str:
+    """Measure the chosen sections, starting only the servers they need; the report."""
     notes = [wait_for_quiet(not args.no_wait and not args.quick), f"- load average before: {load_average()}"]
-    sweep = [InlineCase(SHAPES[s], n) for s, n in args.sweep]
-    small = [InlineCase(SHAPES[s], n) for s, n in SMALL_CASES]
-    ingest = [IngestCase(m) for m in args.ingest_mib]
+    sweep, small, ingest = plan(args)
     measure_inprocess(sweep + small, args.repeat, args.seed)
     bodies = {c.mib: workdir / f"body-{c.mib}MiB.safetensors" for c in ingest}
-    with splitkey_server(workdir, args.workers) as url:
+    with splitkey_server(workdir, args.workers) as url:  # every section measures the service
         for case in sweep:
             measure_service_case(url, case, args.repeat, args.seed, c2=True)
         for case in small:
             measure_service_case(url, case, args.small_requests, args.seed, c2=False)
         for case in ingest:
             measure_ingest_service(url, case, bodies[case.mib], args.repeat, args.seed)
-    for variant, env in BARE_VARIANTS.items():
-        with bare_server(workdir, env) as url:
-            for case in ingest:
-                measure_ingest_bare(url, variant, case, bodies[case.mib], args.repeat)
+    if ingest:  # the bare app serves only as the ingest ceiling
+        for variant, env in BARE_VARIANTS.items():
+            with bare_server(workdir, env) as url:
+                for case in ingest:
+                    measure_ingest_bare(url, variant, case, bodies[case.mib], args.repeat)
     notes.append(f"- load average after: {load_average()}")
     return report(args, sweep, small, ingest, notes)
 
@@ -799,9 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="splitkey-bench-") as tmp:
         text = run(args, Path(tmp))
     text += f"\nWhole run: {time.monotonic() - t0:.0f} s.\n"
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    emit_report(text, args.out)
     return 0
 
 

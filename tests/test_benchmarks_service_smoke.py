@@ -1,11 +1,13 @@
-"""benchmarks/service.py, contexts.py and bare_asgi.py: their pure helpers, without a server.
+"""benchmarks/service.py, contexts.py, common.py and bare_asgi.py: their pure helpers, without a server.
 
 No timing is asserted and nothing is started: the percentile and ratio math,
-Server-Timing parsing, table formatting, the memory and upload plans, and that
-the in-process baselines compute the same thing as the reference.
+Server-Timing parsing, table formatting, the memory and upload plans, that
+the in-process baselines compute the same thing as the reference, and which
+servers and cases ``service.py --sections`` runs (with stand-ins for both).
 """
 
 import asyncio
+import contextlib
 import json
 import math
 
@@ -15,22 +17,20 @@ from benchloader import benchmark_module
 from reference import reference
 
 
-@pytest.fixture(scope="module")
-def svc():
-    with benchmark_module("service.py") as module:
-        yield module
+def script(name, filename):
+    """A module-scoped fixture ``name``: ``benchmarks/<filename>`` loaded by benchloader."""
+    @pytest.fixture(scope="module", name=name)
+    def fixture():
+        with benchmark_module(filename) as module:
+            yield module
+
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def ctx():
-    with benchmark_module("contexts.py") as module:
-        yield module
-
-
-@pytest.fixture(scope="module")
-def bare():
-    with benchmark_module("bare_asgi.py") as module:
-        yield module
+common = script("common", "common.py")
+svc = script("svc", "service.py")
+ctx = script("ctx", "contexts.py")
+bare = script("bare", "bare_asgi.py")
 
 
 # ------------------------------------------------------------------ statistics and formatting
@@ -43,44 +43,58 @@ def test_server_timing_is_parsed_to_seconds(svc):
     assert svc.parse_server_timing("parse;dur=oops") == {}
 
 
-def test_summary_percentiles_and_range(svc):
-    s = svc.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+def test_summary_percentiles_and_range(common):
+    s = common.summarize([5.0, 1.0, 3.0, 2.0, 4.0])
     assert (s.n, s.p50, s.lo, s.hi) == (5, 3.0, 1.0, 5.0)
     assert s.p90 == pytest.approx(4.6)
-    empty = svc.summarize([])
+    empty = common.summarize([])
     assert empty.n == 0 and math.isnan(empty.p50)
-    assert svc.ms_spread(empty) == "-" and svc.ms(float("nan")) == "-"
-    assert svc.ms_spread(s) == "3000 (1000-5000)"
+    assert common.ms_spread(empty) == "-" and common.ms(float("nan")) == "-"
+    assert common.ms_spread(s) == "3000 (1000-5000)"
 
 
-def test_ratio_difference_rates_and_targets(svc, ctx):
-    ratio, diff = svc.overhead(0.012, 0.010)
+def test_ratio_difference_rates_and_targets(common, svc, ctx):
+    ratio, diff = common.overhead(0.012, 0.010)
     assert ratio == pytest.approx(1.2) and diff == pytest.approx(0.002)
     assert svc.gbs(2e9, 4.0) == pytest.approx(0.5) and math.isnan(svc.gbs(1, 0))
     assert ctx.target_s(0.100) == pytest.approx(0.128)
     assert ctx.baseline_s([3.0, 1.0, 2.0], [1.5], []) == 1.5 and math.isnan(ctx.baseline_s([]))
-    assert svc.met(True) == "met" and svc.met(False) == "missed"
+    assert common.met(True) == "met" and common.met(False) == "missed"
 
 
-def test_number_labels(svc):
-    assert [svc.ms(x) for x in (0.00123, 0.0456, 0.789)] == ["1.23", "45.6", "789"]
-    assert [svc.size_label(n) for n in (1024, 2**20, 3000, 65536)] == ["1K", "1M", "3000", "64K"]
-    assert svc.bytes_label(8 * 2**30) == "8 GiB" and svc.bytes_label(300) == "300 B"
-    assert svc.parse_keys("1K, 1M,3000") == [1024, 2**20, 3000]
+def test_number_labels(common):
+    assert [common.ms(x) for x in (0.00123, 0.0456, 0.789)] == ["1.23", "45.6", "789"]
+    assert [common.size_label(n) for n in (1024, 2**20, 3000, 65536)] == ["1K", "1M", "3000", "64K"]
+    assert common.bytes_label(8 * 2**30) == "8 GiB" and common.bytes_label(300) == "300 B"
+    assert common.parse_keys("1K, 1M,3000") == [1024, 2**20, 3000]
 
 
-def test_stages_median_and_cells(svc):
+def test_stages_median_and_cells(common):
     records = [{"parse": 0.001, "total": 0.004}, {"parse": 0.003, "total": 0.006, "merge": 0.0001}]
-    med = svc.median_stages(records)
+    med = common.median_stages(records)
     assert med == pytest.approx({"parse": 0.002, "total": 0.005, "merge": 0.0001})
-    assert svc.stage_cells(med) == ["2.00", "-", "-", "0.10", "-", "5.00"]
+    assert common.stage_cells(med) == ["2.00", "-", "-", "0.10", "-", "5.00"]
 
 
-def test_markdown_table_shape(svc):
-    text = svc.markdown_table(["a", "b"], [[1, "x"], [2.5, "y"]])
+def test_markdown_table_shape(common):
+    text = common.markdown_table(["a", "b"], [[1, "x"], [2.5, "y"]])
     assert text.splitlines() == ["| a | b |", "| --- | --- |", "| 1 | x |", "| 2.5 | y |"]
     with pytest.raises(ValueError, match="2 cells"):
-        svc.markdown_table(["a", "b"], [[1]])
+        common.markdown_table(["a", "b"], [[1]])
+
+
+def test_the_scripts_share_one_copy_of_the_helpers(svc, ctx):
+    import benchmarks.common  # the module the scripts import (they put the repository root on sys.path)
+
+    assert ctx.common is benchmarks.common
+    for name in ("parse_keys", "summarize", "markdown_table", "wait_for_quiet", "splitkey_server", "Record"):
+        assert getattr(svc, name) is getattr(benchmarks.common, name), name
+
+
+def test_report_is_printed_and_written(common, tmp_path, capsys):
+    out = tmp_path / "new" / "report.md"
+    common.emit_report("# report\n", str(out))
+    assert out.read_text() == "# report\n" and capsys.readouterr().out == "# report\n\n"
 
 
 def test_arguments(svc, ctx):
@@ -94,9 +108,81 @@ def test_arguments(svc, ctx):
         svc.parse_args(["--repeat", "0"])
 
 
-def test_waiting_can_be_skipped_and_finds_no_such_process(svc):
-    assert "skipped" in svc.wait_for_quiet(False)
-    assert svc.others_running("no-such-process-7f3a9c1e") is False
+def test_sections_argument_and_plan(svc):
+    assert svc.parse_args([]).sections == ("sweep", "small", "ingest")
+    assert svc.parse_args(["--sections", "small"]).sections == ("small",)
+    assert svc.parse_args(["--sections", "ingest, sweep"]).sections == ("sweep", "ingest")  # in run order
+    for bad in ("", ",", "small,bogus"):
+        with pytest.raises(SystemExit):
+            svc.parse_args(["--sections", bad])
+    sweep, small, ingest = svc.plan(svc.parse_args(["--quick", "--sections", "small"]))
+    assert sweep == [] and ingest == [] and [c.label for c in small] == ["tiny 1K", "decode 1K"]
+    sweep, small, ingest = svc.plan(svc.parse_args(["--quick"]))
+    assert len(sweep) == len(svc.QUICK_SWEEP) and len(small) == 2 and [c.mib for c in ingest] == [8, 16]
+
+
+@pytest.fixture
+def stand_ins(svc, monkeypatch):
+    """service.py's servers and measurements replaced by stand-ins that record what ran, in order."""
+    ran = []
+    stages = {"parse": 0.001, "total": 0.002, "alloc": 0.0005, "read": 0.001}
+
+    def server(name):
+        @contextlib.contextmanager
+        def start(*args, **kwargs):
+            ran.append(name)
+            yield name
+
+        return start
+
+    def inprocess(cases, repeat, seed):
+        ran.append(("in-process", [c.label for c in cases]))
+        for c in cases:
+            c.inprocess = [0.001]
+
+    def service_case(url, case, repeat, seed, c2):
+        ran.append((url, case.label))
+        case.c1, case.diff = [svc.Record(0.002, stages)] * repeat, 0.0
+
+    def ingest_service(url, case, body, repeat, seed):
+        ran.append((url, f"{case.mib} MiB"))
+        case.body_bytes = case.mib * 2**20
+        case.service_curl = case.service_client = [svc.Record(0.01, stages)]
+
+    def ingest_bare(url, variant, case, body, repeat):
+        case.bare[variant] = [svc.Record(0.01, stages)]
+
+    for name, fake in (("splitkey_server", server("splitkey")), ("bare_server", server("bare")),
+                       ("measure_inprocess", inprocess), ("measure_service_case", service_case),
+                       ("measure_ingest_service", ingest_service), ("measure_ingest_bare", ingest_bare)):
+        monkeypatch.setattr(svc, name, fake)
+    return ran
+
+
+HEADINGS = {"sweep": "#### Inline requests", "small": "#### Small requests", "ingest": "#### Ingest"}
+QUICK_CASES = {"sweep": ["decode 1K", "decode 4K", "small 1K", "small 16K"], "small": ["tiny 1K", "decode 1K"],
+               "ingest": ["8 MiB", "16 MiB"]}
+
+
+@pytest.mark.parametrize("sections", ["small", "ingest", "sweep,small,ingest"])
+def test_sections_run_only_their_cases_and_servers(svc, stand_ins, tmp_path, sections):
+    text = svc.run(svc.parse_args(["--quick", "--no-wait", "--sections", sections]), tmp_path)
+    chosen = sections.split(",")
+    inline = [case for s in ("sweep", "small") if s in chosen for case in QUICK_CASES[s]]
+    ingest = QUICK_CASES["ingest"] if "ingest" in chosen else []
+    bare = ["bare"] * len(svc.BARE_VARIANTS) if ingest else []  # the bare app only for ingest
+    assert stand_ins == [("in-process", inline), "splitkey", *[("splitkey", c) for c in inline + ingest], *bare]
+    for section, heading in HEADINGS.items():
+        assert (heading in text) == (section in chosen), heading
+    assert ("- in-process:" in text) == bool(inline) and ("- service:" in text) == ("sweep" in chosen)
+    assert f"Command: `.venv/bin/python benchmarks/service.py --quick --no-wait --sections {sections}`" in text
+    if sections == "small":
+        assert "| tiny 1K | 128 KiB | 20 | 2.00 (2.00-2.00) |" in text
+
+
+def test_waiting_can_be_skipped_and_finds_no_such_process(common):
+    assert "skipped" in common.wait_for_quiet(False)
+    assert common.others_running("no-such-process-7f3a9c1e") is False
 
 
 # ------------------------------------------------------------------ inputs and in-process baselines
@@ -180,10 +266,10 @@ def test_service_report_from_made_up_records(svc):
     assert "| 256 MiB | bare | read only | 0.43 (0.43-0.43) | 0.30 (0.30-0.30) |" in text
 
 
-def test_contexts_report_from_made_up_records(ctx, svc):
+def test_contexts_report_from_made_up_records(common, ctx, svc):
     res = ctx.SizeResult(65536, "float32", resident_before=[0.060], resident_after=[0.040], natural=[0.050],
                          upload_s=[1.0, 1.0], placement="p", diff=0.0,
-                         c1=[ctx.Record(0.050, {"compute": 0.045, "total": 0.049})],
+                         c1=[common.Record(0.050, {"compute": 0.045, "total": 0.049})],
                          levels=[svc.Level(4, 8, 0, 1.0, 90.0, 100.0, 110.0, 40.0)])
     text = ctx.report(ctx.parse_args(["--quick"]), [res], ["- note"])
     assert res.baseline == pytest.approx(0.040)  # the lower median: load only slows a run down
@@ -224,6 +310,6 @@ def test_bare_app_reads_the_whole_body(bare, length):
     assert json.loads(sent[1]["body"]) == {"bytes": 10}
 
 
-def test_busy_fraction_from_cpu_samples(svc):
-    assert svc.busy_fraction((100, 1000), (150, 1100)) == pytest.approx(0.5)
-    assert svc.busy_fraction(None, (1, 2)) == 0.0 and svc.busy_fraction((5, 10), (5, 10)) == 0.0
+def test_busy_fraction_from_cpu_samples(common):
+    assert common.busy_fraction((100, 1000), (150, 1100)) == pytest.approx(0.5)
+    assert common.busy_fraction(None, (1, 2)) == 0.0 and common.busy_fraction((5, 10), (5, 10)) == 0.0

@@ -1,0 +1,374 @@
+"""Helpers shared by the benchmark scripts ``kernel.py``, ``service.py`` and ``contexts.py``, each defined once.
+
+* arguments: :func:`parse_keys` (``"64K,1M"``), :func:`positive`;
+* sizes and numbers: ``KIB``/``MIB``/``GIB``, :func:`size_label`, :func:`bytes_label`,
+  :class:`Summary` and :func:`summarize`, :func:`ms`, :func:`ms_spread`,
+  :func:`overhead`, :func:`met`;
+* the report: :func:`markdown_table`, :func:`machine_lines` (with :func:`cpu_model`,
+  :func:`meminfo`, :func:`load_average`), :func:`emit_report`;
+* Server-Timing stages: ``STAGES``, :class:`Record`, :func:`median_stages`, :func:`stage_cells`;
+* in-process runs: :func:`blas_threads`, :func:`time_calls`, :func:`max_diff`, :func:`check_same`;
+* waiting until the shared machine is quiet: :func:`wait_for_quiet` (with
+  :func:`others_running`, :func:`cpu_times`, :func:`busy_fraction`, :func:`cpu_busy`);
+* server processes: :func:`free_port`, :func:`http_status`, :func:`served`,
+  :func:`stop_group`, :func:`splitkey_server`, :func:`raise_on_sigterm`.
+
+The scripts import it as ``benchmarks.common`` once they have put the repository
+root on ``sys.path``. It imports only the standard library and numpy, nothing of
+the repository: ``kernel.py`` runs with ``benchmarks/`` first on ``sys.path``,
+where ``benchmarks/service.py`` would shadow the ``service`` package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+KIB, MIB, GIB = 2**10, 2**20, 2**30
+#: Server-Timing stages of the service, in the order of a request.
+STAGES = ("parse", "scatter", "compute", "merge", "encode", "total")
+#: The benchmark the service benchmarks wait for: it loads every core.
+QUIET_PATTERN = "benchmarks/kernel.py"
+
+
+# ------------------------------------------------------------------ arguments
+
+
+def parse_keys(text: str) -> list[int]:
+    """``"64K,256K,1M"`` (or plain integers) to key counts."""
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().upper()
+        scale = {"K": KIB, "M": MIB}.get(part[-1:], 1)
+        digits = part[:-1] if scale > 1 else part
+        if not digits.isdigit() or int(digits) < 1:
+            raise argparse.ArgumentTypeError(f"sizes must be positive key counts like 64K or 1M, got {part!r}")
+        sizes.append(int(digits) * scale)
+    return sizes
+
+
+def positive(text: str) -> int:
+    """An argument that must be an int >= 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text}")
+    return n
+
+
+# ------------------------------------------------------------------ sizes, statistics and formatting
+
+
+def size_label(n: int) -> str:
+    """1024 -> "1K", 2**20 -> "1M", 3000 -> "3000"."""
+    if n >= MIB and n % MIB == 0:
+        return f"{n // MIB}M"
+    if n >= KIB and n % KIB == 0:
+        return f"{n // KIB}K"
+    return str(n)
+
+
+def bytes_label(n: float) -> str:
+    """Bytes in GiB, MiB or KiB, whichever reads best."""
+    for unit, name in ((GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
+        if n >= unit:
+            return f"{n / unit:.4g} {name}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Percentiles and range of a list of seconds."""
+
+    n: int
+    p50: float
+    p90: float
+    lo: float
+    hi: float
+
+
+def summarize(seconds: Sequence[float]) -> Summary:
+    """p50, p90, min and max of ``seconds``; NaN everywhere (n = 0) for an empty list."""
+    if not seconds:
+        nan = float("nan")
+        return Summary(0, nan, nan, nan, nan)
+    a = np.asarray(seconds, dtype=np.float64)
+    return Summary(len(a), float(np.percentile(a, 50)), float(np.percentile(a, 90)), float(a.min()), float(a.max()))
+
+
+def ms(seconds: float) -> str:
+    """Seconds as milliseconds with 3 significant digits (at least one decimal below 100)."""
+    if np.isnan(seconds):
+        return "-"
+    v = seconds * 1000
+    return f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+
+def ms_spread(s: Summary) -> str:
+    """``"p50 (min-max)"`` in milliseconds."""
+    return "-" if s.n == 0 else f"{ms(s.p50)} ({ms(s.lo)}-{ms(s.hi)})"
+
+
+def overhead(service_s: float, inprocess_s: float) -> tuple[float, float]:
+    """``(ratio, difference in seconds)`` of the service's time over the in-process one."""
+    return service_s / inprocess_s, service_s - inprocess_s
+
+
+def met(ok: bool) -> str:
+    """A target's cell: "met" or "missed"."""
+    return "met" if ok else "missed"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; every row must have one cell per header."""
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"rows must have {len(headers)} cells as the headers, got {len(row)}: {row!r}")
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def emit_report(text: str, out: str | None) -> None:
+    """Print the report, and also write it to ``out`` (parent folders created) when given."""
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+
+
+# ------------------------------------------------------------------ Server-Timing stages
+
+
+@dataclass
+class Record:
+    """One request: client-side seconds and the server's stages (seconds)."""
+
+    seconds: float
+    stages: dict[str, float] = field(default_factory=dict)
+
+
+def median_stages(records: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Median of each stage over the records that have it."""
+    names = {n for r in records for n in r}
+    return {n: statistics.median(r[n] for r in records if n in r) for n in names}
+
+
+def stage_cells(stages: dict[str, float]) -> list[str]:
+    """One cell per stage of STAGES, in milliseconds (a dash when absent)."""
+    return [ms(stages[s]) if s in stages else "-" for s in STAGES]
+
+
+# ------------------------------------------------------------------ in-process runs
+
+
+def blas_threads(n: int) -> contextlib.AbstractContextManager:
+    """Limit BLAS to ``n`` threads (threadpoolctl); a no-op where it is not installed."""
+    try:
+        from threadpoolctl import threadpool_limits  # optional: the [bench] extra
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=n, user_api="blas")
+
+
+def time_calls(fn: Callable[[], Any], repeat: int) -> tuple[list[float], Any]:
+    """One warm-up call, then ``repeat`` timed calls; the timings and the last result."""
+    result = fn()
+    seconds = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        result = fn()
+        seconds.append(time.perf_counter() - t0)
+    return seconds, result
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """Largest |a - b|, computed in float64."""
+    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
+
+
+def check_same(name: str, got: np.ndarray, want: np.ndarray) -> float:
+    """Largest |got - want|; raises when the service answered something else."""
+    diff = max_diff(got, want)
+    if not diff <= 1e-3 * max(1.0, float(np.max(np.abs(want)))):
+        raise RuntimeError(f"{name}: the service's out differs from the in-process one by {diff:.3g}")
+    return diff
+
+
+# ------------------------------------------------------------------ the machine
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` where there is none)."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def meminfo(field_name: str) -> int | None:
+    """A /proc/meminfo field in bytes (e.g. "MemAvailable"), or None."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages."""
+    one, five, fifteen = os.getloadavg()
+    return f"{one:.2f}, {five:.2f}, {fifteen:.2f}"
+
+
+def machine_lines() -> list[str]:
+    """The report's line on the CPU, memory, Python and numpy."""
+    total = meminfo("MemTotal")
+    return [(f"- CPU: {cpu_model()}, {os.cpu_count()} cores; memory {bytes_label(total or 0)}; "
+             f"Python {platform.python_version()}, numpy {np.__version__}")]
+
+
+# ------------------------------------------------------------------ waiting for a quiet machine
+
+
+def others_running(pattern: str = QUIET_PATTERN) -> bool:
+    """True while a process whose command line contains ``pattern`` runs (pgrep -f)."""
+    try:
+        return subprocess.run(["pgrep", "-f", pattern], capture_output=True, check=False).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def cpu_times() -> tuple[int, int] | None:
+    """``(idle, total)`` jiffies of all CPUs from /proc/stat, or None."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])
+    return None
+
+
+def busy_fraction(a: tuple[int, int] | None, b: tuple[int, int] | None) -> float:
+    """Share of CPU time not idle between two ``cpu_times`` samples (0 when unknown)."""
+    if a is None or b is None or b[1] <= a[1]:
+        return 0.0
+    return 1.0 - (b[0] - a[0]) / (b[1] - a[1])
+
+
+def cpu_busy(sample_s: float = 5.0) -> float:
+    """Share of CPU time not idle over the next ``sample_s`` seconds."""
+    a = cpu_times()
+    time.sleep(sample_s)
+    return busy_fraction(a, cpu_times())
+
+
+def wait_for_quiet(enabled: bool, poll_s: float = 30.0, max_s: float = 1200.0, pattern: str = QUIET_PATTERN,
+                   max_busy: float = 0.25) -> str:
+    """Wait until no ``pattern`` process runs and the CPUs are mostly idle; returns a line for the report."""
+    if not enabled:
+        return "- waiting for other benchmarks: skipped (--no-wait)"
+    t0 = time.monotonic()
+    while True:
+        running, busy = others_running(pattern), cpu_busy()
+        waited = time.monotonic() - t0
+        if not running and busy <= max_busy:
+            return (f"- machine quiet when measuring: no {pattern}, CPUs {busy:.0%} busy over 5 s "
+                    f"(waited {waited:.0f} s)")
+        if waited >= max_s:
+            return (f"- **machine still busy after {waited:.0f} s ({pattern} running: {running}, CPUs {busy:.0%} "
+                    "busy): measured anyway, numbers are pessimistic**")
+        print(f"waiting for a quiet machine: {pattern} running: {running}, CPUs {busy:.0%} busy", file=sys.stderr)
+        time.sleep(poll_s)
+
+
+# ------------------------------------------------------------------ server processes
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_status(url: str, timeout: float = 2.0) -> int | None:
+    """GET ``url``'s status, or None if nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def served(cmd: Sequence[str], env: dict[str, str], ready_url: str, log: Path,
+           startup_s: float = 180.0) -> Iterator[None]:
+    """Run ``cmd`` in its own process group until ``ready_url`` answers 200; always stop it."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + startup_s
+            while http_status(ready_url) != 200:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{cmd[:4]} not ready in {startup_s} s:\n{log.read_text()[-4000:]}")
+                time.sleep(0.25)
+            yield
+        finally:
+            stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL it if it is still there after 30 s."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def splitkey_server(workdir: Path, workers: int = 2, args: Sequence[str] = (),
+                    env: dict[str, str] | None = None) -> Iterator[str]:
+    """``splitkey serve`` (embedded Ray, its own HOME under ``workdir``) on a free loopback port; yields its URL."""
+    port = free_port()
+    home = workdir / f"home-{port}"
+    home.mkdir(parents=True)
+    full_env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--workers", str(workers), *args]
+    url = f"http://127.0.0.1:{port}"
+    with served(cmd, full_env, url + "/readyz", workdir / f"splitkey-{port}.log"):
+        yield url
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so every ``finally`` (server stops) runs."""
+    def handler(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
