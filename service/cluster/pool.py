@@ -248,13 +248,14 @@ class WorkerPool:
                       *, keep_state: bool) -> tuple[ComputeStatus, Any]:
         """One state of ``q`` over ``work``: ``(status, State)``; with ``keep_state`` the state stays
         in the object store and its ObjectRef is returned (for a merge on the workers)."""
-        n = 2 if keep_state else 1
+        def method(h: Any) -> Any:  # two return refs only when the state stays on the worker
+            m = h.partial if isinstance(work, InlineWork) else h.partial_resident
+            return m.options(num_returns=2) if keep_state else m
+
         if isinstance(work, InlineWork):
-            refs = self._submit(index, lambda h: h.partial.options(num_returns=n).remote(
-                q, work.k, work.v, query, work.k_pos))
+            refs = self._submit(index, lambda h: method(h).remote(q, work.k, work.v, query, work.k_pos))
         else:
-            refs = self._submit(index, lambda h: h.partial_resident.options(num_returns=n).remote(
-                q, query, work.reads, work.fanin))
+            refs = self._submit(index, lambda h: method(h).remote(q, query, work.reads, work.fanin))
         if keep_state:
             status_ref, state_ref = refs
             return await self._result(index, status_ref), state_ref
