@@ -28,6 +28,7 @@ import numpy as np
 from merge import array_module
 from workers.plan import CALL_KEYS, DECODE_ROWS
 from workers.problem import KVDims, as_array
+from workers.widen import widen
 
 #: Row stride padding of StreamingKV's d-major keys, in elements (see module doc).
 STRIDE_PAD = 16
@@ -82,16 +83,12 @@ class NaturalKV:
         # BLAS reads kt as a transposed operand (a copy that transposes costs
         # more than the matmul it feeds). Other dtypes are cast block by block,
         # contiguously, into bounded scratch.
-        if k.dtype != acc_dtype:
-            k = k.astype(acc_dtype)
-        return k.transpose(1, 2, 0)  # [hb, d, B]
+        return widen(k, acc_dtype).transpose(1, 2, 0)  # [hb, d, B]
 
     def values(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> Any:
         """``v [hb, B, d_v]`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``."""
         v = self.v[start:stop, h0:h1]  # [B, hb, d_v]
-        if v.dtype != acc_dtype:
-            v = v.astype(acc_dtype)
-        return v.transpose(1, 0, 2)  # [hb, B, d_v]
+        return widen(v, acc_dtype).transpose(1, 0, 2)  # [hb, B, d_v]
 
     def block(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> tuple[Any, Any]:
         """``(kt [hb, d, B], v [hb, B, d_v])`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``."""
@@ -221,12 +218,12 @@ class StreamingView:
     def keys(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> Any:
         """``kt [hb, d, B]``: a view when no cast is needed."""
         kt = self.kt[h0:h1, :, start:stop]  # [hb, d, B]
-        return kt if kt.dtype == acc_dtype else kt.astype(acc_dtype)
+        return widen(kt, acc_dtype)
 
     def values(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> Any:
         """``v [hb, B, d_v]``: a view when no cast is needed."""
         v = self.v[h0:h1, start:stop]  # [hb, B, d_v]
-        return v if v.dtype == acc_dtype else v.astype(acc_dtype)
+        return widen(v, acc_dtype)
 
     def block(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> tuple[Any, Any]:
         """``(kt [hb, d, B], v [hb, B, d_v])`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``."""

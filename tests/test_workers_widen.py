@@ -1,0 +1,64 @@
+"""Widening 16-bit blocks: float16 through the bit arithmetic equals NumPy's cast bit for bit."""
+
+import numpy as np
+import pytest
+
+from workers import BFLOAT16
+from workers.widen import _bits_numpy, float16_to_float32, widen
+
+
+def test_every_float16_widens_exactly_including_subnormals_infinities_and_nans():
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    got = float16_to_float32(every)
+    want = every.astype(np.float32)
+    finite = np.isfinite(want)
+    assert np.array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))  # bit for bit, -0.0 too
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.array_equal(got[np.isinf(want)], want[np.isinf(want)])
+
+
+def test_the_numpy_fallback_computes_the_same_bits():
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    bits = np.empty(every.shape, np.uint32)
+    _bits_numpy(every, bits)
+    with np.errstate(invalid="ignore"):  # signalling NaN patterns
+        fallback = bits.view(np.float32) * np.float32(2.0**112)
+    want = every.view(np.float16).astype(np.float32)
+    finite = np.isfinite(want)
+    assert np.array_equal(fallback[finite].view(np.uint32), want[finite].view(np.uint32))
+    assert np.array_equal(np.isnan(fallback), np.isnan(want))
+
+
+@pytest.mark.parametrize("make", [
+    lambda a: a,                                   # contiguous
+    lambda a: a[:, 1:, ::1][..., :5],              # strided in the outer axes, unit stride inside
+    lambda a: a.transpose(1, 2, 0)[..., 2:9],      # a key-block view of the streaming layout
+    lambda a: a[0],                                # 2-d
+    lambda a: a[0, 0],                             # 1-d
+    lambda a: a[:0],                               # empty
+])
+def test_blocks_of_any_layout_widen_to_contiguous_float32(make, rng):
+    block = make((rng.standard_normal((6, 4, 11)) * 100).astype(np.float16))
+    got = float16_to_float32(block)
+    assert got.dtype == np.float32 and got.flags.c_contiguous and got.shape == block.shape
+    np.testing.assert_array_equal(got, block.astype(np.float32))
+
+
+def test_widen_passes_matching_dtypes_through_and_casts_the_rest(rng):
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    assert widen(x, np.float32) is x
+    b = x.astype(BFLOAT16)
+    np.testing.assert_array_equal(widen(b, np.float32), b.astype(np.float32))
+    h = x.astype(np.float16)
+    np.testing.assert_array_equal(widen(h, np.float64), h.astype(np.float64))
+    with pytest.raises(ValueError, match="x must have dtype float16, got float32"):
+        float16_to_float32(x)
+
+
+def test_without_numba_the_numpy_arithmetic_gives_the_same_block(monkeypatch, rng):
+    from workers import widen as module
+
+    block = (rng.standard_normal((4, 3, 7)) * 1e3).astype(np.float16).transpose(2, 0, 1)
+    compiled = float16_to_float32(block)
+    monkeypatch.setattr(module, "compiled_widen16", lambda: None)
+    fallback = float16_to_float32(block)
+    assert np.array_equal(fallback.view(np.uint32), compiled.view(np.uint32))

@@ -1,0 +1,107 @@
+"""Exact widening of a block of 16-bit keys or values to the accumulation dtype, at memory speed.
+
+The kernels compute in float32 (float64 when an input is float64): a 16-bit block
+is widened once per BLAS call, into bounded scratch (``workers.layout``). bfloat16
+widens fast through ``ml_dtypes`` (the bits shifted up 16). NumPy's own float16 cast
+is a scalar loop (about 0.9 GB/s here, seven times slower than bfloat16), so float16
+is widened by a loop that numba compiles to the CPU's conversion instruction
+(LLVM ``fpext half to float``: ``vcvtph2ps`` with F16C): an IEEE conversion, exact
+for every float16, subnormals, infinities and NaNs included.
+
+Where numba is missing, the same result comes from bit arithmetic in NumPy (slower,
+exact as well):
+
+    f32 bits = (h & 0x7fff) << 13 | (h & 0x8000) << 16       the f16 fields in f32 places
+    value    = f32(bits) * 2**112                           re-bias the exponent (15 -> 127)
+
+(a power-of-two multiply is exact and turns f16 subnormals into the right normal
+float32; exponent 31, infinities and NaNs, gets the float32 exponent 255 first).
+tests/test_workers_widen.py checks both against ``astype`` on all 65,536 float16s.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from workers.dtypes import FLOAT16, FLOAT32
+
+#: 2**112: float16's exponent bias (15) taken to float32's (127), for the NumPy fallback.
+REBIAS = np.float32(2.0**112)
+
+
+@functools.cache
+def compiled_widen16() -> Callable[[np.ndarray, np.ndarray], None] | None:
+    """The numba loop ``(h [n] uint16, out [n] float32) -> None``, built on first use; None without numba.
+
+    Imported lazily: only float16 work pays for loading numba.
+    """
+    try:  # numba is a dependency; the NumPy arithmetic below is the fallback, not the usual path
+        import numba
+        from llvmlite import ir
+        from numba.core import types
+        from numba.extending import intrinsic
+    except ImportError:  # pragma: no cover - exercised where numba has no wheel
+        return None
+
+    @intrinsic
+    def half_bits_to_float(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
+        """float32 of the float16 whose bits are ``bits`` (uint16): LLVM's fpext, one instruction with F16C."""
+        if bits != types.uint16:
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(types.uint16), codegen
+
+    @numba.njit(nogil=True, boundscheck=False)
+    def widen16(h: Any, out: Any) -> None:  # pragma: no cover - compiled
+        # h [n] uint16 and out [n] float32, both contiguous so that the loop vectorises.
+        for t in range(h.shape[0]):
+            out[t] = half_bits_to_float(h[t])  # type: ignore[call-arg]  # numba passes typingctx
+
+    return widen16
+
+
+def _bits_numpy(h: np.ndarray, out_bits: np.ndarray) -> None:
+    """``out_bits [...]`` uint32: the float32 bits of ``h`` (uint16 float16 bits) before the re-bias."""
+    np.copyto(out_bits, h)
+    sign = out_bits & np.uint32(0x8000)
+    special = (out_bits & np.uint32(0x7C00)) == np.uint32(0x7C00)  # inf or NaN
+    np.bitwise_and(out_bits, np.uint32(0x7FFF), out=out_bits)
+    np.left_shift(out_bits, np.uint32(13), out=out_bits)
+    np.left_shift(sign, np.uint32(16), out=sign)
+    np.bitwise_or(out_bits, sign, out=out_bits)
+    np.bitwise_or(out_bits, np.uint32(0x7F800000), out=out_bits, where=special)
+
+
+def float16_to_float32(x: np.ndarray) -> np.ndarray:
+    """A new contiguous float32 array equal to ``x.astype(np.float32)`` (``x`` float16, any strides)."""
+    if np.dtype(x.dtype) != FLOAT16:
+        raise ValueError(f"x must have dtype float16, got {x.dtype}")
+    out = np.empty(x.shape, dtype=FLOAT32)
+    bits = x.view(np.uint16)
+    loop = compiled_widen16()
+    if loop is not None:
+        if x.size:
+            # A strided block (a key range of the streaming layout) is gathered first:
+            # copying 2-byte rows runs at memory speed, and the flat loop then vectorises.
+            loop(np.ascontiguousarray(bits).reshape(-1), out.reshape(-1))
+        return out
+    _bits_numpy(bits, out.view(np.uint32))
+    with np.errstate(invalid="ignore"):  # signalling NaNs stay NaNs, quietly
+        out *= REBIAS
+    return out
+
+
+def widen(x: Any, dtype: Any) -> Any:
+    """``x`` in ``dtype``: itself when it already is, float16 -> float32 through the fast path, else ``astype``."""
+    if x.dtype == dtype:
+        return x
+    if isinstance(x, np.ndarray) and np.dtype(x.dtype) == FLOAT16 and np.dtype(dtype) == FLOAT32:
+        return float16_to_float32(x)
+    return x.astype(dtype)
