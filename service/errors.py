@@ -51,6 +51,10 @@ class ContextNotFound(ServiceError):
     """An unknown context id."""
 
 
+class LengthMismatch(ServiceError):
+    """An append names a context length (``after``) other than the context's committed length."""
+
+
 class BodyTooLarge(ServiceError):
     """The body, a safetensors header or one tensor is over its limit."""
 
@@ -104,6 +108,7 @@ ERRORS: Mapping[type[ServiceError], ErrorKind] = {
     InvalidBody: ErrorKind("invalid_body", 400),
     Unauthorized: ErrorKind("unauthorized", 401),
     ContextNotFound: ErrorKind("context_not_found", 404),
+    LengthMismatch: ErrorKind("length_mismatch", 409),
     BodyTooLarge: ErrorKind("body_too_large", 413),
     UnsupportedMediaType: ErrorKind("unsupported_media_type", 415),
     InvalidTensor: ErrorKind("invalid_tensor", 422),

@@ -15,7 +15,8 @@ from workers.options import AttentionOptions
 #: The error codes and statuses docs/API.md section 7 promises (written out here, not
 #: read from the code, so that a wrong entry in service.errors.ERRORS fails the tests).
 CONTRACT_STATUS = {
-    "invalid_body": 400, "unauthorized": 401, "context_not_found": 404, "body_too_large": 413,
+    "invalid_body": 400, "unauthorized": 401, "context_not_found": 404, "length_mismatch": 409,
+    "body_too_large": 413,
     "unsupported_media_type": 415, "invalid_tensor": 422, "invalid_option": 422, "overloaded": 429,
     "workers_unavailable": 503, "context_lost": 503, "deadline_exceeded": 504, "insufficient_capacity": 507,
 }
@@ -45,4 +46,5 @@ def given_options(opts: RequestOptions) -> dict:
     out = {name: getattr(a, name) for name in ("scale", "causal", "window", "softcap")
            if getattr(a, name) != getattr(default, name)}
     out.update({name: getattr(opts, name) for name in ("contexts", "replicas", "shards") if getattr(opts, name)})
+    out.update({name: getattr(opts, name) for name in ("expected_length", "after") if getattr(opts, name) is not None})
     return out

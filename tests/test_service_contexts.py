@@ -1,6 +1,7 @@
 """Resident contexts end to end: create, append, query (also across contexts), delete."""
 
 import concurrent.futures
+import re
 import threading
 
 import httpx
@@ -10,6 +11,7 @@ from reference import assert_close_to_reference, reference
 
 from service.client import Client, SplitkeyError
 from workers import BFLOAT16
+from workers.layout import bytes_per_key, padded_capacity
 
 pytestmark = pytest.mark.ray
 
@@ -215,3 +217,77 @@ def test_context_with_nan_keys_is_refused_and_nothing_is_stored(client, rng):
         client.create_context(k, v)
     assert err.value.status == 422 and "k must be finite" in err.value.detail
     assert client.cluster()["bytes_held"] == before
+
+
+def post_kv(url, path, k, v, **params):
+    """A raw safetensors context write (``params`` as the query): the httpx response."""
+    from service.wire.safetensors import encode_safetensors, to_bytes
+
+    return httpx.post(url + path, params=params, content=to_bytes(encode_safetensors({"k": k, "v": v})),
+                      headers={"Content-Type": "application/octet-stream"}, timeout=60)
+
+
+def test_expected_length_plans_the_shards_for_the_total_and_allocates_them_at_create(client, server, rng):
+    k, v = kv(rng, 1100)
+    before = client.cluster()["bytes_held"]
+    r = post_kv(server.url, "/v1/contexts", k[:100], v[:100], expected_length=1000)
+    assert r.status_code == 201, r.text
+    ctx = r.json()
+    # Two live workers, 1000 planned keys: 2 shards of capacity 500 (not 1 shard sized for 100 keys);
+    # the body fills them in order, and both are allocated in full now.
+    assert ctx["expected_length"] == 1000 and ctx["shard_lengths"] == [100, 0]
+    allocated = 2 * padded_capacity(500) * bytes_per_key(2, 16, 8, np.float32)
+    assert client.cluster()["bytes_held"] - before == allocated
+    assert client.append(ctx["id"], k[100:800], v[100:800])["shard_lengths"] == [500, 300]
+    # Past the plan, appends open new shards at the planned capacity, allocated in full too.
+    assert client.append(ctx["id"], k[800:1100], v[800:1100])["shard_lengths"] == [500, 500, 100]
+    assert client.cluster()["bytes_held"] - before == allocated * 3 // 2
+    q = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[ctx["id"]], causal=True)
+    assert_close_to_reference(out, lse, q, k, v, causal=True)
+    client.delete_context(ctx["id"])
+    assert client.cluster()["bytes_held"] == before
+
+
+def test_a_planned_context_that_cannot_fit_fails_at_create_and_leaves_nothing(client, server, rng):
+    k, v = kv(rng, 10)
+    before = client.cluster()["bytes_held"]
+    r = post_kv(server.url, "/v1/contexts", k, v, expected_length=10**8)  # 20 GB planned, 2 GiB per worker
+    assert r.status_code == 507 and r.json()["code"] == "insufficient_capacity", r.text
+    # The worker's own words, not the traceback Ray wraps them in.
+    assert re.fullmatch(r"the context does not fit: shard \d+ of context ctx_\S+ needs \d+ bytes, but this worker "
+                        r"holds \d+ of its 2147483648-byte budget", r.json()["detail"]), r.json()["detail"]
+    assert client.cluster()["bytes_held"] == before
+    r = post_kv(server.url, "/v1/contexts", k, v, expected_length=9)
+    assert r.status_code == 422 and "expected_length must be at least the 10 keys of this body, got 9" in r.text
+
+
+def test_an_append_after_the_wrong_length_is_409_naming_the_length_and_changes_nothing(client, server, rng):
+    k, v = kv(rng, 30)
+    ctx = client.create_context(k[:10], v[:10])
+    path = f"/v1/contexts/{ctx['id']}/append"
+    for wrong in (0, 9, 11, 20):
+        r = post_kv(server.url, path, k[10:20], v[10:20], after=wrong)
+        assert r.status_code == 409, r.text
+        assert r.json() == {"code": "length_mismatch", "detail": f"after must be the context's length 10, got {wrong}"}
+    assert post_kv(server.url, path, k[10:20], v[10:20], after=10).json()["length"] == 20
+    # The same chunk sent again (a retry whose first attempt was stored) is refused: stored once.
+    assert post_kv(server.url, path, k[10:20], v[10:20], after=10).status_code == 409
+    r = httpx.post(server.url + path, json={"k": k[20:].tolist(), "v": v[20:].tolist(), "after": 20})
+    assert r.status_code == 200 and r.json()["length"] == 30
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[ctx["id"]])
+    assert_close_to_reference(out, lse, q, k, v)
+    client.delete_context(ctx["id"])
+
+
+def test_concurrent_appends_after_the_same_length_store_exactly_one(server, client, rng):
+    k, v = kv(rng, 100)
+    ctx = client.create_context(k[:20], v[:20])
+    path = f"/v1/contexts/{ctx['id']}/append"
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        codes = list(pool.map(lambda i: post_kv(server.url, path, k[20 + 10 * i:30 + 10 * i],
+                                                v[20 + 10 * i:30 + 10 * i], after=20).status_code, range(6)))
+    assert sorted(codes) == [200] + [409] * 5  # the check runs under the context's lease
+    assert client.get_context(ctx["id"])["length"] == 30
+    client.delete_context(ctx["id"])

@@ -45,6 +45,8 @@ def test_missing_or_wrong_key_gets_401_and_probes_stay_open(tight):
         assert r.headers["www-authenticate"] == "Bearer"
     assert httpx.get(tight.url + "/v1/cluster", headers=auth()).status_code == 200
     assert httpx.get(tight.url + "/metrics").status_code == 401
+    assert httpx.get(tight.url + "/v1/limits").status_code == 401
+    assert httpx.get(tight.url + "/v1/limits", headers=auth()).json()["max_body_bytes"] == 2 * 2**30
 
 
 def test_remote_merge_tree_over_four_shards_is_exact_and_deterministic(tight):

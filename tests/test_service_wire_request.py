@@ -7,7 +7,7 @@ import pytest
 from expect import service_error
 
 from service.wire.request import Decoded, attention_request, check_finite, context_write
-from service.wire.rules import ATTENTION, CONTEXT_CREATE, RequestOptions, check_options
+from service.wire.rules import ATTENTION, CONTEXT_APPEND, CONTEXT_CREATE, RequestOptions, check_options
 from workers import BFLOAT16
 from workers.options import AttentionOptions
 
@@ -73,6 +73,21 @@ def test_a_context_write_holds_one_dtype():
     assert write.replicas == 2 and write.shards is None and write.kv.k_pos is None
     with service_error("invalid_tensor", "v must have k's dtype float16, got bfloat16"):
         context_write(Decoded({"k": t["k"], "v": t["v"].astype(BFLOAT16)}, RequestOptions()))
+
+
+def test_a_context_write_carries_expected_length_and_after():
+    t = arrays(n_k=5)
+    kv = {"k": t["k"], "v": t["v"]}
+    create = context_write(Decoded(kv, check_options({"expected_length": 5}, CONTEXT_CREATE)))
+    assert (create.expected_length, create.after) == (5, None)
+    append = context_write(Decoded(kv, check_options({"after": 0}, CONTEXT_APPEND)))
+    assert (append.expected_length, append.after) == (None, 0)
+
+
+def test_expected_length_must_cover_the_keys_of_the_body():
+    t = arrays(n_k=5)
+    with service_error("invalid_option", "expected_length must be at least the 5 keys of this body, got 4"):
+        context_write(Decoded({"k": t["k"], "v": t["v"]}, check_options({"expected_length": 4}, CONTEXT_CREATE)))
 
 
 def test_finiteness_is_checked_in_chunks_and_skips_integer_tensors(monkeypatch):

@@ -29,6 +29,17 @@ def test_limits_must_be_positive_ints(bad):
         Limits(max_dims=bad)
 
 
+def test_limits_travel_as_json_and_come_back_the_same():
+    limits = Limits(max_body_bytes=4096, max_replicas=3)
+    doc = limits.to_json()
+    assert doc["max_body_bytes"] == 4096 and doc["max_elements"] == 2**28 and len(doc) == 9
+    assert Limits.from_json(doc) == limits
+    # A newer server's extra limits are ignored; ones it does not send keep their defaults.
+    assert Limits.from_json({"max_body_bytes": 4096, "max_new_thing": 1}) == Limits(max_body_bytes=4096)
+    with pytest.raises(ValueError, match="max_body_bytes must be an int >= 1"):
+        Limits.from_json({"max_body_bytes": "4096"})
+
+
 # -- whole requests --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("names, contexts, fragments", [
@@ -105,10 +116,31 @@ def test_attention_options_are_strictly_typed_and_name_the_field(raw, fragments)
     ({"shards": "2"}, ["shards must be an int", 'got "2"']),
     ({"shards": 1025}, ["shards must be an int in [1, 1024]", "got 1025"]),
     ({"causal": True}, ["causal is not an option of context requests"]),
+    ({"expected_length": 0}, ["expected_length must be an int in [1, 2**62]", "got 0"]),
+    ({"expected_length": 2**62 + 1}, ["expected_length must be an int in [1, 2**62]"]),
+    ({"expected_length": True}, ["expected_length must be an int", "got true"]),
+    ({"expected_length": 4096.0}, ["expected_length must be an int", "got 4096.0"]),
+    ({"after": 0}, ["after is not an option of context requests"]),
 ])
 def test_context_options_are_positive_bounded_ints(raw, fragments):
     with service_error("invalid_option", *fragments):
         check_options(raw, CONTEXT_CREATE, Limits())
+
+
+@pytest.mark.parametrize("raw, fragments", [
+    ({"after": -1}, ["after must be an int in [0, 2**62]", "got -1"]),
+    ({"after": "4096"}, ["after must be an int in [0, 2**62]", 'got "4096"']),
+    ({"after": False}, ["after must be an int", "got false"]),
+    ({"expected_length": 10}, ["expected_length is not an option of append requests"]),
+])
+def test_append_options_are_a_key_count(raw, fragments):
+    with service_error("invalid_option", *fragments):
+        check_options(raw, CONTEXT_APPEND, Limits())
+
+
+def test_context_options_take_key_counts_up_to_2_62():
+    assert check_options({"expected_length": 2**62}, CONTEXT_CREATE).expected_length == 2**62
+    assert check_options({"after": 0}, CONTEXT_APPEND).after == 0
 
 
 def test_an_unknown_option_is_rejected_even_when_null():
@@ -197,6 +229,25 @@ def test_query_options_of_context_requests_are_bounded_counts(params, fragments)
 def test_query_options_of_context_requests_parse_counts():
     assert given_options(parse_query_options({"replicas": "2", "shards": "16"}, CONTEXT_CREATE)) == \
         {"replicas": 2, "shards": 16}
+    assert given_options(parse_query_options({"expected_length": "1048576"}, CONTEXT_CREATE)) == \
+        {"expected_length": 1048576}
+    assert given_options(parse_query_options({"after": "0"}, CONTEXT_APPEND)) == {"after": 0}
+    assert given_options(parse_query_options({"after": "8192"}, CONTEXT_APPEND)) == {"after": 8192}
+
+
+@pytest.mark.parametrize("params, kind, fragments", [
+    ({"expected_length": "0"}, CONTEXT_CREATE, ["expected_length must be an int in [1, 2**62]", "got 0"]),
+    ({"expected_length": "01"}, CONTEXT_CREATE, ["expected_length must be an int >= 1 in decimal", 'got "01"']),
+    ({"expected_length": "1e6"}, CONTEXT_CREATE, ["expected_length must be an int >= 1 in decimal"]),
+    ({"expected_length": "9" * 20}, CONTEXT_CREATE, ["expected_length must be an int >= 1 in decimal"]),
+    ({"expected_length": str(2**62 + 1)}, CONTEXT_CREATE, ["expected_length must be an int in [1, 2**62]"]),
+    ({"after": "-1"}, CONTEXT_APPEND, ["after must be an int >= 0 in decimal", 'got "-1"']),
+    ({"after": ""}, CONTEXT_APPEND, ["after must be an int >= 0 in decimal", 'got ""']),
+    ({"after": "1"}, CONTEXT_CREATE, ["query parameters of context requests must be among", 'got "after"']),
+])
+def test_query_key_counts_are_decimal_ints_in_range(params, kind, fragments):
+    with service_error("invalid_option", *fragments):
+        parse_query_options(params, kind)
 
 
 class MultiDict:
@@ -238,12 +289,14 @@ def test_an_int_option_beyond_float64_is_422(name):
         check_options({name: 10**400}, ATTENTION, Limits())
 
 
-QUERY_NAMES = st.sampled_from(["scale", "causal", "window", "softcap", "contexts", "replicas", "shards", "x"])
+QUERY_NAMES = st.sampled_from(["scale", "causal", "window", "softcap", "contexts", "replicas", "shards",
+                               "expected_length", "after", "x"])
 QUERY_TEXT = st.text(alphabet="0123456789,.-+eE_ abtrufalsnixNI", max_size=12)
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.lists(st.tuples(QUERY_NAMES, QUERY_TEXT), max_size=4), st.sampled_from([ATTENTION, CONTEXT_CREATE]))
+@given(st.lists(st.tuples(QUERY_NAMES, QUERY_TEXT), max_size=4),
+       st.sampled_from([ATTENTION, CONTEXT_CREATE, CONTEXT_APPEND]))
 def test_random_query_parameters_only_ever_raise_service_error(pairs, kind):
     try:
         parse_query_options(pairs, kind)

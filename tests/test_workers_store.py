@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 from reference import contract_layout
 
+from workers.layout import bytes_per_key, padded_capacity
 from workers.store import CapacityError, ShardMissing, ShardStore
 from workers.tasks import ShardWrite
 
@@ -60,3 +61,28 @@ def test_drop_frees_the_memory():
         st.create(ShardWrite("c", i, "float32", 100, np.arange(100)), k, v, context={})
     assert st.drop("c", 1) == 1 and len(st.held()) == 2
     assert st.drop("c") == 2 and st.used == 0
+
+
+def test_a_reserved_shard_is_allocated_and_charged_once_and_never_grows():
+    bpk = bytes_per_key(2, 8, 4, np.float32)
+    st = ShardStore(budget_bytes=padded_capacity(1000) * bpk)
+    k, v = kv(1000)
+    st.create(ShardWrite("c", 0, "float32", 1000, np.arange(10), reserve=1000), k[:10], v[:10], context={})
+    assert st.used == padded_capacity(1000) * bpk  # the whole capacity, charged now
+    arrays = st.view("c", 0, 10).kt.base
+    for lo in range(10, 1000, 330):
+        hi = min(lo + 330, 1000)
+        st.append(ShardWrite("c", 0, "float32", 1000, np.arange(lo, hi)), k[lo:hi], v[lo:hi], committed=lo)
+    assert st.used == padded_capacity(1000) * bpk
+    assert st.view("c", 0, 1000).kt.base is arrays, "the shard must fill its first arrays, not copy into larger ones"
+    got_k, got_v = contract_layout(st.view("c", 0, 1000))
+    np.testing.assert_array_equal(got_k, k)
+    np.testing.assert_array_equal(got_v, v)
+
+
+def test_a_reserve_over_the_budget_fails_at_create_though_the_keys_fit():
+    st = ShardStore(budget_bytes=100_000)
+    k, v = kv(10)
+    with pytest.raises(CapacityError, match="budget"):
+        st.create(ShardWrite("c", 0, "float32", 10**6, np.arange(10), reserve=10**6), k, v, context={})
+    assert st.held() == [] and st.used == 0

@@ -66,7 +66,12 @@ class ShardStore:
             )
 
     def create(self, write: ShardWrite, k: Any, v: Any, *, context: dict) -> ShardInfo:
-        """A new shard holding ``k``, ``v`` at ``write.k_pos``; ``context`` is the record to remember."""
+        """A new shard holding ``k``, ``v`` at ``write.k_pos``; ``context`` is the record to remember.
+
+        It is allocated for ``write.reserve`` keys when that is more than ``k`` holds,
+        so appends up to it neither grow nor copy the shard, and the budget is
+        charged for all of it now.
+        """
         context_id, index = write.context_id, write.index
         key = (context_id, index)
         if key in self._shards:
@@ -74,8 +79,10 @@ class ShardStore:
         dt = dtype_of(write.dtype)
         n, h_kv, d = (int(s) for s in k.shape)
         d_v = int(v.shape[2])
-        self._reserve(padded_capacity(n) * bytes_per_key(h_kv, d, d_v, dt), f"shard {index} of context {context_id}")
-        kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=n)
+        capacity = max(n, write.reserve)
+        self._reserve(padded_capacity(capacity) * bytes_per_key(h_kv, d, d_v, dt),
+                      f"shard {index} of context {context_id}")
+        kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity)
         kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos), max_capacity=write.max_capacity)
         self._shards[key] = kv
         self.note_context(context_id, context)

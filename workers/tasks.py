@@ -40,6 +40,7 @@ class ShardWrite:
     dtype: str  # the stored dtype's public name (workers.dtypes.DTYPES)
     max_capacity: int  # keys the shard may grow to
     k_pos: Any  # [n] int64 numpy array
+    reserve: int = 0  # keys to allocate (and count against the budget) when the shard is created; 0: the keys written
 
 
 @dataclass(frozen=True)
@@ -47,5 +48,6 @@ class ComputeStatus:
     """What a worker reports with each computed state (the state itself may stay in the object store)."""
 
     worker: str
-    seconds: float
+    seconds: float  #: of the pass that computed it (shared by the whole batch)
     nbytes: int
+    batch: int = 1  #: requests that shared the pass over the keys

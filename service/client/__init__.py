@@ -4,6 +4,7 @@ Imports only ``service.wire`` (the body formats) from the service: no Ray, no
 FastAPI, nothing of the server.
 """
 
-from service.client.sync import Client, SplitkeyError
+from service.client.errors import SplitkeyError, UploadError
+from service.client.sync import Client
 
-__all__ = ["Client", "SplitkeyError"]
+__all__ = ["Client", "SplitkeyError", "UploadError"]

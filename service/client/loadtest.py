@@ -1,9 +1,10 @@
 """``splitkey loadtest``: decode load against a running service over long contexts.
 
-Stores one context of ``--n-k`` keys (or sends them inline with ``--mode
-inline``), then for each concurrency level runs closed-loop clients (one
-``Client`` per thread) for a bounded number of requests and a bounded time,
-and reports latency percentiles and throughput. ``--check`` compares one answer
+Stores one context of ``--n-k`` keys (uploaded in chunks, with a progress line on
+stderr when it takes several; or sends them inline with ``--mode inline``), then
+for each concurrency level runs closed-loop clients (one ``Client`` per thread) for
+a bounded number of requests and a bounded time, and reports latency percentiles
+and throughput. ``--check`` compares one answer
 with an in-process float64 computation and fails the run (exit 1) past
 ``--tolerance``, so a fast wrong service cannot pass.
 Loopback or your own hosts only: it stops by itself.
@@ -19,16 +20,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TextIO
 
 import numpy as np
 
-from service.client.sync import Client, SplitkeyError
+from service.client.errors import SplitkeyError, UploadError
+from service.client.sync import Client
 from workers.dtypes import DTYPES
 
 #: Largest |out - float64 reference| ``--check`` accepts by default: the service
 #: accumulates in float32 over inputs the reference reads exactly, so its error is
 #: rounding of order 1e-6 for outputs of order 1.
 CHECK_TOLERANCE = 1e-4
+#: Keys generated at a time: K and V are drawn in float32 and cast chunk by chunk, so no
+#: float32 copy of the whole context is ever made.
+GENERATE_KEYS = 65536
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +70,55 @@ class Level:
     p90_ms: float
     p99_ms: float
     per_second: float
+
+
+def random_kv(rng: np.random.Generator, n: int, h: int, d: int, dtype: np.dtype) -> np.ndarray:
+    """``[n, h, d]`` standard normals in ``dtype`` (the same values as one float32 draw cast at once)."""
+    out = np.empty((n, h, d), dtype)
+    for lo in range(0, n, GENERATE_KEYS):
+        hi = min(lo + GENERATE_KEYS, n)
+        out[lo:hi] = rng.standard_normal((hi - lo, h, d), dtype=np.float32)
+    return out
+
+
+class UploadProgress:
+    """``progress(done, total)`` of an upload, on ``stream`` (default stderr): percent, keys and GB/s.
+
+    On a terminal one line rewrites itself; otherwise a line is written each time
+    another tenth is done. An upload done in one chunk writes nothing.
+    """
+
+    def __init__(self, key_bytes: int, stream: TextIO | None = None) -> None:
+        self.key_bytes = key_bytes
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = self.stream.isatty()
+        self.t0 = time.perf_counter()
+        self.calls = 0
+        self.tenths = 0  # tenths written so far (not on a terminal)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.calls += 1
+        if self.calls == 1 and done >= total:
+            return
+        seconds = max(time.perf_counter() - self.t0, 1e-9)
+        line = (f"upload {100 * done / total:5.1f}%  {done}/{total} keys  "
+                f"{done * self.key_bytes / seconds / 1e9:.2f} GB/s")
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if done >= total else ""))
+        elif 10 * done // total > self.tenths:
+            self.tenths = 10 * done // total
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def upload_failed(exc: SplitkeyError, dtype: str) -> str:
+    """What to tell the user when the upload of a ``dtype`` context stopped."""
+    hint = ""
+    if exc.status == 507:
+        smaller = "--dtype bfloat16 (half the bytes of float32), " if DTYPES[dtype].itemsize > 2 else ""
+        hint = (f"; the workers' memory cannot hold the context: try {smaller}fewer keys (--n-k), or a server "
+                "with more workers or a larger --worker-memory-bytes")
+    return f"splitkey loadtest: the context upload failed: {exc}{hint}"
 
 
 def run_level(make_client: Callable[[], Client], request: Callable[[Client], object], concurrency: int,
@@ -126,8 +181,8 @@ def main(args: argparse.Namespace) -> int:
     key = pathlib.Path(args.api_key_file).read_text().strip() if args.api_key_file else None
     rng = np.random.default_rng(args.seed)
     dt = DTYPES[args.dtype]
-    k = rng.standard_normal((args.n_k, args.h_kv, args.d), dtype=np.float32).astype(dt)
-    v = rng.standard_normal((args.n_k, args.h_kv, args.d), dtype=np.float32).astype(dt)
+    k = random_kv(rng, args.n_k, args.h_kv, args.d, dt)
+    v = random_kv(rng, args.n_k, args.h_kv, args.d, dt)
     q = rng.standard_normal((args.n_q, args.h_q, args.d), dtype=np.float32).astype(dt)
 
     def make_client() -> Client:
@@ -138,7 +193,13 @@ def main(args: argparse.Namespace) -> int:
     check_error = None
     try:
         if args.mode == "context":
-            ctx_id = admin.create_context(k, v, replicas=args.replicas)["id"]
+            try:
+                ctx_id = admin.create_context(k, v, replicas=args.replicas,
+                                              progress=UploadProgress(k[:1].nbytes + v[:1].nbytes))["id"]
+            except UploadError as exc:
+                ctx_id = exc.context_id  # deleted below: a prefix of the keys
+                print(upload_failed(exc, args.dtype), file=sys.stderr)
+                return 1
 
             def request(c: Client) -> None:
                 c.attention(q, contexts=[ctx_id])

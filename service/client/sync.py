@@ -5,6 +5,9 @@ Built on ``http.client``: it sends a body as the list of buffers that
 the tensors) with a Content-Length, which is as fast as curl here. One
 ``Client`` holds one keep-alive connection: use one per thread.
 
+Contexts of any length are uploaded in chunks under the server's limits
+(``service.client.upload``; docs/CONTEXTS.md, "Uploading long contexts").
+
     >>> c = Client("http://127.0.0.1:8000")
     >>> out, lse = c.attention(q, k, v, causal=True)
 """
@@ -13,23 +16,31 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from service.client.errors import SplitkeyError, UploadError
+from service.client.upload import (
+    ATTEMPT_ERRORS,
+    TRANSPORT_ERRORS,
+    Progress,
+    Upload,
+    chunk_bounds,
+    chunk_keys,
+    is_length_mismatch,
+    retry_delay,
+)
+from service.wire.rules import DEFAULT_LIMITS, Limits
 from service.wire.safetensors import decode_safetensors, encode_safetensors
 
+__all__ = ["BINARY", "Client", "SplitkeyError", "UploadError"]
+
 BINARY = "application/octet-stream"
-
-
-class SplitkeyError(Exception):
-    """An error answer of the service: HTTP ``status``, contract ``code`` and ``detail``."""
-
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(f"{status} {code}: {detail}")
-        self.status, self.code, self.detail = status, code, detail
+CREATE = "/v1/contexts"
 
 
 def _query(options: Mapping[str, Any]) -> str:
@@ -60,6 +71,7 @@ class Client:
         self.api_key = api_key
         self.timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
+        self._limits: Limits | None = None
 
     # -- attention ---------------------------------------------------------------
     def attention(self, q: Any, k: Any = None, v: Any = None, contexts: Sequence[str] | None = None, *,
@@ -76,12 +88,49 @@ class Client:
 
     # -- contexts ----------------------------------------------------------------
     def create_context(self, k: Any, v: Any, k_pos: Any = None, *, replicas: int | None = None,
-                       shards: int | None = None) -> dict:
-        query = _query({"replicas": replicas, "shards": shards})
-        return json.loads(self._request("POST", "/v1/contexts", query, {"k": k, "v": v, "k_pos": k_pos}))
+                       shards: int | None = None, chunk_keys: int | None = None, progress: Progress | None = None,
+                       retries: int = 3) -> dict:
+        """Store ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]`` (any ``n_k``) as a new context; its description.
 
-    def append(self, context_id: str, k: Any, v: Any, k_pos: Any = None) -> dict:
-        return json.loads(self._request("POST", f"/v1/contexts/{context_id}/append", "", {"k": k, "v": v, "k_pos": k_pos}))
+        Sent in chunks of ``chunk_keys`` keys (default: from the server's limits,
+        :meth:`limits`). One chunk is one ``POST /v1/contexts``; with more, the first
+        creates the context with ``expected_length = n_k`` and the others are appends
+        with ``after``. ``progress(done, total)`` is called after each committed chunk;
+        a chunk that fails with 429, 503, 504 or a lost connection is sent again up to
+        ``retries`` times. Raises :class:`UploadError`, which says which keys are stored.
+        """
+        k, v, k_pos = _arrays(k, v, k_pos)
+        upload = Upload(total=_keys(k), progress=progress, retries=retries)
+        bounds = self._chunk_bounds(upload, k, v, k_pos, chunk_keys)
+        chunks = _chunks(k, v, k_pos, bounds)
+        first, tensors = next(chunks)
+        options = {"replicas": replicas, "shards": shards,
+                   "expected_length": upload.total if len(bounds) > 1 else None}
+        desc = self._send(upload, CREATE, _query(options), tensors)
+        upload.context_id = desc["id"]
+        upload.commit(first)
+        return self._append_chunks(upload, chunks, base=0) or desc
+
+    def append(self, context_id: str, k: Any, v: Any, k_pos: Any = None, *, chunk_keys: int | None = None,
+               progress: Progress | None = None, retries: int = 3) -> dict:
+        """Append ``k``, ``v`` (any ``n_k``) to a context; its new description.
+
+        Chunked as :meth:`create_context`: one chunk is one append as it always was;
+        with more, each is an append with ``after`` (the context's length before it),
+        so a chunk sent again is stored once. Raises :class:`UploadError`.
+        """
+        k, v, k_pos = _arrays(k, v, k_pos)
+        upload = Upload(total=_keys(k), progress=progress, retries=retries, context_id=context_id)
+        bounds = self._chunk_bounds(upload, k, v, k_pos, chunk_keys)
+        if len(bounds) == 1:  # one append without ``after``, as ever: sent again only when surely not stored
+            desc = self._send(upload, self._append_path(context_id), "", {"k": k, "v": v, "k_pos": k_pos})
+            upload.commit(upload.total)
+            return desc
+        try:
+            base = int(self.get_context(context_id)["length"])
+        except ATTEMPT_ERRORS as exc:
+            raise upload.stopped(exc) from exc
+        return self._append_chunks(upload, _chunks(k, v, k_pos, bounds), base=base)
 
     def get_context(self, context_id: str) -> dict:
         return json.loads(self._request("GET", f"/v1/contexts/{context_id}"))
@@ -95,6 +144,20 @@ class Client:
     def cluster(self) -> dict:
         return json.loads(self._request("GET", "/v1/cluster"))
 
+    def limits(self) -> Limits:
+        """The request limits the server enforces (``GET /v1/limits``), fetched once per client.
+
+        A server without the route (404 without a code) has the defaults.
+        """
+        if self._limits is None:
+            try:
+                self._limits = Limits.from_json(json.loads(self._request("GET", "/v1/limits")))
+            except SplitkeyError as exc:
+                if exc.status != 404 or exc.code:
+                    raise
+                self._limits = DEFAULT_LIMITS
+        return self._limits
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
@@ -106,6 +169,71 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- uploads -----------------------------------------------------------------
+    @staticmethod
+    def _append_path(context_id: str) -> str:
+        return f"{CREATE}/{context_id}/append"
+
+    def _chunk_bounds(self, upload: Upload, k: np.ndarray, v: np.ndarray, k_pos: np.ndarray | None,
+                      requested: int | None) -> list[tuple[int, int]]:
+        """``[lo, hi)`` of each chunk; k, v and k_pos must agree on ``n_k`` when there are several."""
+        try:
+            limits = self.limits()
+        except ATTEMPT_ERRORS as exc:
+            raise upload.stopped(exc) from exc
+        n = _keys(k)
+        bounds = chunk_bounds(n, chunk_keys(limits, k, v, k_pos, requested))
+        if len(bounds) > 1:
+            for name, a in (("v", v), ("k_pos", k_pos)):
+                if a is not None and _keys(a) != n:
+                    raise ValueError(f"{name} must have the n_k = {n} keys of k, got {_keys(a)}")
+        return bounds
+
+    def _append_chunks(self, upload: Upload, chunks: Iterator[tuple[int, dict[str, Any]]], base: int) -> dict:
+        """Append each chunk after the ``base + upload.committed`` keys stored; the last description ({} if none)."""
+        desc: dict = {}
+        path = self._append_path(str(upload.context_id))
+        for keys, tensors in chunks:
+            after = base + upload.committed
+            desc = self._send(upload, path, _query({"after": after}), tensors, after=after, keys=keys)
+            upload.commit(keys)
+        return desc
+
+    def _send(self, upload: Upload, path: str, query: str, tensors: Mapping[str, Any], *,
+              after: int | None = None, keys: int = 0) -> dict:
+        """One chunk: sent, and sent again (at most ``upload.retries`` times) after a retryable failure.
+
+        A chunk that carries ``after`` and is answered 409 ``length_mismatch`` on a
+        later attempt was stored by an earlier one when the context now holds
+        ``after + keys`` keys (so such a chunk is never sent again behind the loop's
+        back). A lost connection is retried only for creates and for chunks with
+        ``after``: a plain append might be stored twice.
+        """
+        resendable = after is not None or path == CREATE
+        attempt = 0
+        while True:
+            try:
+                return json.loads(self._request("POST", path, query, tensors, resend=after is None))
+            except ATTEMPT_ERRORS as exc:
+                if attempt and after is not None and is_length_mismatch(exc):
+                    stored = self._holding(str(upload.context_id), after + keys)
+                    if stored is not None:
+                        return stored
+                may_resend = resendable or not isinstance(exc, TRANSPORT_ERRORS)
+                delay = retry_delay(exc, attempt) if attempt < upload.retries and may_resend else None
+                if delay is None:
+                    raise upload.stopped(exc) from exc
+            time.sleep(delay)
+            attempt += 1
+
+    def _holding(self, context_id: str, length: int) -> dict | None:
+        """The context's description if it holds exactly ``length`` keys, else None (also if it cannot be read)."""
+        try:
+            desc = self.get_context(context_id)
+        except ATTEMPT_ERRORS:
+            return None
+        return desc if desc["length"] == length else None
+
     # -- transport ---------------------------------------------------------------
     def _connection(self) -> http.client.HTTPConnection:
         if self._conn is None:
@@ -113,7 +241,13 @@ class Client:
             self._conn = cls(self.host, self.port, timeout=self.timeout)
         return self._conn
 
-    def _request(self, method: str, path: str, query: str = "", tensors: Mapping[str, Any] | None = None) -> bytes:
+    def _request(self, method: str, path: str, query: str = "", tensors: Mapping[str, Any] | None = None, *,
+                 resend: bool = True) -> bytes:
+        """The answer's body; an error answer raises :class:`SplitkeyError`.
+
+        ``resend``: send once more on a fresh connection when the keep-alive one turns
+        out closed (the server closed it while idle); a lost connection otherwise raises.
+        """
         headers = {"Accept": BINARY + ", application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -134,12 +268,40 @@ class Client:
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
                 # A keep-alive connection the server closed while idle: reconnect once.
                 self.close()
-                if attempt:
+                if attempt or not resend:
                     raise
+            except TRANSPORT_ERRORS:
+                self.close()  # in no known state: the next request starts a fresh one
+                raise
         if resp.status >= 400:
-            try:
-                err = json.loads(data)
-                raise SplitkeyError(resp.status, err.get("code", ""), err.get("detail", ""))
-            except (ValueError, AttributeError):
-                raise SplitkeyError(resp.status, "", data[:200].decode(errors="replace")) from None
+            raise _error(resp.status, data, resp.getheader("Retry-After"))
         return data
+
+
+def _error(status: int, data: bytes, retry_after: str | None) -> SplitkeyError:
+    """The error an answer of ``status`` with body ``data`` stands for."""
+    wait = float(retry_after) if retry_after is not None and retry_after.strip().isdigit() else None
+    try:
+        err = json.loads(data)
+        return SplitkeyError(status, str(err.get("code", "")), str(err.get("detail", "")), wait)
+    except (ValueError, AttributeError):
+        return SplitkeyError(status, "", data[:200].decode(errors="replace"), wait)
+
+
+def _arrays(k: Any, v: Any, k_pos: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return np.asarray(k), np.asarray(v), None if k_pos is None else np.asarray(k_pos)
+
+
+def _keys(a: np.ndarray) -> int:
+    """``n_k`` of an array whose first axis is the keys (0 for a scalar: the server judges its rank)."""
+    return int(a.shape[0]) if a.ndim else 0
+
+
+def _chunks(k: np.ndarray, v: np.ndarray, k_pos: np.ndarray | None,
+            bounds: list[tuple[int, int]]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(keys, tensors)`` of each chunk: views of the arrays (the arrays themselves when there is one)."""
+    if len(bounds) == 1:
+        yield _keys(k), {"k": k, "v": v, "k_pos": k_pos}
+        return
+    for lo, hi in bounds:
+        yield hi - lo, {"k": k[lo:hi], "v": v[lo:hi], "k_pos": None if k_pos is None else k_pos[lo:hi]}

@@ -3,10 +3,12 @@
 A record is plain JSON-like data (it travels to the directory actor and to every
 worker holding a shard, which keeps it for a directory rebuild), typed here:
 
-    {"id", "h_kv", "d", "d_v", "dtype", "replicas", "shard_capacity", "next_pos",
-     "version", "shards": [{"index", "length", "workers": [worker names]}]}
+    {"id", "h_kv", "d", "d_v", "dtype", "replicas", "shard_capacity", "expected_length",
+     "next_pos", "version", "shards": [{"index", "length", "workers": [worker names]}]}
 
-``length`` is the committed length: queries read only that prefix of a shard.
+``length`` is the committed length: queries read only that prefix of a shard. A
+context created with ``expected_length`` has every shard of its plan from the start,
+each allocated for ``shard_capacity`` keys; the ones no key has reached yet are empty.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class ContextRecord(TypedDict):
     dtype: str  #: public dtype name (workers.dtypes.DTYPES)
     replicas: int
     shard_capacity: int  #: keys a shard holds before a new one opens
+    expected_length: int | None  #: keys the context was planned for at create (None: sized for its first body)
     next_pos: int  #: where default positions of appended keys start
     version: int  #: bumped by every commit; the newest wins a directory rebuild
     shards: list[ShardEntry]
@@ -47,11 +50,16 @@ def key_bytes(record: ContextRecord) -> int:
     return bytes_per_key(record["h_kv"], record["d"], record["d_v"], dtype_of(record["dtype"]))
 
 
+def length(record: ContextRecord) -> int:
+    """Keys the context holds (committed)."""
+    return sum(s["length"] for s in record["shards"])
+
+
 def describe(record: ContextRecord) -> dict:
-    """The public description of a context (docs/API.md section 6)."""
+    """The public description of a context (docs/API.md section 6.5)."""
     return {
         "id": record["id"],
-        "length": sum(s["length"] for s in record["shards"]),
+        "length": length(record),
         "h_kv": record["h_kv"],
         "d": record["d"],
         "d_v": record["d_v"],
@@ -60,4 +68,5 @@ def describe(record: ContextRecord) -> dict:
         "replicas": record["replicas"],
         "next_pos": record["next_pos"],
         "shard_lengths": [s["length"] for s in record["shards"]],
+        "expected_length": record.get("expected_length"),
     }

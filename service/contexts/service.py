@@ -23,13 +23,14 @@ from service.cluster.orchestrator import Job, shard_bounds
 from service.cluster.pool import ResidentWork, WorkerPool
 from service.contexts.directory import Directory
 from service.contexts.placement import WorkerLoad, place
-from service.contexts.records import ContextRecord, ShardEntry, describe, key_bytes, new_context_id
+from service.contexts.records import ContextRecord, ShardEntry, describe, key_bytes, length, new_context_id
 from service.errors import (
     ContextLost,
     ContextNotFound,
     InsufficientCapacity,
     InvalidOption,
     InvalidTensor,
+    LengthMismatch,
     WorkersUnavailable,
 )
 from service.settings import ServiceSettings
@@ -76,6 +77,58 @@ class Resolved:
                     candidates=tuple(pool.indexes(shard["workers"])),
                     label=f"shard {shard['index']} of context {rec['id']}")
                 for rec in self.records for shard in rec["shards"] if shard["length"]]
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How a new context is cut: its shards, their capacity, and where the first body's keys go."""
+
+    capacity: int  #: keys each shard holds before a new one opens
+    bounds: list[tuple[int, int]]  #: the first body's keys ``[lo, hi)`` in each shard, in order
+    reserve: int  #: keys each shard is allocated for at once (0: only those written; it grows)
+
+    @property
+    def sizes(self) -> list[int]:
+        """What placement balances: each shard's keys when it grows, else its whole allocation."""
+        return [self.reserve or hi - lo for lo, hi in self.bounds]
+
+
+def plan_shards(write: ContextWrite, live: int, shard_keys: int) -> ShardPlan:
+    """The shards of a new context (docs/API.md section 6.3).
+
+    Without ``expected_length`` the body is cut into balanced shards that grow as keys
+    are appended. With it, the shard count and capacity are computed for the total, the
+    body fills the shards in order, and every shard is allocated for its capacity now:
+    the appends that follow fill them and open new ones at that same capacity, a
+    context that cannot fit fails here, and no shard is ever copied into a larger array.
+    """
+    n = write.kv.dims.n_k
+    total = n if write.expected_length is None else write.expected_length
+    n_shards = write.shards if write.shards is not None else max(1, min(live, -(-total // shard_keys)))
+    if n_shards > max(total, 1):
+        raise InvalidOption(f"shards must be in [1, {max(total, 1)}] (one key at least each), got {n_shards}")
+    capacity = max(-(-total // n_shards), shard_keys)
+    if write.expected_length is None:
+        return ShardPlan(capacity, shard_bounds(n, n_shards), reserve=0)
+    bounds = [(min(i * capacity, n), min((i + 1) * capacity, n)) for i in range(n_shards)]
+    return ShardPlan(capacity, bounds, reserve=capacity)
+
+
+def reserve_of(record: ContextRecord) -> int:
+    """Keys a new shard of the context is allocated for at once (0: it grows as keys come)."""
+    return record["shard_capacity"] if record.get("expected_length") is not None else 0
+
+
+def open_shards(shards: list[ShardEntry]) -> list[ShardEntry]:
+    """The shards an append fills, in order: the last one holding keys, then the empty ones planned after it."""
+    holding = [i for i, s in enumerate(shards) if s["length"]]
+    return shards[holding[-1] if holding else 0:]
+
+
+def worker_message(exc: BaseException) -> str:
+    """The message a worker raised: Ray hands its exception over as the ``cause`` of an error that
+    is also an instance of its class, whose own text is the worker's traceback."""
+    return str(getattr(exc, "cause", exc))
 
 
 @dataclass(frozen=True)
@@ -132,22 +185,18 @@ class ContextService:
         if not 1 <= replicas <= min(live, self.settings.max_replicas):
             raise InvalidOption(f"replicas must be in [1, {min(live, self.settings.max_replicas)}] "
                                 f"(live workers), got {replicas}")
-        n_shards = write.shards if write.shards is not None else \
-            max(1, min(live, -(-n // self.settings.context_shard_keys)))
-        if n_shards > max(n, 1):
-            raise InvalidOption(f"shards must be in [1, {max(n, 1)}] (one key at least each), got {n_shards}")
-        capacity = max(-(-n // n_shards), self.settings.context_shard_keys)
+        plan = plan_shards(write, live, self.settings.context_shard_keys)
         record: ContextRecord = {
             "id": new_context_id(), "h_kv": dims.h_kv, "d": dims.d, "d_v": dims.d_v, "dtype": dtype_name(kv.k.dtype),
-            "replicas": replicas, "shard_capacity": capacity, "next_pos": int(np.max(k_pos)) + 1 if n else 0,
-            "version": 1, "shards": []}
-        bounds = shard_bounds(n, n_shards)
-        placement = await self._place([hi - lo for lo, hi in bounds], record)
+            "replicas": replicas, "shard_capacity": plan.capacity, "expected_length": write.expected_length,
+            "next_pos": int(np.max(k_pos)) + 1 if n else 0, "version": 1, "shards": []}
+        bounds = plan.bounds
+        placement = await self._place(plan.sizes, record)
         parts = await self.pool.put(*(a for lo, hi in bounds for a in (kv.k[lo:hi], kv.v[lo:hi])))
         writes: list[Awaitable[Any]] = []
         for i, (lo, hi) in enumerate(bounds):
             record["shards"].append({"index": i, "length": hi - lo, "workers": self.pool.names(placement[i])})
-            shard = ShardWrite(record["id"], i, record["dtype"], capacity, k_pos[lo:hi])
+            shard = ShardWrite(record["id"], i, record["dtype"], plan.capacity, k_pos[lo:hi], reserve=plan.reserve)
             writes += [self.pool.create_shard(w, shard, parts[2 * i], parts[2 * i + 1], record) for w in placement[i]]
         try:
             await self._write_all(writes)
@@ -161,6 +210,8 @@ class ContextService:
         owner = await self._acquire(ctx_id)
         try:
             old = await self._record(ctx_id)
+            if write.after is not None and write.after != length(old):
+                raise LengthMismatch(f"after must be the context's length {length(old)}, got {write.after}")
             kv = write.kv
             if dtype_name(kv.k.dtype) != old["dtype"]:
                 raise InvalidTensor(f"k must have the context's dtype {old['dtype']}, got {kv.k.dtype}")
@@ -173,7 +224,7 @@ class ContextService:
             new["version"] += 1
             if n:
                 new["next_pos"] = max(old["next_pos"], int(np.max(k_pos)) + 1)
-            writes, undo, taken = await self._fill_last_shard(new, kv, k_pos)
+            writes, undo, taken = await self._fill_open_shards(new, kv, k_pos)
             more_writes, more_undo = await self._open_shards(new, kv, k_pos, taken)
             try:
                 await self._write_all(writes + more_writes)
@@ -195,24 +246,33 @@ class ContextService:
         return describe(rec)
 
     # -- the parts of an append ---------------------------------------------------
-    async def _fill_last_shard(self, new: ContextRecord, kv: InlineKV,
-                               k_pos: np.ndarray) -> tuple[list[Awaitable[Any]], list[Undo], int]:
-        """Append to the last shard while it has room; updates ``new``; returns its writes and the keys taken."""
-        last = new["shards"][-1] if new["shards"] else None
-        cap, n = new["shard_capacity"], kv.dims.n_k
-        if last is None or last["length"] >= cap or not n:
-            return [], [], 0
-        take = min(cap - last["length"], n)
-        holders = self.pool.indexes(last["workers"], alive=True)
+    async def _fill_open_shards(self, new: ContextRecord, kv: InlineKV,
+                                k_pos: np.ndarray) -> tuple[list[Awaitable[Any]], list[Undo], int]:
+        """Append to the open shards (:func:`open_shards`) while they have room; updates ``new``;
+        returns their writes, their undos and the keys taken."""
+        writes: list[Awaitable[Any]] = []
+        undo: list[Undo] = []
+        taken = 0
+        for entry in open_shards(new["shards"]):
+            take = min(new["shard_capacity"] - entry["length"], kv.dims.n_k - taken)
+            if take > 0:
+                more_writes, more_undo = await self._fill(new, entry, kv, k_pos, taken, take)
+                writes, undo, taken = writes + more_writes, undo + more_undo, taken + take
+        return writes, undo, taken
+
+    async def _fill(self, new: ContextRecord, entry: ShardEntry, kv: InlineKV, k_pos: np.ndarray, lo: int,
+                    take: int) -> tuple[list[Awaitable[Any]], list[Undo]]:
+        """Append keys ``[lo, lo + take)`` of the write to shard ``entry`` of ``new`` (updated)."""
+        holders = self.pool.indexes(entry["workers"], alive=True)
         if not holders:
-            raise ContextLost(f"shard {last['index']} of context {new['id']} has no live replica left")
-        last["workers"] = self.pool.names(holders)
-        k_ref, v_ref = await self.pool.put(kv.k[:take], kv.v[:take])
-        shard = ShardWrite(new["id"], last["index"], new["dtype"], cap, k_pos[:take])
-        writes = [self.pool.append_shard(w, shard, k_ref, v_ref, last["length"]) for w in holders]
-        undo = [Undo(w, new["id"], last["index"], last["length"]) for w in holders]
-        last["length"] += take
-        return writes, undo, take
+            raise ContextLost(f"shard {entry['index']} of context {new['id']} has no live replica left")
+        entry["workers"] = self.pool.names(holders)
+        k_ref, v_ref = await self.pool.put(kv.k[lo:lo + take], kv.v[lo:lo + take])
+        shard = ShardWrite(new["id"], entry["index"], new["dtype"], new["shard_capacity"], k_pos[lo:lo + take])
+        writes = [self.pool.append_shard(w, shard, k_ref, v_ref, entry["length"]) for w in holders]
+        undo = [Undo(w, new["id"], entry["index"], entry["length"]) for w in holders]
+        entry["length"] += take
+        return writes, undo
 
     async def _open_shards(self, new: ContextRecord, kv: InlineKV, k_pos: np.ndarray,
                            start: int) -> tuple[list[Awaitable[Any]], list[Undo]]:
@@ -221,7 +281,8 @@ class ContextService:
         sizes = [min(cap, rest - i) for i in range(0, rest, cap)]
         if not sizes:
             return [], []
-        placement = await self._place(sizes, new)
+        reserve = reserve_of(new)
+        placement = await self._place([reserve or size for size in sizes], new)
         starts = [start + sum(sizes[:i]) for i in range(len(sizes))]
         parts = await self.pool.put(*(a for lo, size in zip(starts, sizes) for a in (kv.k[lo:lo + size],
                                                                                     kv.v[lo:lo + size])))
@@ -231,7 +292,7 @@ class ContextService:
             idx = len(new["shards"])
             entry: ShardEntry = {"index": idx, "length": size, "workers": self.pool.names(workers)}
             new["shards"].append(entry)
-            shard = ShardWrite(new["id"], idx, new["dtype"], cap, k_pos[lo:lo + size])
+            shard = ShardWrite(new["id"], idx, new["dtype"], cap, k_pos[lo:lo + size], reserve=reserve)
             writes += [self.pool.create_shard(w, shard, parts[2 * i], parts[2 * i + 1], new) for w in workers]
             undo += [Undo(w, new["id"], idx, None) for w in workers]
         return writes, undo
@@ -267,9 +328,9 @@ class ContextService:
         results = await asyncio.gather(*writes, return_exceptions=True)
         for res in results:
             if isinstance(res, CapacityError):
-                raise InsufficientCapacity(f"the context does not fit: {res}")
+                raise InsufficientCapacity(f"the context does not fit: {worker_message(res)}")
             if isinstance(res, ShardMissing):
-                raise ContextLost(f"a replica was lost during the write: {res}")
+                raise ContextLost(f"a replica was lost during the write: {worker_message(res)}")
             if isinstance(res, BaseException):
                 raise res
 

@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from service.errors import ContextNotFound, error_responses
 from service.routes.common import app_state, body_limit, decode_body, off_loop, read_body, runtime, to_completion
 from service.runtime import AppState
-from service.wire.json_codec import ContextAppendRequestModel, ContextCreateRequestModel
+from service.wire.json_codec import ContextAppendRequestModel, ContextCreateRequestModel, ContextWriteModel
 from service.wire.negotiation import Format, request_format
 from service.wire.request import ContextWrite, context_write
 from service.wire.rules import CONTEXT_APPEND, CONTEXT_CREATE, BodyKind, Limits, is_context_id
@@ -18,7 +18,7 @@ router = APIRouter(tags=["contexts"])
 ROUTE = "/v1/contexts"
 
 
-def _body_doc(model: type[ContextAppendRequestModel]) -> dict:
+def _body_doc(model: type[ContextWriteModel]) -> dict:
     return {"requestBody": {"required": True, "content": {
         "application/json": {"schema": model.model_json_schema()},
         "application/octet-stream": {"schema": {"type": "string", "format": "binary",
@@ -52,7 +52,7 @@ async def create_context(request: Request) -> JSONResponse:
 
 
 @router.post(ROUTE + "/{ctx_id}/append", summary="Append k, v to a context",
-             responses=error_responses(400, 401, 404, 413, 415, 422, 429, 503, 507),
+             responses=error_responses(400, 401, 404, 409, 413, 415, 422, 429, 503, 507),
              openapi_extra=_body_doc(ContextAppendRequestModel))
 async def append_context(ctx_id: str, request: Request) -> JSONResponse:
     rt = runtime(request)

@@ -1,10 +1,11 @@
-"""Operations: liveness, readiness, Prometheus metrics, cluster view."""
+"""Operations: liveness, readiness, Prometheus metrics, cluster view, request limits."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from service.errors import error_responses
 from service.routes.common import app_state
 
 router = APIRouter(tags=["operations"])
@@ -63,3 +64,9 @@ async def cluster(request: Request) -> JSONResponse:
         "bytes_held": sum(w["bytes_held"] for w in workers),
         "contexts": await rt.contexts.count(),
     })
+
+
+@router.get("/v1/limits", summary="The request limits this server enforces", responses=error_responses(401))
+async def limits(request: Request) -> JSONResponse:
+    """docs/API.md section 8, as numbers: clients size their upload chunks from it."""
+    return JSONResponse(app_state(request).limits.to_json())

@@ -153,22 +153,31 @@ class AttentionRequestModel(BaseModel):
     contexts: list[str] | None = Field(None, description="ids of stored contexts whose keys join k, v")
 
 
-class ContextAppendRequestModel(BaseModel):
-    """``POST /v1/contexts/{id}/append`` with ``Content-Type: application/json``."""
+class ContextWriteModel(BaseModel):
+    """The fields every context write takes (create and append)."""
 
     model_config = _STRICT
     k: Tensor3 = Field(description="keys [n_k, h_kv, d]")
     v: Tensor3 = Field(description="values [n_k, h_kv, d_v]")
-    k_pos: list[int] | None = Field(None, description="key positions [n_k]; default continues the context")
     dtype: Dtype = Field("float32", description="what k and v are cast to")
 
 
-class ContextCreateRequestModel(ContextAppendRequestModel):
+class ContextAppendRequestModel(ContextWriteModel):
+    """``POST /v1/contexts/{id}/append`` with ``Content-Type: application/json``."""
+
+    k_pos: list[int] | None = Field(None, description="key positions [n_k]; default continues the context")
+    after: int | None = Field(None, ge=0, description="append only if the context holds exactly this many keys "
+                                                      "(409 length_mismatch otherwise)")
+
+
+class ContextCreateRequestModel(ContextWriteModel):
     """``POST /v1/contexts`` with ``Content-Type: application/json``."""
 
     k_pos: list[int] | None = Field(None, description="key positions [n_k]; default 0..n_k-1")
     replicas: int | None = Field(None, ge=1, description="copies of each shard")
     shards: int | None = Field(None, ge=1, description="shards the keys are split into")
+    expected_length: int | None = Field(None, ge=1, description="keys the context will hold once every chunk is "
+                                                                "appended; sizes its shards for them")
 
 
 class AttentionResult(BaseModel):

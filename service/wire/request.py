@@ -64,6 +64,8 @@ class ContextWrite:
     kv: InlineKV
     replicas: int | None
     shards: int | None
+    expected_length: int | None = None  #: create: keys the context will hold in all (at least these)
+    after: int | None = None  #: append: the context's committed length this append must follow
 
 
 def check_finite(name: str, x: np.ndarray) -> None:
@@ -124,4 +126,9 @@ def context_write(decoded: Decoded) -> ContextWrite:
     kv = _inline(decoded.tensors)
     if kv.k.dtype != kv.v.dtype:
         raise InvalidTensor(f"v must have k's dtype {kv.k.dtype}, got {kv.v.dtype}")
-    return ContextWrite(kv=kv, replicas=decoded.options.replicas, shards=decoded.options.shards)
+    options = decoded.options
+    if options.expected_length is not None and options.expected_length < kv.dims.n_k:
+        raise InvalidOption(f"expected_length must be at least the {kv.dims.n_k} keys of this body, "
+                            f"got {options.expected_length}")
+    return ContextWrite(kv=kv, replicas=options.replicas, shards=options.shards,
+                        expected_length=options.expected_length, after=options.after)

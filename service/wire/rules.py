@@ -45,9 +45,22 @@ class Limits:
             if type(value) is not int or value < 1:
                 raise ValueError(f"{f.name} must be an int >= 1, got {value!r}")
 
+    def to_json(self) -> dict[str, int]:
+        """Every limit by name (``GET /v1/limits``, docs/API.md section 8)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Limits:
+        """The limits a server advertised; names this version does not know are ignored, missing ones default."""
+        return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc})
+
 
 #: The limits used when a caller gives none.
 DEFAULT_LIMITS = Limits()
+
+#: Largest key count an option may name (``expected_length``, ``after``): positions are
+#: bounded by 2**62 (docs/API.md section 2), so no context holds more keys.
+MAX_KEYS = 2**62
 
 
 @dataclass(frozen=True)
@@ -87,11 +100,11 @@ ATTENTION = BodyKind(
     required=frozenset({"q"}),
 )
 CONTEXT_CREATE = BodyKind(
-    "context", tensors=frozenset({"k", "v", "k_pos"}), options=frozenset({"replicas", "shards"}),
+    "context", tensors=frozenset({"k", "v", "k_pos"}), options=frozenset({"replicas", "shards", "expected_length"}),
     required=frozenset({"k", "v"}),
 )
 CONTEXT_APPEND = BodyKind(
-    "append", tensors=frozenset({"k", "v", "k_pos"}), options=frozenset(), required=frozenset({"k", "v"}),
+    "append", tensors=frozenset({"k", "v", "k_pos"}), options=frozenset({"after"}), required=frozenset({"k", "v"}),
 )
 
 #: Context ids: URL-unreserved characters only, so they travel unescaped in paths and in
@@ -141,6 +154,8 @@ class RequestOptions:
     contexts: tuple[str, ...] = ()  #: ids of stored contexts whose keys join the inline ones
     replicas: int | None = None  #: copies of each shard of a new context (None: the default)
     shards: int | None = None  #: shards a new context is cut into (None: the default)
+    expected_length: int | None = None  #: keys a new context will hold once every chunk is appended (None: this body's)
+    after: int | None = None  #: append only if the context holds exactly this many keys (None: whatever it holds)
 
 
 def _number(name: str, value: Any) -> Any:
@@ -152,6 +167,12 @@ def _number(name: str, value: Any) -> Any:
 def _count(name: str, value: Any, most: int) -> int:
     if type(value) is not int or not 1 <= value <= most:
         raise InvalidOption(f"{name} must be an int in [1, {most}], got {show(value)}")
+    return value
+
+
+def _keys(name: str, value: Any, least: int) -> int:
+    if type(value) is not int or not least <= value <= MAX_KEYS:
+        raise InvalidOption(f"{name} must be an int in [{least}, 2**62], got {show(value)}")
     return value
 
 
@@ -202,6 +223,8 @@ def check_options(raw: Mapping[str, Any], kind: BodyKind, limits: Limits = DEFAU
         contexts=_contexts(given["contexts"], limits) if "contexts" in given else (),
         replicas=_count("replicas", given["replicas"], limits.max_replicas) if "replicas" in given else None,
         shards=_count("shards", given["shards"], limits.max_shards) if "shards" in given else None,
+        expected_length=_keys("expected_length", given["expected_length"], 1) if "expected_length" in given else None,
+        after=_keys("after", given["after"], 0) if "after" in given else None,
     )
 
 
@@ -211,6 +234,7 @@ def check_options(raw: Mapping[str, Any], kind: BodyKind, limits: Limits = DEFAU
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]{0,40})(?:\.[0-9]{1,40})?(?:[eE][+-]?[0-9]{1,4})?")
 _BOUND = re.compile(r"(?:0|[1-9][0-9]{0,20})?")
 _COUNT = re.compile(r"[1-9][0-9]{0,9}")
+_KEYS = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
 def query_value(name: str, text: str) -> Any:
@@ -231,6 +255,10 @@ def query_value(name: str, text: str) -> Any:
         return [int(s) if s else None for s in sides]
     if name == "contexts":
         return text.split(",")
+    if name in ("expected_length", "after"):
+        if not _KEYS.fullmatch(text):
+            raise InvalidOption(f"{name} must be an int >= {0 if name == 'after' else 1} in decimal, got {show(text)}")
+        return int(text)  # range: check_options
     if not _COUNT.fullmatch(text):  # replicas, shards
         raise InvalidOption(f"{name} must be an int >= 1, got {show(text)}")
     return int(text)

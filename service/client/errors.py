@@ -1,0 +1,34 @@
+"""What the client raises: an error answer of the service, and an upload that stopped part way."""
+
+from __future__ import annotations
+
+
+class SplitkeyError(Exception):
+    """An error answer of the service: HTTP ``status``, contract ``code`` and ``detail`` (docs/API.md section 7).
+
+    ``retry_after`` is the answer's ``Retry-After`` in seconds (a 429), else None.
+    """
+
+    def __init__(self, status: int, code: str, detail: str, retry_after: float | None = None) -> None:
+        super().__init__(f"{status} {code}: {detail}")
+        self.status, self.code, self.detail = status, code, detail
+        self.retry_after = retry_after
+
+
+class UploadError(SplitkeyError):
+    """An upload (``Client.create_context`` or ``Client.append``) that stopped.
+
+    Exactly the first ``committed`` of the ``total`` keys sent are stored, a prefix:
+    after a create, context ``context_id`` holds keys ``[0, committed)``; after an
+    append, it holds what it held before followed by those. ``context_id`` is None
+    when no context was created. ``status``, ``code`` and ``detail`` are the cause's
+    (status 0 and code ``""`` when the connection failed and no answer came); the
+    cause itself is ``__cause__``. Resume with ``append(context_id, k[committed:], ...)``.
+    """
+
+    def __init__(self, context_id: str | None, committed: int, total: int, status: int, code: str,
+                 detail: str) -> None:
+        super().__init__(status, code, detail)
+        self.context_id, self.committed, self.total = context_id, committed, total
+        where = f"keys [0, {committed}) are stored in context {context_id}" if context_id else "no context was created"
+        self.args = (f"upload stopped with {committed} of {total} keys committed ({where}): {status} {code}: {detail}",)

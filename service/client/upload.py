@@ -1,0 +1,118 @@
+"""Uploads of any size: chunks sized under the server's limits, and when to send a chunk again.
+
+Pure (no I/O): :class:`service.client.sync.Client` sends the chunks. A long upload is
+a create with ``expected_length`` followed by appends with ``after`` (docs/API.md
+section 6.3), so that a chunk sent twice is stored once; docs/CONTEXTS.md,
+"Uploading long contexts", describes the whole protocol.
+"""
+
+from __future__ import annotations
+
+import http.client
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from service.client.errors import SplitkeyError, UploadError
+from service.wire.rules import Limits
+
+#: Bytes of k and v per chunk when the caller names no chunk size: large enough that a
+#: request's fixed costs vanish, small enough to bound the memory of one request on
+#: either side. To be measured (issue 9).
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+#: Bytes a chunk leaves for the safetensors length field and JSON header (three entries
+#: whose numbers have at most 20 digits take under 420 bytes).
+HEADER_ROOM = 512
+#: Answers after which a chunk is sent again: not admitted (429), the write undid itself
+#: (503), a deadline (504).
+RETRY_STATUSES = frozenset({429, 503, 504})
+#: The connection failed before an answer came: the chunk may or may not be stored.
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (ConnectionError, TimeoutError, http.client.HTTPException)
+#: What ends one attempt of a chunk: an error answer or a failed connection.
+ATTEMPT_ERRORS: tuple[type[Exception], ...] = (SplitkeyError, *TRANSPORT_ERRORS)
+#: Wait before the second attempt of a chunk; doubled for each further one, up to MAX_BACKOFF_S.
+BACKOFF_S = 0.25
+MAX_BACKOFF_S = 4.0
+
+#: ``progress(done_keys, total_keys)``, called after each committed chunk.
+Progress = Callable[[int, int], object]
+
+
+def key_bytes(k: np.ndarray, v: np.ndarray, k_pos: np.ndarray | None) -> int:
+    """Bytes one key takes in a safetensors body: its k and v rows, and its position if sent."""
+    row = (int(np.prod(k.shape[1:])) * k.dtype.itemsize + int(np.prod(v.shape[1:])) * v.dtype.itemsize)
+    return row + (k_pos.dtype.itemsize if k_pos is not None else 0)
+
+
+def chunk_keys(limits: Limits, k: np.ndarray, v: np.ndarray, k_pos: np.ndarray | None = None,
+               requested: int | None = None, target_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Keys per chunk: ``requested``, or as many as ``target_bytes`` of k and v allow; never more than a
+    body of ``limits.max_body_bytes`` (less :data:`HEADER_ROOM`) holds, nor than ``limits.max_elements``
+    elements of k or v; at least 1."""
+    if requested is not None and (type(requested) is not int or requested < 1):
+        raise ValueError(f"chunk_keys must be an int >= 1, got {requested!r}")
+    per_key = max(key_bytes(k, v, k_pos), 1)
+    elements = max(int(np.prod(k.shape[1:])), int(np.prod(v.shape[1:])), 1)
+    most = min((limits.max_body_bytes - HEADER_ROOM) // per_key, limits.max_elements // elements)
+    if requested is None:
+        kv_bytes = max(per_key - (k_pos.dtype.itemsize if k_pos is not None else 0), 1)
+        requested = target_bytes // kv_bytes
+    return max(1, min(requested, most))
+
+
+def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each chunk of ``n`` keys, ``size`` each but the last; one empty chunk when ``n == 0``."""
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    return [(lo, min(lo + size, n)) for lo in range(0, n, size)] or [(0, 0)]
+
+
+def retry_delay(error: BaseException, attempt: int) -> float | None:
+    """Seconds to wait before sending a chunk again after ``error`` ended attempt ``attempt`` (0: the
+    first), or None when the chunk must not be sent again.
+
+    A lost connection is retried at once the first time (a keep-alive connection the
+    server closed while idle), then with backoff; 429 waits at least its ``Retry-After``.
+    """
+    backoff = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** attempt)
+    if isinstance(error, SplitkeyError):
+        if error.status not in RETRY_STATUSES:
+            return None
+        return max(backoff, error.retry_after or 0.0)
+    if isinstance(error, TRANSPORT_ERRORS):
+        return 0.0 if attempt == 0 else backoff
+    return None
+
+
+def is_length_mismatch(error: BaseException) -> bool:
+    return isinstance(error, SplitkeyError) and error.code == "length_mismatch"
+
+
+@dataclass
+class Upload:
+    """Where one upload stands: which context, how many of its keys are committed."""
+
+    total: int
+    progress: Progress | None = None
+    retries: int = 3  #: times a chunk may be sent again
+    context_id: str | None = None
+    committed: int = 0  #: leading keys of the upload the context holds
+
+    def __post_init__(self) -> None:
+        if type(self.retries) is not int or self.retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+
+    def commit(self, keys: int) -> None:
+        """A chunk of ``keys`` keys is committed."""
+        self.committed += keys
+        if self.progress is not None:
+            self.progress(self.committed, self.total)
+
+    def stopped(self, cause: BaseException) -> UploadError:
+        """The error that ends the upload, saying what is stored (raise it ``from cause``)."""
+        if isinstance(cause, SplitkeyError):
+            status, code, detail = cause.status, cause.code, cause.detail
+        else:
+            status, code, detail = 0, "", f"the connection failed: {type(cause).__name__}: {cause}"
+        return UploadError(self.context_id, self.committed, self.total, status, code, detail)

@@ -1,0 +1,323 @@
+"""Uploads of any size: chunk sizing and retry decisions (pure), then chunked creates and appends
+against real servers: exactness, planned shards, limits, a chunk that fails midway, retries."""
+
+import http.client
+import json
+import re
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from reference import assert_close_to_reference
+from server import Server
+
+from service.cli import build_parser
+from service.client import Client, SplitkeyError, UploadError
+from service.client.upload import (
+    BACKOFF_S,
+    HEADER_ROOM,
+    MAX_BACKOFF_S,
+    Upload,
+    chunk_bounds,
+    chunk_keys,
+    retry_delay,
+)
+from service.wire.rules import Limits
+from service.wire.safetensors import encode_safetensors, to_bytes
+from workers import BFLOAT16
+
+
+def kv(rng, n, h_kv=2, d=16, d_v=8, dtype=np.float32):
+    return rng.standard_normal((n, h_kv, d)).astype(dtype), rng.standard_normal((n, h_kv, d_v)).astype(dtype)
+
+
+# -- chunk sizing and retry decisions (pure) ---------------------------------------------------
+
+def test_chunks_fill_the_body_limit_less_the_header_room():
+    k, v = np.zeros((10, 2, 16), np.float32), np.zeros((10, 2, 8), np.float32)  # 192 bytes a key
+    assert chunk_keys(Limits(max_body_bytes=HEADER_ROOM + 192 * 100 + 191), k, v) == 100
+    pos = np.arange(10)  # 8 more bytes a key
+    assert chunk_keys(Limits(max_body_bytes=HEADER_ROOM + 200 * 100), k, v, pos) == 100
+    half = k.astype(BFLOAT16), v.astype(BFLOAT16)  # 96 bytes a key
+    assert chunk_keys(Limits(max_body_bytes=HEADER_ROOM + 96 * 100), *half) == 100
+
+
+def test_chunks_keep_each_tensor_under_the_element_limit():
+    k, v = np.zeros((1, 8, 128), np.float32), np.zeros((1, 8, 64), np.float32)
+    assert chunk_keys(Limits(max_elements=8 * 128 * 7 + 5), k, v, requested=1000) == 7
+
+
+def test_chunks_default_to_the_target_bytes_and_the_caller_may_ask_for_fewer_or_more():
+    k, v = np.zeros((1, 8, 128), np.float32), np.zeros((1, 8, 128), np.float32)  # 8 KiB a key
+    assert chunk_keys(Limits(), k, v) == 64 * 2**20 // 8192  # the default target: 64 MiB of k and v
+    assert chunk_keys(Limits(), k, v, target_bytes=8192 * 3) == 3
+    assert chunk_keys(Limits(), k, v, requested=5) == 5
+    # A request past what the server takes is capped at the limit; at least one key goes.
+    assert chunk_keys(Limits(max_body_bytes=HEADER_ROOM + 8192 * 4), k, v, requested=10**6) == 4
+    assert chunk_keys(Limits(max_body_bytes=1024), k, v) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "8"])
+def test_chunk_keys_must_be_a_positive_int(bad):
+    k = np.zeros((1, 1, 1), np.float32)
+    with pytest.raises(ValueError, match="chunk_keys must be an int >= 1"):
+        chunk_keys(Limits(), k, k, requested=bad)
+
+
+def test_chunk_bounds_cover_the_keys_in_order_with_one_empty_chunk_for_none():
+    assert chunk_bounds(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_bounds(8, 4) == [(0, 4), (4, 8)]
+    assert chunk_bounds(3, 4) == [(0, 3)]
+    assert chunk_bounds(0, 4) == [(0, 0)]
+
+
+def test_retry_delays_back_off_honour_retry_after_and_refuse_what_a_retry_cannot_fix():
+    busy = SplitkeyError(503, "workers_unavailable", "no worker")
+    assert [retry_delay(busy, a) for a in range(6)] == [BACKOFF_S * 2**a for a in range(4)] + [MAX_BACKOFF_S] * 2
+    assert retry_delay(SplitkeyError(429, "overloaded", "busy", retry_after=3.0), 0) == 3.0
+    assert retry_delay(SplitkeyError(504, "deadline_exceeded", "late"), 1) == 2 * BACKOFF_S
+    for status, code in ((400, "invalid_body"), (404, "context_not_found"), (409, "length_mismatch"),
+                         (413, "body_too_large"), (422, "invalid_tensor"), (507, "insufficient_capacity")):
+        assert retry_delay(SplitkeyError(status, code, "x"), 0) is None
+    # A lost connection: at once the first time (an idle keep-alive connection), then backing off.
+    assert retry_delay(http.client.RemoteDisconnected("closed"), 0) == 0.0
+    assert retry_delay(ConnectionResetError(), 1) == 2 * BACKOFF_S
+    assert retry_delay(TimeoutError(), 2) == 4 * BACKOFF_S
+    assert retry_delay(ValueError("a bug"), 0) is None
+
+
+def test_an_upload_error_says_what_is_stored():
+    upload = Upload(total=300, context_id="ctx_a")
+    upload.commit(100)
+    err = upload.stopped(SplitkeyError(507, "insufficient_capacity", "the context does not fit"))
+    assert isinstance(err, SplitkeyError)
+    assert (err.context_id, err.committed, err.total) == ("ctx_a", 100, 300)
+    assert (err.status, err.code, err.detail) == (507, "insufficient_capacity", "the context does not fit")
+    assert str(err) == ("upload stopped with 100 of 300 keys committed (keys [0, 100) are stored in context "
+                        "ctx_a): 507 insufficient_capacity: the context does not fit")
+    with pytest.raises(ValueError, match="retries must be an int >= 0, got -1"):
+        Upload(total=5, retries=-1)
+    lost = Upload(total=5).stopped(ConnectionResetError("reset by peer"))
+    assert (lost.context_id, lost.committed, lost.status, lost.code) == (None, 0, 0, "")
+    assert "no context was created" in str(lost) and "ConnectionResetError: reset by peer" in lost.detail
+
+
+# -- against the shared server (64 MiB bodies, context_shard_keys 256, two workers) -------------
+
+@pytest.mark.ray
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=lambda t: np.dtype(t).name)
+def test_a_chunked_create_and_append_are_exact_and_fill_the_planned_shards_in_order(client, rng, dtype):
+    k, v = kv(rng, 1700, dtype=dtype)
+    k_pos = 3 * np.arange(1700) + 7  # not the defaults: each chunk must carry its own slice
+    before = {c["id"] for c in client.list_contexts()}
+    seen, shards = [], []
+
+    def progress(done, total):
+        seen.append((done, total))
+        [ctx] = [c for c in client.list_contexts() if c["id"] not in before]
+        shards.append(ctx["shard_lengths"])
+
+    desc = client.create_context(k[:1000], v[:1000], k_pos[:1000], replicas=2, chunk_keys=128, progress=progress)
+    assert desc["length"] == 1000 and desc["expected_length"] == 1000 and desc["replicas"] == 2
+    assert seen == [(n, 1000) for n in (128, 256, 384, 512, 640, 768, 896, 1000)]
+    # Two workers, 1000 keys planned: two shards of 500, filled in order.
+    assert shards == [[128, 0], [256, 0], [384, 0], [500, 12], [500, 140], [500, 268], [500, 396], [500, 500]]
+    seen.clear()
+    desc = client.append(desc["id"], k[1000:], v[1000:], k_pos[1000:], chunk_keys=300, progress=progress)
+    assert seen == [(300, 700), (600, 700), (700, 700)]
+    assert desc["length"] == 1700 and desc["shard_lengths"] == [500, 500, 500, 200]
+    q = rng.standard_normal((4, 4, 16)).astype(dtype)
+    q_pos = np.array([0, 2000, 4000, 6000])
+    out, lse = client.attention(q, contexts=[desc["id"]], causal=True, q_pos=q_pos)
+    assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=q_pos, k_pos=k_pos)
+    client.delete_context(desc["id"])
+
+
+@pytest.mark.ray
+def test_one_chunk_is_the_single_request_of_old(client, rng):
+    k, v = kv(rng, 300)
+    seen = []
+    desc = client.create_context(k, v, progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(300, 300)] and desc["expected_length"] is None  # no plan: sized for its body, as ever
+    assert desc["shard_lengths"] == [150, 150]
+    client.delete_context(desc["id"])
+
+
+@pytest.mark.ray
+def test_arrays_that_disagree_on_n_k_are_refused_before_anything_is_sent(client, rng):
+    k, v = kv(rng, 300)
+    before = client.list_contexts()
+    with pytest.raises(ValueError, match="v must have the n_k = 300 keys of k, got 299"):
+        client.create_context(k, v[:299], chunk_keys=100)
+    with pytest.raises(ValueError, match="k_pos must have the n_k = 300 keys of k, got 3"):
+        client.create_context(k, v, np.arange(3), chunk_keys=100)
+    assert client.list_contexts() == before
+
+
+# -- against a small server: 256 KiB bodies, 1 MiB per worker, one request in flight -------------
+
+BODY = 256 * 2**10
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("small-home"),
+                 args=("--workers", "2", "--max-inflight", "1", "--worker-memory-bytes", str(2**20)),
+                 env={"SPLITKEY_MAX_BODY_BYTES": str(BODY), "SPLITKEY_CONTEXT_SHARD_KEYS": "64",
+                      "SPLITKEY_MAX_REPLICAS": "3", "SPLITKEY_MIN_SHARD_KEYS": "64"})
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def small_client(small):
+    with Client(small.url) as c:
+        yield c
+        for ctx in c.list_contexts():  # each test leaves the budget as it found it
+            c.delete_context(ctx["id"])
+
+
+@pytest.mark.ray
+def test_limits_reports_the_settings_values(small, small_client):
+    doc = httpx.get(small.url + "/v1/limits").json()
+    assert doc == {"max_body_bytes": BODY, "max_json_body_bytes": BODY, "max_header_bytes": 2**20,
+                   "max_elements": 2**28, "max_dims": 3, "max_contexts": 64, "max_context_id_chars": 128,
+                   "max_shards": 1024, "max_replicas": 3}
+    assert small_client.limits() == Limits(max_body_bytes=BODY, max_json_body_bytes=BODY, max_replicas=3)
+
+
+@pytest.mark.ray
+def test_the_automatic_chunk_size_follows_the_servers_limits(small_client, rng):
+    k, v = kv(rng, 5000)  # 960 KB of k and v: four bodies of at most 256 KiB
+    size = (BODY - HEADER_ROOM) // 192
+    seen = []
+    desc = small_client.create_context(k, v, progress=lambda done, total: seen.append(done))
+    assert seen == [size, 2 * size, 3 * size, 5000]
+    assert desc["length"] == 5000 and desc["expected_length"] == 5000
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = small_client.attention(q, contexts=[desc["id"]])
+    assert_close_to_reference(out, lse, q, k, v)
+
+
+@pytest.mark.ray
+def test_a_chunk_that_fails_midway_raises_upload_error_and_the_prefix_stays_exact(small_client, rng):
+    k, v = kv(rng, 512 + 16384)
+    ctx = small_client.create_context(k[:512], v[:512], chunk_keys=256)  # planned: 2 shards of 256
+    seen = []
+    with pytest.raises(UploadError) as err:  # 3.3 MB more: past the two workers' 2 MiB
+        small_client.append(ctx["id"], k[512:], v[512:], chunk_keys=1024, progress=lambda d, t: seen.append(d))
+    e = err.value
+    assert (e.status, e.code) == (507, "insufficient_capacity") and "budget" in e.detail
+    assert e.context_id == ctx["id"] and e.total == 16384
+    assert 0 < e.committed < 16384 and e.committed % 1024 == 0 and seen[-1] == e.committed
+    assert f"{e.committed} of 16384 keys committed" in str(e)
+    n = 512 + e.committed
+    assert small_client.get_context(ctx["id"])["length"] == n  # exactly the prefix: the failed chunk left nothing
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = small_client.attention(q, contexts=[ctx["id"]], causal=True)
+    assert_close_to_reference(out, lse, q, k[:n], v[:n], causal=True)
+
+
+def hold_the_only_slot(url: str, seconds: float) -> threading.Thread:
+    """A request that stays in flight ``seconds`` (its body trickles in); returns once the server admitted it."""
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((1, 2, 8)).astype(np.float32), rng.standard_normal((50, 2, 8)).astype(np.float32)
+    body = to_bytes(encode_safetensors({"q": q, "k": k, "v": k}))
+    result = {}
+
+    def trickle():
+        yield body[:10]
+        time.sleep(seconds)
+        yield body[10:]
+
+    def send():
+        result["status"] = httpx.post(url + "/v1/attention", content=trickle(), timeout=30,
+                                      headers={"Content-Type": "application/octet-stream"}).status_code
+
+    thread = threading.Thread(target=send)
+    thread.result = result
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not re.search(r"^splitkey_inflight_requests 1\.0$", httpx.get(url + "/metrics").text, re.MULTILINE):
+        assert time.monotonic() < deadline, "the slow request was never admitted"
+        time.sleep(0.02)
+    return thread
+
+
+@pytest.mark.ray
+def test_a_retried_chunk_that_an_earlier_attempt_stored_counts_once_and_the_upload_goes_on(small, small_client, rng):
+    k, v = kv(rng, 300)
+    slow = []
+
+    def progress(done, total):
+        if done != 100:
+            return
+        # What a lost answer looks like: the next chunk (keys 100..200, after=100) is stored...
+        [ctx] = small_client.list_contexts()
+        r = httpx.post(small.url + f"/v1/contexts/{ctx['id']}/append", params={"after": 100},
+                       content=to_bytes(encode_safetensors({"k": k[100:200], "v": v[100:200]})),
+                       headers={"Content-Type": "application/octet-stream"})
+        assert r.status_code == 200, r.text
+        # ...and the client's first attempt of it is refused (429: the one slot is taken), so it
+        # sends it again after Retry-After, gets 409 length_mismatch, and finds the chunk stored.
+        slow.append(hold_the_only_slot(small.url, 0.5))
+        assert httpx.get(small.url + "/v1/limits").status_code == 200  # not admission-controlled
+
+    t0 = time.monotonic()
+    desc = small_client.create_context(k, v, chunk_keys=100, progress=progress)
+    assert time.monotonic() - t0 >= 1.0, "the retry must wait for Retry-After (1 s)"
+    slow[0].join()
+    assert slow[0].result["status"] == 200
+    assert desc["length"] == 300
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = small_client.attention(q, contexts=[desc["id"]])
+    assert_close_to_reference(out, lse, q, k, v)  # every key once: the chunk stored twice would show
+
+
+@pytest.mark.ray
+def test_a_first_attempt_refused_for_length_stops_the_upload_at_what_it_committed(small, small_client, rng):
+    k, v = kv(rng, 300)
+
+    def progress(done, total):
+        if done == 100:  # someone else appends in between: the context is no longer ours to extend
+            [ctx] = small_client.list_contexts()
+            r = httpx.post(small.url + f"/v1/contexts/{ctx['id']}/append", json={"k": k[:5].tolist(),
+                                                                                  "v": v[:5].tolist()})
+            assert r.status_code == 200, r.text
+
+    with pytest.raises(UploadError) as err:
+        small_client.create_context(k, v, chunk_keys=100, progress=progress)
+    e = err.value
+    assert (e.status, e.code, e.committed, e.total) == (409, "length_mismatch", 100, 300)
+    assert e.detail == "after must be the context's length 105, got 100"
+    assert small_client.get_context(e.context_id)["length"] == 105
+
+
+@pytest.mark.ray
+def test_loadtest_uploads_a_context_larger_than_one_body_with_progress_lines(small, tmp_path, capsys):
+    out = tmp_path / "lt.json"
+    args = build_parser().parse_args([
+        "loadtest", "--url", small.url, "--n-k", "4096", "--h-q", "4", "--h-kv", "2", "--d", "16",
+        "--concurrency", "1", "--requests", "4", "--check", "--json", str(out)])
+    assert args.func(args) == 0
+    captured = capsys.readouterr()
+    assert float(captured.out.split("max |out - float64 reference| = ")[1].split()[0]) < 1e-5
+    lines = captured.err.splitlines()  # not a terminal: a line per tenth done, the last at 100%
+    assert len(lines) >= 4 and lines[-1].startswith("upload 100.0%  4096/4096 keys")
+    assert all(re.fullmatch(r"upload +[0-9.]+%  \d+/4096 keys  [0-9.]+ GB/s", line) for line in lines)
+    assert json.loads(out.read_text())["levels"][0]["errors"] == 0
+
+
+@pytest.mark.ray
+def test_loadtest_says_what_to_try_when_the_context_does_not_fit(small, capsys):
+    args = build_parser().parse_args([
+        "loadtest", "--url", small.url, "--n-k", "16384", "--h-q", "4", "--h-kv", "2", "--d", "16",
+        "--concurrency", "1", "--requests", "1"])
+    assert args.func(args) == 1
+    err = capsys.readouterr().err
+    assert "insufficient_capacity" in err and "--dtype bfloat16" in err
+    with Client(small.url) as c:
+        assert c.list_contexts() == []
