@@ -9,12 +9,13 @@ The math is in README, "The math"; the loop and its invariant are in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from merge import State, finalize, merge_all
-from workers.cpu import run_cpu
+from workers.cpu import run_cpu_many
 from workers.layout import NaturalKV, StreamingView
 from workers.options import AttentionOptions, GpuKernels, KernelOptions, gpu_kernels_of, is_int
 from workers.problem import Problem, build_problem, check_arrays, check_problem
@@ -22,11 +23,17 @@ from workers.problem import Problem, build_problem, check_arrays, check_problem
 
 def _run(q: Any, kv: NaturalKV | StreamingView, problem: Problem, kernel: KernelOptions) -> State:
     """The state of a checked problem on the backend of ``q``'s array module."""
-    if isinstance(q, np.ndarray):
-        return run_cpu(q, kv, problem, kernel)
-    from workers.gpu.backend import run_gpu  # cupy is imported only for cupy inputs
+    return _run_many([(q, problem)], kv, kernel)[0]
 
-    return run_gpu(q, kv, problem, kernel)
+
+def _run_many(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingView,
+              kernel: KernelOptions) -> list[State]:
+    """The states of checked problems over the same keys, on the backend of the queries' array module."""
+    if isinstance(parts[0][0], np.ndarray):
+        return run_cpu_many(parts, kv, kernel)
+    from workers.gpu.backend import run_gpu_many  # cupy is imported only for cupy inputs
+
+    return run_gpu_many(parts, kv, kernel)
 
 
 def partial_attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,
@@ -58,11 +65,23 @@ def partial_attention_resident(q: Any, view: StreamingView, *, q_pos: Any, optio
 
     ``q_pos`` is required: a resident shard does not know where the queries are.
     """
-    if q_pos is None:
-        raise ValueError("q_pos must be given for resident keys, got None")
-    xp = check_arrays(q=q, kt=view.kt, v=view.v)
-    problem = build_problem(q, view.dims, (view.kt.dtype, view.v.dtype), q_pos, view.k_pos, options, xp)
-    return _run(q, view, problem, kernel)
+    return partial_attention_resident_many([(q, q_pos, options)], view, kernel=kernel)[0]
+
+
+def partial_attention_resident_many(queries: Sequence[tuple[Any, Any, AttentionOptions]], view: StreamingView, *,
+                                    kernel: KernelOptions) -> list[State]:
+    """:func:`partial_attention_resident` for several ``(q, q_pos, options)`` over the same keys.
+
+    Decode-shaped queries of one shape share one pass over the keys (``workers.plan.batchable``);
+    each state is bitwise what the query alone would give. Options may differ between queries.
+    """
+    parts = []
+    for q, q_pos, options in queries:
+        if q_pos is None:
+            raise ValueError("q_pos must be given for resident keys, got None")
+        xp = check_arrays(q=q, kt=view.kt, v=view.v)
+        parts.append((q, build_problem(q, view.dims, (view.kt.dtype, view.v.dtype), q_pos, view.k_pos, options, xp)))
+    return _run_many(parts, view, kernel)
 
 
 def attention(q: Any, k: Any, v: Any, *, shards: int = 1, scale: float | None = None, causal: bool = False,

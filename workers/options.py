@@ -24,6 +24,9 @@ MAX_POSITION = 2**62
 #: Default scratch budget of the CPU kernel: the score tile and its temporaries.
 DEFAULT_SCRATCH_BYTES = 8 * 2**20
 
+#: Default bound on the stacked score tile of requests served in one pass (``workers.batch``).
+DEFAULT_BATCH_SCRATCH_BYTES = 64 * 2**20
+
 
 def is_int(x: Any) -> bool:
     """An integer that is not a bool (Python's ``True`` is an ``int``)."""
@@ -137,6 +140,8 @@ class KernelOptions:
 
     * ``block_size``: keys per block; ``None`` picks one from the scratch budget.
     * ``scratch_bytes``: bound on the score tile and its temporaries per thread.
+    * ``batch_scratch_bytes``: bound on the score tile of requests that share a pass
+      over the keys (``workers.cpu.run_cpu_many``); more requests take more passes.
     * ``threads``: worker threads; work is split over heads, query tiles and,
       when there is too little of that, over key ranges (split-K).
     * ``gpu_kernels``: :class:`GpuKernels` (or its value); ignored on the CPU.
@@ -144,6 +149,7 @@ class KernelOptions:
 
     block_size: int | None = None
     scratch_bytes: int = DEFAULT_SCRATCH_BYTES
+    batch_scratch_bytes: int = DEFAULT_BATCH_SCRATCH_BYTES
     threads: int = 1
     gpu_kernels: GpuKernels = GpuKernels.GENERIC
 
@@ -152,6 +158,8 @@ class KernelOptions:
             raise ValueError(f"block_size must be null or an int >= 1, got {self.block_size!r}")
         if not is_int(self.scratch_bytes) or self.scratch_bytes < 1:
             raise ValueError(f"scratch_bytes must be an int >= 1, got {self.scratch_bytes!r}")
+        if not is_int(self.batch_scratch_bytes) or self.batch_scratch_bytes < 1:
+            raise ValueError(f"batch_scratch_bytes must be an int >= 1, got {self.batch_scratch_bytes!r}")
         if not is_int(self.threads) or self.threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
         object.__setattr__(self, "gpu_kernels", gpu_kernels_of(self.gpu_kernels))

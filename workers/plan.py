@@ -18,9 +18,11 @@ stay within ``KernelOptions.scratch_bytes`` whatever ``n_k`` is.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from workers.options import KernelOptions
+from workers.problem import Problem
 
 #: Up to this many rows per kv head, a call is decode-shaped (heads batched).
 DECODE_ROWS = 32
@@ -105,3 +107,20 @@ def make_plan(n_rows: int, h_kv: int, n_k: int, d: int, d_v: int, itemsize: int,
             items.append(WorkItem(h0, h1, r0, r1, k0, k1))
         groups.append(tuple(members))
     return Plan(block_size=block, items=tuple(items), groups=tuple(groups))
+
+
+def batchable(problems: Sequence[Problem]) -> bool:
+    """Whether the problems can share one pass over their keys, one tile each (``workers.blockwise.stream``).
+
+    Decode-shaped (a pass is worth sharing while reading the keys costs more than
+    the arithmetic), of one shape and accumulation dtype: the rows per kv head,
+    ``n_q * g``, set the plan, the block size and the BLAS calls, so equal rows give
+    every problem the plan it has alone. Options (scale, masks, softcap, ALiBi) and
+    positions are per tile and may differ.
+    """
+    first = problems[0]
+
+    def key(p: Problem) -> tuple:
+        return p.n_k, p.h_kv, p.d, p.d_v, p.n_q * p.group, p.acc_dtype
+
+    return first.n_q * first.group <= DECODE_ROWS and all(key(p) == key(first) for p in problems)

@@ -20,6 +20,7 @@ and the generic path widens the bits exactly (``bits << 16`` as float32).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,7 @@ from workers.gpu.plan import FusedPlan
 from workers.layout import NaturalKV, StreamingView
 from workers.masking import TileBounds
 from workers.options import GpuKernels, KernelOptions
-from workers.plan import BLOCK_GRANULE, MIN_BLOCK, TILE_TEMPS
+from workers.plan import BLOCK_GRANULE, MIN_BLOCK, TILE_TEMPS, batchable
 from workers.problem import Arange, Problem
 from workers.rows import prepare_rows, rows_to_state
 
@@ -74,6 +75,22 @@ def _require_cupy() -> Any:
     if cupy is None:
         raise ValueError(f"cupy must be importable for the GPU path, got {unavailable_reason()}")
     return cupy
+
+
+def run_gpu_many(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingView,
+                 kopts: KernelOptions) -> list[State]:
+    """:func:`run_gpu` for several problems over the same keys (a batch of the shard worker).
+
+    The generic path serves problems that :func:`workers.plan.batchable` lets share a
+    pass in one (:func:`run_generic_many`); the fused kernels take one problem a call.
+    """
+    problems = [p for _, p in parts]
+    if len(parts) == 1 or kopts.gpu_kernels is GpuKernels.FUSED or not batchable(problems):
+        return [run_gpu(q, kv, p, kopts) for q, p in parts]
+    if problems[0].n_q == 0 or problems[0].n_k == 0:
+        cp = _require_cupy()
+        return [empty(p.n_q, p.h_q, p.d_v, dtype=p.acc_dtype, xp=cp) for p in problems]
+    return run_generic_many(parts, kv, kopts)
 
 
 def run_gpu(q: Any, kv: NaturalKV | StreamingView, problem: Problem, kopts: KernelOptions) -> State:
@@ -163,31 +180,42 @@ def run_generic(q: Any, kv: Any, problem: Problem, kopts: KernelOptions, xp: Any
 
     ``xp`` defaults to cupy; the CPU tests pass numpy to run the same code.
     """
+    return run_generic_many([(q, problem)], kv, kopts, xp)[0]
+
+
+def run_generic_many(parts: Sequence[tuple[Any, Problem]], kv: Any, kopts: KernelOptions,
+                     xp: Any = None) -> list[State]:
+    """:func:`run_generic` for problems over the same keys that :func:`workers.plan.batchable` lets
+    share a pass: each row tile streams the keys once through one tile per problem, each tile
+    going through the calls it would alone (``workers.blockwise.stream``)."""
     cp = _require_cupy() if xp is None else xp
-    p = problem
-    g = p.group
-    n_rows = p.n_q * g
-    q_wide = _bits_to_float(q.view(cp.uint16), p.acc_dtype, cp) if _is_bf16(q) else q
-    q_rows, q_pos_rows, slopes_rows = prepare_rows(q_wide, p, cp)  # [h_kv, n_rows, d], [n_rows], [h_kv, n_rows]
+    p0 = parts[0][1]
+    n_rows = p0.n_q * p0.group  # of each problem (batchable: all equal)
     source = _widened_source(kv, cp)
-    row_tile, block = generic_tiles(p.h_kv, n_rows, p.d, p.d_v, p.acc_dtype.itemsize, kopts)
+    row_tile, block = generic_tiles(p0.h_kv, n_rows, p0.d, p0.d_v, p0.acc_dtype.itemsize, kopts)
     # Host copies of the positions: the block skip reads them without a device sync per block.
-    k_pos_host = p.k_pos if isinstance(p.k_pos, Arange) else _host(p.k_pos)
-    q_pos_host = np.repeat(_host(p.q_pos), g)  # [n_rows]
-    parts = []
+    k_pos_host = p0.k_pos if isinstance(p0.k_pos, Arange) else _host(p0.k_pos)
+    rows = []  # per problem: [h_kv, n_rows, d], [n_rows], [h_kv, n_rows] or None, and [n_rows] on the host
+    for q, p in parts:
+        q_wide = _bits_to_float(q.view(cp.uint16), p.acc_dtype, cp) if _is_bf16(q) else q
+        rows.append((*prepare_rows(q_wide, p, cp), np.repeat(_host(p.q_pos), p.group)))
+    per_tile = []  # per row tile: (m, l, acc) of each problem
     for r0 in range(0, n_rows, row_tile):
         r1 = min(r0 + row_tile, n_rows)
-        tile = TileInputs(
+        tiles = [TileInputs(
             q=q_rows[:, r0:r1],
             q_pos=q_pos_rows[r0:r1],
             slopes=None if slopes_rows is None else slopes_rows[:, r0:r1],
             softcap=p.options.softcap,
             bounds=TileBounds.of(int(q_pos_host[r0:r1].min()), int(q_pos_host[r0:r1].max()), p.options),
             options=p.options,
-        )
-        parts.append(stream(tile, source, k_pos_host, 0, p.n_k, 0, p.h_kv, block, p.acc_dtype, cp))
-    m, l, acc = (cp.concatenate([part[i] for part in parts], axis=1) for i in range(3))  # [h_kv, n_rows(, d_v)]
-    return rows_to_state(m, l, acc, p, cp)
+        ) for (q_rows, q_pos_rows, slopes_rows, q_pos_host), (_, p) in zip(rows, parts)]
+        per_tile.append(stream(tiles, source, k_pos_host, 0, p0.n_k, 0, p0.h_kv, block, p0.acc_dtype, cp))
+    states = []
+    for i, (_, p) in enumerate(parts):
+        m, l, acc = (cp.concatenate([tile[i][j] for tile in per_tile], axis=1) for j in range(3))  # [h_kv, n_rows(, d_v)]
+        states.append(rows_to_state(m, l, acc, p, cp))
+    return states
 
 
 # ---------------------------------------------------------------- fused path
