@@ -67,6 +67,25 @@ def install_worker_trace() -> None:
     _sys.setprofile(profile)
     _threading.setprofile(profile)
 
+    # A threaded actor runs its methods in threads Ray starts from C++, which
+    # threading.setprofile does not reach: each method installs the profile in the
+    # thread that runs it, before the method's own frame (which is then recorded).
+    import functools as _functools
+
+    from workers.actor import ShardWorker
+
+    def in_profiled_thread(fn: Any) -> Any:
+        @_functools.wraps(fn)
+        def method(*args: Any, **kwargs: Any) -> Any:
+            if _sys.getprofile() is not profile:
+                _sys.setprofile(profile)
+            return fn(*args, **kwargs)
+        return method
+
+    for name, fn in list(vars(ShardWorker).items()):
+        if callable(fn) and not name.startswith("_"):
+            setattr(ShardWorker, name, in_profiled_thread(fn))
+
 
 class FrontEndTrace:
     """The same recording for this process, kept in memory."""

@@ -20,7 +20,7 @@ def _serve(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "ray_address": args.ray_address, "workers": args.workers,
         "device": args.device, "api_key_file": args.api_key_file, "max_body_bytes": args.max_body_bytes,
         "max_inflight": args.max_inflight, "request_timeout_s": args.request_timeout,
-        "worker_memory_bytes": args.worker_memory_bytes,
+        "worker_memory_bytes": args.worker_memory_bytes, "batch_rows": args.batch_rows,
     }.items() if v is not None}
     try:
         settings = ServiceSettings(**given)
@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-inflight", type=int, default=None, help="requests admitted at once (default 64)")
     s.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds (default 120)")
     s.add_argument("--worker-memory-bytes", type=int, default=None, help="resident context bytes per worker (default 2 GiB)")
+    s.add_argument("--batch-rows", type=int, default=None,
+                   help="query rows one pass over resident keys serves together (default 1024; 1: no batching)")
     s.set_defaults(func=_serve)
     lt = sub.add_parser("loadtest", help="load-test a running service with long contexts")
     from service.client.loadtest import add_arguments

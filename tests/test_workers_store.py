@@ -1,3 +1,6 @@
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from reference import contract_layout
@@ -86,3 +89,52 @@ def test_a_reserve_over_the_budget_fails_at_create_though_the_keys_fit():
     with pytest.raises(CapacityError, match="budget"):
         st.create(ShardWrite("c", 0, "float32", 10**6, np.arange(10), reserve=10**6), k, v, context={})
     assert st.held() == [] and st.used == 0
+
+
+def test_concurrent_creates_never_overdraw_the_budget():
+    # Eight threads each create a shard that takes 30% of the budget: three fit, five must fail,
+    # however the threads interleave (the budget check and the insert are one write).
+    n = 20_000
+    need = padded_capacity(n) * bytes_per_key(2, 8, 4, np.dtype(np.float32))
+    st = ShardStore(budget_bytes=int(need / 0.3))
+    k, v = kv(n)
+    start = threading.Barrier(8)
+
+    def create(i):
+        start.wait()
+        try:
+            st.create(ShardWrite(f"c{i}", 0, "float32", n, np.arange(n)), k, v, context={})
+            return True
+        except CapacityError:
+            return False
+
+    with ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(create, range(8)))
+    assert sum(made) == 3 and len(st.held()) == 3 and st.used <= st.budget
+
+
+def test_readers_see_the_committed_prefix_while_a_writer_appends():
+    st = ShardStore(budget_bytes=10**9)
+    k, v = kv(64 * 500)
+    st.create(ShardWrite("c", 0, "float32", len(k), np.arange(64)), k[:64], v[:64], context={})
+    committed = [64]
+    done = threading.Event()
+
+    def write():
+        for lo in range(64, len(k), 64 * 25):  # grows the shard (new arrays, keys copied) many times
+            hi = min(lo + 64 * 25, len(k))
+            st.append(ShardWrite("c", 0, "float32", len(k), np.arange(lo, hi)), k[lo:hi], v[lo:hi], committed=lo)
+            committed[0] = hi
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reads = 0
+    while not done.is_set() or reads < 3:
+        n = committed[0]
+        got_k, got_v = contract_layout(st.view("c", 0, n))
+        np.testing.assert_array_equal(got_k, k[:n])
+        np.testing.assert_array_equal(got_v, v[:n])
+        reads += 1
+    writer.join()
+    assert st.info("c", 0).length == len(k)

@@ -1,10 +1,16 @@
 """The Ray shard worker: one process, one device, a kernel and a store of resident shards.
 
 The class is plain Python (testable without Ray); ``service.cluster.pool`` wraps
-it with ``ray.remote`` and the resources it needs, and is the only caller of its
-methods. Configuration arrives through the constructor as a
+it with ``ray.remote`` as a threaded actor and the resources it needs, and is the
+only caller of its methods. Configuration arrives through the constructor as a
 :class:`workers.config.WorkerConfig`; work arrives as the typed payloads of
 ``workers.tasks``.
+
+Each call runs in a thread of its own. Computations go through one compute thread
+(``workers.batch``): queries over the same resident shards that wait together are
+served in one pass over the keys. Context writes run in their calling thread, next
+to the computations (the store lets readers read while a writer writes), so a long
+upload does not hold up queries.
 
 Every method returns plain data (``State``, ``ComputeStatus``, dicts of ints and
 strings); Ray moves numpy arrays through its object store without copying them
@@ -15,12 +21,15 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from merge import State, merge_all, merge_group
-from workers.api import partial_attention_resident, partial_attention_shard
+from workers.api import partial_attention_resident_many, partial_attention_shard
+from workers.batch import Batcher
 from workers.config import WorkerConfig
 from workers.store import ShardStore
 from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite
@@ -31,6 +40,31 @@ def _host_state(st: State) -> State:
     if isinstance(st.m, np.ndarray):
         return st
     return State(m=st.m.get(), l=st.l.get(), acc=st.acc.get())
+
+
+@dataclass(frozen=True, eq=False)
+class InlineJob:
+    """A state over one inline shard (never batched: its keys are its own)."""
+
+    q: Any
+    k: Any
+    v: Any
+    query: ShardQuery
+    k_pos: Any
+
+
+@dataclass(frozen=True, eq=False)
+class ResidentJob:
+    """A state over the committed prefixes of resident shards, merged here in key order."""
+
+    q: Any
+    query: ShardQuery
+    reads: tuple[ShardRead, ...]
+    fanin: int
+
+    def key(self) -> Hashable:
+        """Jobs with equal keys read the same shards with queries that may share a pass (workers.plan.batchable)."""
+        return self.reads, self.fanin, tuple(self.q.shape), np.dtype(self.q.dtype).str
 
 
 class ShardWorker:
@@ -46,6 +80,7 @@ class ShardWorker:
             self.xp = array_module()
         self.store = ShardStore(config.memory_budget_bytes, self.xp)
         self.calls = 0
+        self.compute = Batcher(self._run, max_rows=config.batch_rows, name=f"{name}-compute")
 
     # -- health -----------------------------------------------------------------
     def ping(self) -> dict:
@@ -66,6 +101,7 @@ class ShardWorker:
             "budget_bytes": self.store.budget,
             "shards": len(self.store.held()),
             "calls": self.calls,
+            "batches": self.compute.batches,
         }
 
     # -- compute ----------------------------------------------------------------
@@ -75,32 +111,49 @@ class ShardWorker:
     def partial(self, q: Any, k: Any, v: Any, query: ShardQuery, k_pos: Any) -> tuple[ComputeStatus, State]:
         """The state of ``q`` over one inline shard ``k, v`` at positions ``k_pos``."""
         self.calls += 1
-        t0 = time.perf_counter()
-        xp = self.xp
-        q_pos = query.q_pos
-        if xp is not np:
-            q, k, v, q_pos = xp.asarray(q), xp.asarray(k), xp.asarray(v), xp.asarray(q_pos)
-        st = _host_state(partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=query.options,
-                                                 kernel=self.config.kernel))
-        return ComputeStatus(self.name, time.perf_counter() - t0, st.nbytes), st
+        result: tuple[ComputeStatus, State] = self.compute.call(InlineJob(q, k, v, query, k_pos))
+        return result
 
     def partial_resident(self, q: Any, query: ShardQuery, reads: tuple[ShardRead, ...],
                          fanin: int) -> tuple[ComputeStatus, State]:
         """The merged state of ``q`` over the committed prefix of each listed shard, in key order.
 
         The shards' states merge here over ``merge_all``'s fixed tree of ``fanin``.
+        Queries over the same shards that wait together share one pass over their keys.
         """
         self.calls += 1
+        job = ResidentJob(q, query, tuple(reads), fanin)
+        result: tuple[ComputeStatus, State] = self.compute.call(job, key=job.key(),
+                                                                rows=int(q.shape[0]) * int(q.shape[1]))
+        return result
+
+    def _run(self, jobs: Sequence[InlineJob | ResidentJob]) -> list[tuple[ComputeStatus, State]]:
+        """One batch on the compute thread: a single inline job, or resident jobs of one key."""
         t0 = time.perf_counter()
         xp = self.xp
-        q_pos = query.q_pos
-        if xp is not np:
-            q, q_pos = xp.asarray(q), xp.asarray(q_pos)
-        views = [self.store.view(r.context_id, r.index, r.length) for r in reads]  # raises ShardMissing first
-        states = [partial_attention_resident(q, view, q_pos=q_pos, options=query.options, kernel=self.config.kernel)
-                  for view in views]
-        st = _host_state(merge_all(states, fanin=fanin))
-        return ComputeStatus(self.name, time.perf_counter() - t0, st.nbytes), st
+        kernel = self.config.kernel
+        job = jobs[0]
+        if isinstance(job, InlineJob):  # alone: its key is None
+            q, k, v, q_pos = job.q, job.k, job.v, job.query.q_pos
+            if xp is not np:
+                q, k, v, q_pos = xp.asarray(q), xp.asarray(k), xp.asarray(v), xp.asarray(q_pos)
+            states = [partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=job.k_pos, options=job.query.options,
+                                              kernel=kernel)]
+        else:
+            resident = [j for j in jobs if isinstance(j, ResidentJob)]
+            queries = [(xp.asarray(j.q), xp.asarray(j.query.q_pos), j.query.options) if xp is not np
+                       else (j.q, j.query.q_pos, j.query.options) for j in resident]
+            first = resident[0]
+            views = [self.store.view(r.context_id, r.index, r.length) for r in first.reads]  # raises ShardMissing first
+            per_view = [partial_attention_resident_many(queries, view, kernel=kernel) for view in views]
+            states = [merge_all([states_of_view[i] for states_of_view in per_view], fanin=first.fanin)
+                      for i in range(len(resident))]
+        seconds = time.perf_counter() - t0
+        out = []
+        for st in states:
+            st = _host_state(st)
+            out.append((ComputeStatus(self.name, seconds, st.nbytes, batch=len(jobs)), st))
+        return out
 
     def merge_states(self, *states: State) -> State:
         """One node of the distributed merge tree (same ``merge_group`` as a local merge)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.batch import MAX_BATCH_ROWS
 from workers.options import KernelOptions
 
 DEVICES = ("cpu", "gpu")
@@ -16,14 +17,19 @@ class WorkerConfig:
     * ``device``: ``"cpu"`` (numpy kernel) or ``"gpu"`` (cupy; the actor asks Ray for a GPU).
     * ``kernel``: how the kernel walks the keys (block size, scratch, threads, GPU kernels).
     * ``memory_budget_bytes``: bytes of resident context shards this worker may hold.
+    * ``batch_rows``: query rows (``n_q * h_q``) one pass over resident keys may serve
+      together (``workers.batch``); 1 serves every request alone.
     """
 
     device: str = "cpu"
     kernel: KernelOptions = field(default_factory=KernelOptions)
     memory_budget_bytes: int = 2 * 2**30
+    batch_rows: int = MAX_BATCH_ROWS
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.memory_budget_bytes < 0:
             raise ValueError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
+        if self.batch_rows < 1:
+            raise ValueError(f"batch_rows must be >= 1, got {self.batch_rows}")

@@ -8,10 +8,17 @@ workers report (``held``).
 Appends only ever add keys at the end, so a reader that asks for the first
 ``length`` keys (the directory's committed length) sees a consistent prefix even
 while an append to this shard is under way.
+
+The worker calls the store from several threads (``workers.actor``). Writes
+(create, append, truncate, drop) run one at a time under ``_writing``: the budget
+is checked and charged by one writer at a time. ``_index`` guards the maps and is
+held only to look up, insert or remove, never while keys are copied, so a query
+reads its view while a long write copies.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -54,10 +61,14 @@ class ShardStore:
         self.xp = xp
         self._shards: dict[tuple[str, int], StreamingKV] = {}
         self._info: dict[str, dict] = {}  # context_id -> the newest committed context record seen
+        self._writing = threading.Lock()  # one write at a time (module doc)
+        self._index = threading.Lock()  # the two maps, held briefly
 
     @property
     def used(self) -> int:
-        return sum(kv.nbytes for kv in self._shards.values())
+        with self._index:
+            shards = list(self._shards.values())
+        return sum(kv.nbytes for kv in shards)
 
     def _reserve(self, extra: int, what: str) -> None:
         if self.used + extra > self.budget:
@@ -72,6 +83,10 @@ class ShardStore:
         so appends up to it neither grow nor copy the shard, and the budget is
         charged for all of it now.
         """
+        with self._writing:
+            return self._create(write, k, v, context)
+
+    def _create(self, write: ShardWrite, k: Any, v: Any, context: dict) -> ShardInfo:
         context_id, index = write.context_id, write.index
         key = (context_id, index)
         if key in self._shards:
@@ -84,7 +99,8 @@ class ShardStore:
                       f"shard {index} of context {context_id}")
         kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity)
         kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos), max_capacity=write.max_capacity)
-        self._shards[key] = kv
+        with self._index:
+            self._shards[key] = kv
         self.note_context(context_id, context)
         return self.info(context_id, index)
 
@@ -95,6 +111,10 @@ class ShardStore:
         front end failed or gave up); they are dropped first, so the new keys
         always follow the committed prefix.
         """
+        with self._writing:
+            return self._append(write, k, v, committed)
+
+    def _append(self, write: ShardWrite, k: Any, v: Any, committed: int) -> ShardInfo:
         context_id, index = write.context_id, write.index
         kv = self._get(context_id, index)
         if committed > kv.n_k:
@@ -110,22 +130,25 @@ class ShardStore:
         return self.info(context_id, index)
 
     def truncate(self, context_id: str, index: int, length: int) -> None:
-        self._get(context_id, index).truncate(length)
+        with self._writing:
+            self._get(context_id, index).truncate(length)
 
     def drop(self, context_id: str, index: int | None = None) -> int:
         """Free one shard or every shard of a context; returns the number freed."""
-        keys = [key for key in self._shards if key[0] == context_id and (index is None or key[1] == index)]
-        for key in keys:
-            del self._shards[key]
-        if not any(key[0] == context_id for key in self._shards):
-            self._info.pop(context_id, None)
-        return len(keys)
+        with self._writing, self._index:
+            keys = [key for key in self._shards if key[0] == context_id and (index is None or key[1] == index)]
+            for key in keys:
+                del self._shards[key]
+            if not any(key[0] == context_id for key in self._shards):
+                self._info.pop(context_id, None)
+            return len(keys)
 
     def note_context(self, context_id: str, record: dict) -> None:
         """Remember the context's committed record (kept if its version is the newest seen)."""
-        old = self._info.get(context_id)
-        if old is None or record.get("version", 0) >= old.get("version", 0):
-            self._info[context_id] = dict(record)
+        with self._index:
+            old = self._info.get(context_id)
+            if old is None or record.get("version", 0) >= old.get("version", 0):
+                self._info[context_id] = dict(record)
 
     def view(self, context_id: str, index: int, length: int) -> StreamingView:
         """The first ``length`` keys of a shard (the committed prefix)."""
@@ -137,15 +160,25 @@ class ShardStore:
 
     def info(self, context_id: str, index: int) -> ShardInfo:
         kv = self._get(context_id, index)
+        with self._index:
+            context = dict(self._info.get(context_id, {}))
         return ShardInfo(context_id=context_id, index=index, length=kv.n_k, h_kv=kv.h_kv, d=kv.d, d_v=kv.d_v,
-                         dtype=dtype_name(kv.dtype), nbytes=kv.nbytes,
-                         context=dict(self._info.get(context_id, {})))
+                         dtype=dtype_name(kv.dtype), nbytes=kv.nbytes, context=context)
 
     def held(self) -> list[ShardInfo]:
-        return [self.info(c, i) for c, i in sorted(self._shards)]
+        with self._index:
+            keys = sorted(self._shards)
+        out = []
+        for c, i in keys:
+            try:
+                out.append(self.info(c, i))
+            except ShardMissing:  # dropped since the keys were listed
+                pass
+        return out
 
     def _get(self, context_id: str, index: int) -> StreamingKV:
-        kv = self._shards.get((context_id, index))
+        with self._index:
+            kv = self._shards.get((context_id, index))
         if kv is None:
             raise ShardMissing(f"this worker does not hold shard {index} of context {context_id}")
         return kv

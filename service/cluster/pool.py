@@ -73,6 +73,7 @@ def worker_config(settings: ServiceSettings, device: str) -> WorkerConfig:
         kernel=KernelOptions(block_size=settings.block_size, threads=settings.kernel_threads,
                              gpu_kernels=settings.gpu_kernels),
         memory_budget_bytes=settings.worker_memory_bytes,
+        batch_rows=settings.batch_rows,
     )
 
 
@@ -125,7 +126,10 @@ class WorkerPool:
             "namespace": self.settings.ray_namespace,
             "get_if_exists": True,
             "max_restarts": 0,
-            "max_concurrency": 1,
+            # Threaded: a call waits in its own thread for the worker's one compute
+            # thread (workers.batch), so queries that arrive together share a pass
+            # and a context write does not wait behind them.
+            "max_concurrency": self.settings.worker_concurrency,
             "num_cpus": self.settings.worker_cpus if self.device == "cpu" else 0,
             "num_gpus": 1 if self.device == "gpu" else 0,
             "scheduling_strategy": "SPREAD",

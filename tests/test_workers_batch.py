@@ -1,0 +1,138 @@
+"""The compute thread of a shard worker: what waits together on the same shards runs together."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from reference import assert_close_to_reference
+
+from merge import finalize
+from workers.actor import ShardWorker
+from workers.batch import Batcher
+from workers.config import WorkerConfig
+from workers.options import AttentionOptions
+from workers.tasks import ShardQuery, ShardRead, ShardWrite
+
+
+class Gate:
+    """A run function whose first batch waits until released, recording every batch it runs."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+        self.started = threading.Event()
+        self.batches: list[list] = []
+
+    def run(self, payloads):
+        self.batches.append(list(payloads))
+        if len(self.batches) == 1:
+            self.started.set()
+            assert self.open.wait(30)
+        if any(p == "boom" for p in payloads):
+            raise ValueError("payload must not be boom, got boom")
+        return [f"done {p}" for p in payloads]
+
+
+def queued(batcher: Batcher, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(batcher._queue) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+
+
+def test_jobs_waiting_together_with_one_key_run_as_one_batch_in_arrival_order():
+    gate = Gate()
+    b = Batcher(gate.run)
+    first = b.submit("first", key="a")
+    assert gate.started.wait(10)  # an idle batcher starts a job at once: no timer
+    later = [b.submit(p, key=k) for p, k in [("a1", "a"), ("b1", "b"), ("a2", "a"), ("x", None), ("a3", "a")]]
+    queued(b, 5)
+    gate.open.set()
+    assert first.result(10) == "done first"
+    assert [f.result(10) for f in later] == ["done a1", "done b1", "done a2", "done x", "done a3"]
+    assert gate.batches == [["first"], ["a1", "a2", "a3"], ["b1"], ["x"]]
+
+
+def test_a_batch_holds_at_most_max_rows():
+    gate = Gate()
+    b = Batcher(gate.run, max_rows=5)
+    b.submit("first", key="k")
+    assert gate.started.wait(10)
+    futures = [b.submit(f"r{i}", key="k", rows=2) for i in range(5)]
+    queued(b, 5)
+    gate.open.set()
+    [f.result(10) for f in futures]
+    assert gate.batches[1:] == [["r0", "r1"], ["r2", "r3"], ["r4"]]
+
+
+def test_a_failing_job_fails_alone_and_its_batch_mates_still_answer():
+    gate = Gate()
+    b = Batcher(gate.run)
+    b.submit("first", key="k")
+    assert gate.started.wait(10)
+    ok1, bad, ok2 = (b.submit(p, key="k") for p in ("one", "boom", "two"))
+    queued(b, 3)
+    gate.open.set()
+    assert ok1.result(10) == "done one" and ok2.result(10) == "done two"
+    with pytest.raises(ValueError, match="payload must not be boom"):
+        bad.result(10)
+
+
+def test_max_rows_must_be_positive():
+    with pytest.raises(ValueError, match="max_rows must be >= 1, got 0"):
+        Batcher(lambda p: p, max_rows=0)
+
+
+# -- through a shard worker -------------------------------------------------------------------
+
+def worker_with_context(rng, n_k=3000, dtype=np.float32):
+    w = ShardWorker(WorkerConfig(), "w0")
+    k = rng.standard_normal((n_k, 2, 32)).astype(dtype)
+    v = rng.standard_normal((n_k, 2, 16)).astype(dtype)
+    w.create_shard(ShardWrite("ctx", 0, np.dtype(dtype).name, n_k, np.arange(n_k)), k, v, {"version": 1})
+    return w, k, v
+
+
+def test_concurrent_queries_on_a_worker_share_a_pass_and_keep_their_bits(rng):
+    w, k, v = worker_with_context(rng)
+    reads = (ShardRead("ctx", 0, 3000),)
+    qs = [(rng.standard_normal((1, 8, 32)).astype(np.float32), np.array([2999 - i])) for i in range(8)]
+    opts = AttentionOptions(causal=True)
+    alone = [w.partial_resident(q, ShardQuery(qp, opts), reads, 2)[1] for q, qp in qs]
+    # Hold the compute thread on a first query until eight more wait behind it.
+    held, release = threading.Event(), threading.Event()
+
+    def held_run(jobs):
+        if not held.is_set():
+            held.set()
+            assert release.wait(30)
+        return w._run(jobs)
+
+    w.compute = Batcher(held_run)
+    with ThreadPoolExecutor(9) as pool:
+        first = pool.submit(w.partial_resident, qs[0][0], ShardQuery(qs[0][1], opts), reads, 2)
+        assert held.wait(10)
+        futures = [pool.submit(w.partial_resident, q, ShardQuery(qp, opts), reads, 2) for q, qp in qs]
+        queued(w.compute, 8)
+        release.set()
+        assert first.result(60)[0].batch == 1
+        results = [f.result(60) for f in futures]
+    assert [status.batch for status, _ in results] == [8] * 8
+    for (q, q_pos), (_, state), solo in zip(qs, results, alone):
+        assert state.m.tobytes() == solo.m.tobytes() and state.acc.tobytes() == solo.acc.tobytes()
+        out, lse = finalize(state)
+        assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=q_pos)
+
+
+def test_a_query_over_a_shard_the_worker_lacks_fails_alone(rng):
+    from workers.store import ShardMissing
+
+    w, _, _ = worker_with_context(rng, n_k=100)
+    q = rng.standard_normal((1, 8, 32)).astype(np.float32)
+    with pytest.raises(ShardMissing):
+        w.partial_resident(q, ShardQuery(np.array([5]), AttentionOptions()), (ShardRead("nope", 0, 3),), 2)
+    status, _ = w.partial_resident(q, ShardQuery(np.array([5]), AttentionOptions()), (ShardRead("ctx", 0, 100),), 2)
+    assert status.batch == 1 and w.ping()["batches"] >= 2

@@ -1,0 +1,102 @@
+"""Serving what is queued together: one compute thread per worker, batching requests over the same shards.
+
+A shard worker runs as a threaded Ray actor: each call waits in its own thread on
+a :class:`Batcher`, whose single compute thread runs the work. When the thread
+finishes a batch it takes the oldest waiting job and, if that job is batchable,
+every other waiting job with the same key (the same resident shards and query
+shape: ``workers.plan.batchable`` decides what shares a pass), up to a bound on
+rows; jobs it leaves keep their order. Nothing waits on a timer: an idle worker
+starts the first job at once, and a batch is what arrived while the previous one
+ran. Each job's result (or exception) goes back to its own caller.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Query rows (``n_q * h_q`` summed over the jobs) a batch holds at most; the
+#: stacked tile grows with them. A job bigger than this still runs, alone.
+MAX_BATCH_ROWS = 1024
+
+
+@dataclass(eq=False)
+class Pending:
+    """One job waiting for the compute thread."""
+
+    payload: Any
+    key: Hashable | None  #: jobs with equal keys may run together; None: always alone
+    rows: int  #: rows it adds to a batch
+    future: Future = field(default_factory=Future)
+
+
+class Batcher:
+    """A FIFO of jobs served by one thread, equal-key jobs batched (module doc).
+
+    ``run(payloads)`` computes one batch and returns one result per payload, in order.
+    """
+
+    def __init__(self, run: Callable[[Sequence[Any]], Sequence[Any]], *, max_rows: int = MAX_BATCH_ROWS,
+                 name: str = "splitkey-compute") -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self._run = run
+        self._max_rows = max_rows
+        self._queue: deque[Pending] = deque()
+        self._ready = threading.Condition()
+        self.batches = 0  #: batches run so far (for tests and metrics)
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, payload: Any, key: Hashable | None = None, rows: int = 1) -> Future:
+        """Queue a job; its future holds its result, or the exception its batch raised."""
+        job = Pending(payload, key, rows)
+        with self._ready:
+            self._queue.append(job)
+            self._ready.notify()
+        return job.future
+
+    def call(self, payload: Any, key: Hashable | None = None, rows: int = 1) -> Any:
+        """Queue a job and wait for its result (what a Ray actor method's thread does)."""
+        return self.submit(payload, key, rows).result()
+
+    def _take(self) -> list[Pending]:
+        """The oldest job and, when it has a key, the waiting jobs with that key, within the row bound."""
+        first = self._queue.popleft()
+        batch = [first]
+        if first.key is None:
+            return batch
+        rows = first.rows
+        for job in list(self._queue):
+            if job.key == first.key and rows + job.rows <= self._max_rows:
+                self._queue.remove(job)
+                batch.append(job)
+                rows += job.rows
+        return batch
+
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                batch = self._take()
+            self.batches += 1
+            self._finish(batch)
+
+    def _finish(self, batch: list[Pending]) -> None:
+        try:
+            results = self._run([job.payload for job in batch])
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller gets the failure
+            if len(batch) > 1:
+                # One job's failure must not fail the others: run them one by one.
+                for job in batch:
+                    self._finish([job])
+                return
+            batch[0].future.set_exception(exc)
+            return
+        for job, result in zip(batch, results):
+            job.future.set_result(result)
