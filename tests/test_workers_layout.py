@@ -55,3 +55,19 @@ def test_padded_capacity_avoids_power_of_two_strides():
     for n in (1, 256, 1024, 65536):
         c = padded_capacity(n)
         assert c >= n and c & (c - 1) != 0
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64], ids=lambda t: np.dtype(t).name)
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 129, 1000])
+def test_appended_keys_and_values_are_the_bits_given_in_the_streaming_layout(dtype, n):
+    rng = np.random.default_rng(n)
+    k = rng.standard_normal((n, 3, 5)).astype(dtype)
+    v = rng.standard_normal((n, 3, 7)).astype(dtype)
+    kv = StreamingKV(3, 5, 7, dtype, capacity=7)  # grows (copies what it holds) on the second append
+    half = n // 2
+    kv.append(k[:half], v[:half], np.arange(half))
+    kv.append(k[half:], v[half:], np.arange(half, n))
+    view = kv.snapshot()
+    assert view.kt.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(view.kt.view(np.uint8), k.transpose(1, 2, 0).copy().view(np.uint8))
+    np.testing.assert_array_equal(view.v.view(np.uint8), v.transpose(1, 0, 2).copy().view(np.uint8))
