@@ -3,11 +3,17 @@ and the per-request stage timings that feed them and the ``Server-Timing`` heade
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-STAGES = ("parse", "scatter", "compute", "merge", "encode", "total")
+#: Stages of a request: an attention request is parse, scatter, compute, merge, encode;
+#: a context write is parse, place (pick workers), put (into Ray's object store), store
+#: (the workers copy the keys in), commit (the directory, and the record on each holder).
+STAGES = ("parse", "scatter", "compute", "merge", "encode", "place", "put", "store", "commit", "total")
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -22,6 +28,15 @@ class Timings:
             raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
         self.stages[stage] = self.stages.get(stage, 0.0) + seconds
 
+    @contextmanager
+    def measure(self, stage: str) -> Iterator[None]:
+        """Add the time the ``with`` block takes to ``stage``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - t0)
+
     def header(self) -> str:
         """The ``Server-Timing`` header value: ``parse;dur=1.234, ...`` in milliseconds."""
         return ", ".join(f"{name};dur={sec * 1000:.3f}" for name, sec in self.stages.items())
@@ -32,7 +47,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.stage_seconds = Histogram(
-            "splitkey_request_stage_seconds", "Seconds per request stage (parse, scatter, compute, merge, encode, total).",
+            "splitkey_request_stage_seconds", "Seconds per request stage (service.metrics.STAGES).",
             ["route", "stage"], buckets=BUCKETS, registry=r)
         self.requests = Counter("splitkey_requests", "Requests by route and status code.", ["route", "code"], registry=r)
         self.bytes_in = Counter("splitkey_request_body_bytes", "Request body bytes read.", ["route"], registry=r)

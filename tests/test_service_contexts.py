@@ -291,3 +291,17 @@ def test_concurrent_appends_after_the_same_length_store_exactly_one(server, clie
     assert sorted(codes) == [200] + [409] * 5  # the check runs under the context's lease
     assert client.get_context(ctx["id"])["length"] == 30
     client.delete_context(ctx["id"])
+
+
+def test_context_writes_report_their_stages_in_server_timing_and_metrics(server, rng):
+    k, v = kv(rng, 300)
+    created = post_kv(server.url, "/v1/contexts", k[:200], v[:200])
+    appended = post_kv(server.url, f"/v1/contexts/{created.json()['id']}/append", k[200:], v[200:])
+    for r, expected in ((created, {"parse", "place", "put", "store", "commit", "total"}),
+                        (appended, {"parse", "put", "store", "commit", "total"})):  # place: only for new shards
+        stages = {part.split(";")[0].strip() for part in r.headers["server-timing"].split(",")}
+        assert expected <= stages
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    for route in ("/v1/contexts", "/v1/contexts/{id}/append"):
+        assert f'splitkey_request_stage_seconds_count{{route="{route}",stage="store"}}' in metrics
+    httpx.delete(f"{server.url}/v1/contexts/{created.json()['id']}", timeout=30)

@@ -33,6 +33,7 @@ from service.errors import (
     LengthMismatch,
     WorkersUnavailable,
 )
+from service.metrics import Timings
 from service.settings import ServiceSettings
 from service.wire.request import AttentionRequest, ContextWrite, InlineKV
 from workers.dtypes import dtype_name, dtype_of
@@ -176,7 +177,8 @@ class ContextService:
         return int((await self.directory.ping())["contexts"])
 
     # -- writes ---------------------------------------------------------------
-    async def create(self, write: ContextWrite) -> dict:
+    async def create(self, write: ContextWrite, timings: Timings) -> dict:
+        """A new context holding the write's keys; ``timings`` gets its place, put, store and commit stages."""
         kv = write.kv
         n, dims = kv.dims.n_k, kv.dims
         k_pos = self._positions(kv, start=0)
@@ -191,23 +193,29 @@ class ContextService:
             "replicas": replicas, "shard_capacity": plan.capacity, "expected_length": write.expected_length,
             "next_pos": int(np.max(k_pos)) + 1 if n else 0, "version": 1, "shards": []}
         bounds = plan.bounds
-        placement = await self._place(plan.sizes, record)
-        parts = await self.pool.put(*(a for lo, hi in bounds for a in (kv.k[lo:hi], kv.v[lo:hi])))
+        with timings.measure("place"):
+            placement = await self._place(plan.sizes, record)
+        with timings.measure("put"):
+            parts = await self.pool.put(*(a for lo, hi in bounds for a in (kv.k[lo:hi], kv.v[lo:hi])))
         writes: list[Awaitable[Any]] = []
         for i, (lo, hi) in enumerate(bounds):
             record["shards"].append({"index": i, "length": hi - lo, "workers": self.pool.names(placement[i])})
             shard = ShardWrite(record["id"], i, record["dtype"], plan.capacity, k_pos[lo:hi], reserve=plan.reserve)
             writes += [self.pool.create_shard(w, shard, parts[2 * i], parts[2 * i + 1], record) for w in placement[i]]
         try:
-            await self._write_all(writes)
+            with timings.measure("store"):
+                await self._write_all(writes)
         except Exception:
             await self._drop_everywhere(record["id"])
             raise
-        await self.directory.commit(record, None)
+        with timings.measure("commit"):
+            await self.directory.commit(record, None)
         return describe(record)
 
-    async def append(self, ctx_id: str, write: ContextWrite) -> dict:
-        owner = await self._acquire(ctx_id)
+    async def append(self, ctx_id: str, write: ContextWrite, timings: Timings) -> dict:
+        """The write's keys after the context's; ``timings`` as for :meth:`create` (commit includes the lease)."""
+        with timings.measure("commit"):
+            owner = await self._acquire(ctx_id)
         try:
             old = await self._record(ctx_id)
             if write.after is not None and write.after != length(old):
@@ -224,18 +232,21 @@ class ContextService:
             new["version"] += 1
             if n:
                 new["next_pos"] = max(old["next_pos"], int(np.max(k_pos)) + 1)
-            writes, undo, taken = await self._fill_open_shards(new, kv, k_pos)
-            more_writes, more_undo = await self._open_shards(new, kv, k_pos, taken)
+            writes, undo, taken = await self._fill_open_shards(new, kv, k_pos, timings)
+            more_writes, more_undo = await self._open_shards(new, kv, k_pos, taken, timings)
             try:
-                await self._write_all(writes + more_writes)
+                with timings.measure("store"):
+                    await self._write_all(writes + more_writes)
             except Exception:
                 await asyncio.gather(*(self._undo(u) for u in undo + more_undo))
                 raise
-            await self.directory.commit(new, owner)
-            await self._note(new)
+            with timings.measure("commit"):
+                await self.directory.commit(new, owner)
+                await self._note(new)
             return describe(new)
         finally:
-            await self.directory.release(ctx_id, owner)
+            with timings.measure("commit"):
+                await self.directory.release(ctx_id, owner)
 
     async def delete(self, ctx_id: str) -> dict:
         await self._acquire(ctx_id)
@@ -246,8 +257,8 @@ class ContextService:
         return describe(rec)
 
     # -- the parts of an append ---------------------------------------------------
-    async def _fill_open_shards(self, new: ContextRecord, kv: InlineKV,
-                                k_pos: np.ndarray) -> tuple[list[Awaitable[Any]], list[Undo], int]:
+    async def _fill_open_shards(self, new: ContextRecord, kv: InlineKV, k_pos: np.ndarray,
+                                timings: Timings) -> tuple[list[Awaitable[Any]], list[Undo], int]:
         """Append to the open shards (:func:`open_shards`) while they have room; updates ``new``;
         returns their writes, their undos and the keys taken."""
         writes: list[Awaitable[Any]] = []
@@ -256,7 +267,8 @@ class ContextService:
         for entry in open_shards(new["shards"]):
             take = min(new["shard_capacity"] - entry["length"], kv.dims.n_k - taken)
             if take > 0:
-                more_writes, more_undo = await self._fill(new, entry, kv, k_pos, taken, take)
+                with timings.measure("put"):
+                    more_writes, more_undo = await self._fill(new, entry, kv, k_pos, taken, take)
                 writes, undo, taken = writes + more_writes, undo + more_undo, taken + take
         return writes, undo, taken
 
@@ -274,17 +286,19 @@ class ContextService:
         entry["length"] += take
         return writes, undo
 
-    async def _open_shards(self, new: ContextRecord, kv: InlineKV, k_pos: np.ndarray,
-                           start: int) -> tuple[list[Awaitable[Any]], list[Undo]]:
+    async def _open_shards(self, new: ContextRecord, kv: InlineKV, k_pos: np.ndarray, start: int,
+                           timings: Timings) -> tuple[list[Awaitable[Any]], list[Undo]]:
         """New shards for keys ``[start, n)`` of the append; updates ``new`` and returns their writes."""
         cap, rest = new["shard_capacity"], kv.dims.n_k - start
         sizes = [min(cap, rest - i) for i in range(0, rest, cap)]
         if not sizes:
             return [], []
         reserve = reserve_of(new)
-        placement = await self._place([reserve or size for size in sizes], new)
+        with timings.measure("place"):
+            placement = await self._place([reserve or size for size in sizes], new)
         starts = [start + sum(sizes[:i]) for i in range(len(sizes))]
-        parts = await self.pool.put(*(a for lo, size in zip(starts, sizes) for a in (kv.k[lo:lo + size],
+        with timings.measure("put"):
+            parts = await self.pool.put(*(a for lo, size in zip(starts, sizes) for a in (kv.k[lo:lo + size],
                                                                                     kv.v[lo:lo + size])))
         writes: list[Awaitable[Any]] = []
         undo: list[Undo] = []

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from service.errors import ContextNotFound, error_responses
+from service.metrics import Timings
 from service.routes.common import app_state, body_limit, decode_body, off_loop, read_body, runtime, to_completion
 from service.runtime import AppState
 from service.wire.json_codec import ContextAppendRequestModel, ContextCreateRequestModel, ContextWriteModel
@@ -31,11 +34,20 @@ def _check_id(state: AppState, ctx_id: str) -> str:
     return ctx_id
 
 
-async def _write(request: Request, kind: BodyKind) -> ContextWrite:
+async def _write(request: Request, kind: BodyKind, timings: Timings) -> ContextWrite:
     state = app_state(request)
-    fmt = request_format(request.headers.get("content-type"))
-    body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
-    return await off_loop(len(body), _decode, fmt, body, request.query_params, kind, state.limits)
+    with timings.measure("parse"):
+        fmt = request_format(request.headers.get("content-type"))
+        body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
+        return await off_loop(len(body), _decode, fmt, body, request.query_params, kind, state.limits)
+
+
+def _timed(request: Request, route: str, timings: Timings, t0: float, response: JSONResponse) -> JSONResponse:
+    """The response with its ``Server-Timing`` (docs/SERVICE.md), the stages into the metrics."""
+    timings.add("total", time.perf_counter() - t0)
+    response.headers["Server-Timing"] = timings.header()
+    app_state(request).metrics.observe_stages(route, timings)
+    return response
 
 
 def _decode(fmt: Format, body: memoryview, query: object, kind: BodyKind, limits: Limits) -> ContextWrite:
@@ -46,19 +58,20 @@ def _decode(fmt: Format, body: memoryview, query: object, kind: BodyKind, limits
              responses=error_responses(400, 401, 413, 415, 422, 429, 503, 507),
              openapi_extra=_body_doc(ContextCreateRequestModel))
 async def create_context(request: Request) -> JSONResponse:
-    rt = runtime(request)
-    desc = await to_completion(rt.contexts.create(await _write(request, CONTEXT_CREATE)))
-    return JSONResponse(desc, status_code=201, headers={"Location": f"{ROUTE}/{desc['id']}"})
+    rt, t0, timings = runtime(request), time.perf_counter(), Timings()
+    desc = await to_completion(rt.contexts.create(await _write(request, CONTEXT_CREATE, timings), timings))
+    return _timed(request, ROUTE, timings, t0,
+                  JSONResponse(desc, status_code=201, headers={"Location": f"{ROUTE}/{desc['id']}"}))
 
 
 @router.post(ROUTE + "/{ctx_id}/append", summary="Append k, v to a context",
              responses=error_responses(400, 401, 404, 409, 413, 415, 422, 429, 503, 507),
              openapi_extra=_body_doc(ContextAppendRequestModel))
 async def append_context(ctx_id: str, request: Request) -> JSONResponse:
-    rt = runtime(request)
+    rt, t0, timings = runtime(request), time.perf_counter(), Timings()
     _check_id(app_state(request), ctx_id)
-    desc = await to_completion(rt.contexts.append(ctx_id, await _write(request, CONTEXT_APPEND)))
-    return JSONResponse(desc)
+    desc = await to_completion(rt.contexts.append(ctx_id, await _write(request, CONTEXT_APPEND, timings), timings))
+    return _timed(request, "/v1/contexts/{id}/append", timings, t0, JSONResponse(desc))
 
 
 @router.get(ROUTE, summary="List contexts", responses=error_responses(401))
