@@ -209,8 +209,9 @@ def test_json_create_and_query(server, rng):
     assert httpx.delete(server.url + f"/v1/contexts/{ctx['id']}").status_code == 200
 
 
-def test_context_with_nan_keys_is_refused_and_nothing_is_stored(client, rng):
-    k, v = kv(rng, 40)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16], ids=["float32", "float16", "bfloat16"])
+def test_context_with_nan_keys_is_refused_and_nothing_is_stored(client, rng, dtype):
+    k, v = kv(rng, 40, dtype=dtype)
     k[7, 1, 3] = np.nan
     before = client.cluster()["bytes_held"]
     with pytest.raises(SplitkeyError) as err:

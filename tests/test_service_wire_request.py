@@ -102,5 +102,30 @@ def test_finiteness_is_checked_in_chunks_and_skips_integer_tensors(monkeypatch):
     check_finite("pos", np.arange(10))
 
 
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64], ids=lambda t: np.dtype(t).name)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_every_float_dtype_refuses_nan_and_infinity_anywhere(monkeypatch, dtype, bad):
+    from service.wire import request
+
+    monkeypatch.setattr(request, "FINITE_CHUNK", 7)
+    x = np.full(100, 65000.0, dtype=dtype)  # large, finite: not mistaken for an infinity
+    x[::3] = -x[::3]
+    check_finite("k", x)
+    for at in (0, 50, 99):
+        y = x.copy()
+        y[at] = bad
+        with service_error("invalid_tensor", "k must be finite"):
+            check_finite("k", y)
+
+
+def test_every_finite_16_bit_value_passes():
+    bits = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    for dtype in (np.float16, BFLOAT16):
+        values = bits.view(dtype)
+        finite = values[np.isfinite(values.astype(np.float32))]
+        check_finite("k", finite)
+        assert len(finite) == 2**16 - (2048 if dtype == np.float16 else 256)  # exponent all ones: 2**(16-5), 2**(16-8)
+
+
 def test_options_default_to_the_library_defaults():
     assert attention_request(attention(arrays())).options.__dict__ == AttentionOptions().__dict__

@@ -18,11 +18,14 @@ import numpy as np
 
 from service.errors import InvalidOption, InvalidTensor
 from service.wire.rules import RequestOptions
+from workers.dtypes import BFLOAT16, FLOAT16
 from workers.options import AttentionOptions
 from workers.problem import KVDims, check_alibi, check_heads, check_kv, check_positions, check_q
 
 #: Elements checked for finiteness at a time (bounds the temporary bool array).
 FINITE_CHUNK = 1 << 20
+#: The exponent bits of each 16-bit float dtype: all ones in a NaN or an infinity.
+NONFINITE_EXPONENT = {FLOAT16: np.uint16(0x7C00), BFLOAT16: np.uint16(0x7F80)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,10 +72,24 @@ class ContextWrite:
 
 
 def check_finite(name: str, x: np.ndarray) -> None:
-    """Refuse NaN and infinities in a float tensor (checked in chunks, no full-size temporary)."""
-    if np.dtype(x.dtype).kind != "f":
-        return
+    """Refuse NaN and infinities in a float tensor (checked in chunks, no full-size temporary).
+
+    16-bit floats are checked on their bits: a value is NaN or infinite exactly when
+    its exponent bits are all ones (:data:`NONFINITE_EXPONENT`). NumPy's ``isfinite``
+    does not know bfloat16 (its dtype kind is not ``"f"``) and runs float16 at about
+    1.4 GB/s; integer masks run at memory speed.
+    """
+    dt = np.dtype(x.dtype)
     flat = x.reshape(-1)
+    mask = NONFINITE_EXPONENT.get(dt)
+    if mask is not None:
+        bits = flat.view(np.uint16)
+        for start in range(0, bits.shape[0], FINITE_CHUNK):
+            if (bits[start:start + FINITE_CHUNK] & mask == mask).any():
+                raise InvalidTensor(f"{name} must be finite, got NaN or infinity")
+        return
+    if dt.kind != "f":
+        return
     for start in range(0, flat.shape[0], FINITE_CHUNK):
         if not np.isfinite(flat[start:start + FINITE_CHUNK]).all():
             raise InvalidTensor(f"{name} must be finite, got NaN or infinity")
