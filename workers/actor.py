@@ -32,7 +32,7 @@ from workers.api import partial_attention_resident_many, partial_attention_shard
 from workers.batch import Batcher
 from workers.config import WorkerConfig
 from workers.store import ShardStore
-from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite
+from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite, arrive
 
 
 def _host_state(st: State) -> State:
@@ -111,7 +111,8 @@ class ShardWorker:
     def partial(self, q: Any, k: Any, v: Any, query: ShardQuery, k_pos: Any) -> tuple[ComputeStatus, State]:
         """The state of ``q`` over one inline shard ``k, v`` at positions ``k_pos``."""
         self.calls += 1
-        result: tuple[ComputeStatus, State] = self.compute.call(InlineJob(q, k, v, query, k_pos))
+        job = InlineJob(arrive(q), arrive(k), arrive(v), query, k_pos)
+        result: tuple[ComputeStatus, State] = self.compute.call(job)
         return result
 
     def partial_resident(self, q: Any, query: ShardQuery, reads: tuple[ShardRead, ...],
@@ -122,9 +123,9 @@ class ShardWorker:
         Queries over the same shards that wait together share one pass over their keys.
         """
         self.calls += 1
-        job = ResidentJob(q, query, tuple(reads), fanin)
+        job = ResidentJob(arrive(q), query, tuple(reads), fanin)
         result: tuple[ComputeStatus, State] = self.compute.call(job, key=job.key(),
-                                                                rows=int(q.shape[0]) * int(q.shape[1]))
+                                                                rows=int(job.q.shape[0]) * int(job.q.shape[1]))
         return result
 
     def _run(self, jobs: Sequence[InlineJob | ResidentJob]) -> list[tuple[ComputeStatus, State]]:
@@ -161,10 +162,10 @@ class ShardWorker:
 
     # -- resident shards ----------------------------------------------------------
     def create_shard(self, write: ShardWrite, k: Any, v: Any, context: dict) -> dict:
-        return self.store.create(write, k, v, context=context).to_dict()
+        return self.store.create(write, arrive(k), arrive(v), context=context).to_dict()
 
     def append_shard(self, write: ShardWrite, k: Any, v: Any, committed: int) -> dict:
-        return self.store.append(write, k, v, committed=committed).to_dict()
+        return self.store.append(write, arrive(k), arrive(v), committed=committed).to_dict()
 
     def truncate_shard(self, context_id: str, index: int, length: int) -> None:
         self.store.truncate(context_id, index, length)

@@ -3,7 +3,8 @@
 The service builds these from a validated request and the contexts directory;
 ``workers.actor.ShardWorker`` takes them as they are. ``q`` and the key/value
 arrays travel beside them as top-level task arguments, so that Ray resolves
-their object references and never copies them twice.
+their object references and never copies them twice, each wrapped by
+:func:`carry` (and unwrapped by the worker with :func:`arrive`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from workers.dtypes import BFLOAT16
 from workers.options import AttentionOptions
+
+
+@dataclass(frozen=True, eq=False)
+class Carried:
+    """A bfloat16 array on its way to a worker, as its bits (uint16).
+
+    NumPy pickles arrays of dtypes it knows from a plug-in (bfloat16) in band, as a
+    byte string: ``ray.put`` of a bfloat16 array runs at about 0.5 GB/s here, of the
+    same bytes as uint16 at memory speed (out of band, one copy into the store).
+    """
+
+    bits: Any  # the array viewed as uint16, same shape
+
+    def array(self) -> Any:
+        return self.bits.view(BFLOAT16)
+
+
+def carry(a: Any) -> Any:
+    """What goes to ``ray.put`` or into a call for array ``a``: itself, or its :class:`Carried` bits."""
+    if isinstance(a, np.ndarray) and a.dtype == BFLOAT16:
+        return Carried(a.view(np.uint16))
+    return a
+
+
+def arrive(x: Any) -> Any:
+    """The array a worker received (inverse of :func:`carry`)."""
+    return x.array() if isinstance(x, Carried) else x
 
 
 @dataclass(frozen=True, eq=False)

@@ -30,7 +30,7 @@ from service.settings import ServiceSettings
 from workers.actor import ShardWorker
 from workers.config import WorkerConfig
 from workers.options import KernelOptions
-from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite
+from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite, carry
 
 log = logging.getLogger(__name__)
 
@@ -216,10 +216,10 @@ class WorkerPool:
         event loop, so every replica's call reads the same object), small ones passed by
         value (Ray inlines them in the call, which saves a round trip to the store)."""
         big = [i for i, a in enumerate(arrays) if a.nbytes > INLINE_ARG_BYTES]
-        out = list(arrays)
+        out = [carry(a) for a in arrays]  # bfloat16 as its bits (workers.tasks.Carried)
         if big:
             try:
-                refs = await asyncio.to_thread(lambda: [ray.put(arrays[i]) for i in big])
+                refs = await asyncio.to_thread(lambda: [ray.put(out[i]) for i in big])
             except ray.exceptions.RayError as exc:
                 raise WorkersUnavailable(f"the object store must take the request's arrays, got "
                                          f"{type(exc).__name__}") from None
