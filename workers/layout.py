@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from merge import array_module
+from workers.copies import as_bits, copy_keys_dmajor, copy_values
 from workers.plan import CALL_KEYS, DECODE_ROWS
 from workers.problem import KVDims, as_array
 from workers.widen import widen
@@ -34,37 +35,6 @@ from workers.widen import widen
 STRIDE_PAD = 16
 #: Capacity granule of StreamingKV, in keys.
 CAPACITY_GRANULE = 256
-#: Keys per step of the copy into the d-major layout (:func:`copy_keys_dmajor`).
-TRANSPOSE_KEYS = 128
-#: Unsigned integers of each itemsize: copies move the bits as these (see :func:`as_bits`).
-BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def as_bits(a: Any) -> Any:
-    """The same memory as unsigned integers of the same width.
-
-    Copies of bfloat16 (a dtype numpy knows from a plug-in) go element by element
-    through the plug-in's functions, ten times slower than numpy's own strided copy
-    loops, which integers of the same width take.
-    """
-    return a.view(BITS[np.dtype(a.dtype).itemsize])
-
-
-def copy_keys_dmajor(dst: Any, k: Any) -> None:
-    """``dst [h_kv, d, n] = k [n, h_kv, d]`` transposed, ``TRANSPOSE_KEYS`` keys at a time.
-
-    One transposed copy of all ``n`` keys writes every one of the ``h_kv * d`` rows
-    of ``dst`` for each key, and the rows' cache lines are evicted before they are
-    written again; a step of 128 keys reads 128 contiguous keys (256 KiB at
-    ``h_kv = 8, d = 128``, float16) and writes each row's cache line at once.
-    """
-    if array_module(dst) is not np:  # a GPU copies the transpose at memory speed
-        dst[...] = k.transpose(1, 2, 0)
-        return
-    dst_bits, k_bits = as_bits(dst), as_bits(k)
-    for lo in range(0, int(k.shape[0]), TRANSPOSE_KEYS):
-        hi = lo + TRANSPOSE_KEYS
-        dst_bits[:, :, lo:hi] = k_bits[lo:hi].transpose(1, 2, 0)  # [h_kv, d, <=TRANSPOSE_KEYS]
 
 
 def bytes_per_key(h_kv: int, d: int, d_v: int, dtype: Any) -> int:
@@ -158,6 +128,10 @@ class StreamingKV:
     def capacity(self) -> int:
         return int(self._pos.shape[0])
 
+    def regions(self, start: int, stop: int) -> tuple[Any, Any, Any]:
+        """Where keys ``[start, stop)`` of the capacity live: views of the keys, values and positions."""
+        return self._kt[:, :, start:stop], self._v[:, start:stop], self._pos[start:stop]
+
     @property
     def nbytes(self) -> int:
         """Bytes allocated (capacity, not length)."""
@@ -205,7 +179,7 @@ class StreamingKV:
             as_bits(vv)[:, :old] = as_bits(self._v)[:, :old]
             pos[:old] = self._pos[:old]
         copy_keys_dmajor(kt[:, :, old:new], k)  # [h_kv, d, n]
-        as_bits(vv)[:, old:new] = as_bits(v).transpose(1, 0, 2)  # [h_kv, n, d_v]
+        copy_values(vv[:, old:new], v)  # [h_kv, n, d_v]
         pos[old:new] = as_array(k_pos, self.xp)
         self._kt, self._v, self._pos = kt, vv, pos
         self.n_k = new  # publish last

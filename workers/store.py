@@ -24,9 +24,28 @@ from typing import Any
 
 import numpy as np
 
+from workers.copies import prefault
 from workers.dtypes import dtype_name, dtype_of
 from workers.layout import StreamingKV, StreamingView, bytes_per_key, padded_capacity
 from workers.tasks import ShardWrite
+
+#: Keys a shard's prefault thread faults in per step, ahead of the appends.
+PREFAULT_KEYS = 8192
+
+
+def _prefault_ahead(kv: StreamingKV) -> None:
+    """Fault in a reserved shard's capacity in key order, from where the appends are (workers.copies.prefault).
+
+    Runs in a thread of its own; the appends write the same memory meanwhile, which
+    prefault leaves as it is. A step the appends already passed is skipped.
+    """
+    start = kv.n_k
+    while start < kv.capacity:
+        start = max(start, kv.n_k)
+        stop = min(start + PREFAULT_KEYS, kv.capacity)
+        if not all(prefault(region) for region in kv.regions(start, stop)):
+            return  # the platform cannot: appends fault their pages in themselves
+        start = stop
 
 
 class CapacityError(Exception):
@@ -99,6 +118,10 @@ class ShardStore:
                       f"shard {index} of context {context_id}")
         kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity)
         kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos), max_capacity=write.max_capacity)
+        if capacity > n and self.xp is np:
+            # Reserved for the appends to come: fault its memory in now, beside the
+            # upload's next chunks, instead of in each append (workers.copies.prefault).
+            threading.Thread(target=_prefault_ahead, args=(kv,), name="splitkey-prefault", daemon=True).start()
         with self._index:
             self._shards[key] = kv
         self.note_context(context_id, context)

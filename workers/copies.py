@@ -1,0 +1,135 @@
+"""Copies into the resident layout (``workers.layout.StreamingKV``) at memory speed.
+
+An append writes keys ``k [n, h_kv, d]`` into the d-major ``kt [h_kv, d, capacity]``
+and values ``v [n, h_kv, d_v]`` into ``[h_kv, capacity, d_v]``. Two things made
+that copy the slowest stage of an upload (docs/BENCHMARKS.md, issue 9):
+
+* NumPy copies arrays of a dtype it knows from a plug-in (bfloat16) element by
+  element through the plug-in's functions; as unsigned integers of the same width
+  (:func:`as_bits`) the same bytes take NumPy's own strided loops.
+* The keys' transpose: NumPy walks ``kt`` row by row and reads ``k`` with a stride
+  of ``h_kv * d`` elements (0.85 GB/s here for float16). A loop that numba compiles
+  reads ``k`` in order and writes each key's ``d`` elements down a column (about
+  2.3 GB/s for float16, 3.7 for float32); NumPy in steps of
+  :data:`TRANSPOSE_KEYS` keys is the fallback where numba is missing.
+
+The values keep their row order (``[n, d_v]`` runs per head) and copy at memory
+speed as they are.
+
+A third cost is the memory itself: the first write to a page of a new array traps
+to the kernel, and on these VMs (Firecracker, free memory handed back to the host)
+faulting in fresh memory runs at about 0.45 GB/s, slower than every copy above.
+:func:`prefault` asks the kernel to fault a range in ahead of its writes
+(``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+), which leaves what is stored there
+unchanged: a shard allocated for its whole capacity is prefaulted by a background
+thread while the upload's next chunks are still on their way (``workers.store``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from merge import array_module
+
+#: Keys per step of the NumPy fallback of :func:`copy_keys_dmajor`.
+TRANSPOSE_KEYS = 128
+#: Unsigned integers of each itemsize: copies move the bits as these (:func:`as_bits`).
+BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+#: madvise advice: fault the range in, writable, keeping its contents (Linux 5.14+).
+MADV_POPULATE_WRITE = 23
+#: Bytes per madvise call of :func:`prefault`: a thread that owns no lock, one step at a time.
+PREFAULT_STEP = 64 * 2**20
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise, or None off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def prefault(a: np.ndarray) -> bool:
+    """Fault in the whole pages of ``a``'s memory for writing, its contents unchanged (module doc).
+
+    ``a`` may be strided: each contiguous run of its last axis is one range. Returns
+    False where the kernel or platform cannot (nothing is done then). Safe while
+    other threads read or write ``a``: the kernel only maps pages in.
+    """
+    madvise = _madvise()
+    if madvise is None or a.size == 0:
+        return False
+    if a.ndim > 1 and not a.flags.c_contiguous:
+        return all(prefault(part) for part in a)
+    if a.ndim == 1 and a.strides[0] != a.itemsize:
+        return False  # not a run of memory; never asked for
+    page = mmap.PAGESIZE
+    lo = -(-a.ctypes.data // page) * page
+    hi = (a.ctypes.data + a.nbytes) // page * page
+    for start in range(lo, hi, PREFAULT_STEP):
+        if madvise(start, min(PREFAULT_STEP, hi - start), MADV_POPULATE_WRITE) != 0:
+            return False  # EINVAL before Linux 5.14: the writes fault the pages in as ever
+    return True
+
+
+def as_bits(a: Any) -> Any:
+    """The same memory as unsigned integers of the same width (module doc)."""
+    return a.view(BITS[np.dtype(a.dtype).itemsize])
+
+
+@functools.cache
+def compiled_transpose() -> Callable[[np.ndarray, np.ndarray], None] | None:
+    """The numba loop ``(dst [h_kv, d, n], k [n, h_kv, d]) -> None`` (unsigned integers of one
+    width, any strides), built on first use; None without numba."""
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - exercised where numba has no wheel
+        return None
+
+    # cache: compiled once per machine into __pycache__, not once per worker process
+    @numba.njit(nogil=True, boundscheck=False, cache=True)
+    def transpose(dst: Any, k: Any) -> None:  # pragma: no cover - compiled
+        n, h_kv, d = k.shape
+        for h in range(h_kv):
+            for j in range(n):  # k read in order; each key's d elements go down column j
+                for e in range(d):
+                    dst[h, e, j] = k[j, h, e]
+
+    return transpose
+
+
+def copy_keys_dmajor(dst: Any, k: Any) -> None:
+    """``dst [h_kv, d, n] = k [n, h_kv, d]`` transposed, bit for bit (module doc)."""
+    if array_module(dst) is not np:  # a GPU copies the transpose at memory speed
+        dst[...] = k.transpose(1, 2, 0)
+        return
+    dst_bits, k_bits = as_bits(dst), as_bits(k)
+    loop = compiled_transpose()
+    if loop is not None:
+        if k.size:
+            loop(dst_bits, k_bits)
+        return
+    for lo in range(0, int(k.shape[0]), TRANSPOSE_KEYS):
+        hi = lo + TRANSPOSE_KEYS
+        dst_bits[:, :, lo:hi] = k_bits[lo:hi].transpose(1, 2, 0)  # [h_kv, d, <=TRANSPOSE_KEYS]
+
+
+def copy_values(dst: Any, v: Any) -> None:
+    """``dst [h_kv, n, d_v] = v [n, h_kv, d_v]`` with the heads first, bit for bit."""
+    if array_module(dst) is not np:
+        dst[...] = v.transpose(1, 0, 2)
+        return
+    as_bits(dst)[...] = as_bits(v).transpose(1, 0, 2)  # [h_kv, n, d_v]
