@@ -19,9 +19,10 @@ on read.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,14 @@ def _host_state(st: State) -> State:
     if isinstance(st.m, np.ndarray):
         return st
     return State(m=st.m.get(), l=st.l.get(), acc=st.acc.get())
+
+
+#: Scheduling priority of context writes: below queries (nice 0), so a long upload leaves them the CPU.
+WRITE_NICE = 10
+
+
+def _run_each(calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    return [call() for call in calls]
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,6 +90,8 @@ class ShardWorker:
         self.store = ShardStore(config.memory_budget_bytes, self.xp)
         self.calls = 0
         self.compute = Batcher(self._run, max_rows=config.batch_rows, name=f"{name}-compute")
+        # Context writes run one at a time on a thread of their own, below the queries (docs/CONTEXTS.md).
+        self.writes = Batcher(_run_each, max_rows=1, name=f"{name}-writes", nice=WRITE_NICE)
 
     # -- health -----------------------------------------------------------------
     def ping(self) -> dict:
@@ -162,10 +173,14 @@ class ShardWorker:
 
     # -- resident shards ----------------------------------------------------------
     def create_shard(self, write: ShardWrite, k: Any, v: Any, context: dict) -> dict:
-        return self.store.create(write, arrive(k), arrive(v), context=context).to_dict()
+        k, v = write.keys_of(arrive(k)), write.keys_of(arrive(v))
+        info = self.writes.call(functools.partial(self.store.create, write, k, v, context=context))
+        return info.to_dict()
 
     def append_shard(self, write: ShardWrite, k: Any, v: Any, committed: int) -> dict:
-        return self.store.append(write, arrive(k), arrive(v), committed=committed).to_dict()
+        k, v = write.keys_of(arrive(k)), write.keys_of(arrive(v))
+        info = self.writes.call(functools.partial(self.store.append, write, k, v, committed=committed))
+        return info.to_dict()
 
     def truncate_shard(self, context_id: str, index: int, length: int) -> None:
         self.store.truncate(context_id, index, length)

@@ -12,6 +12,7 @@ ran. Each job's result (or exception) goes back to its own caller.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -41,11 +42,12 @@ class Batcher:
     """
 
     def __init__(self, run: Callable[[Sequence[Any]], Sequence[Any]], *, max_rows: int = MAX_BATCH_ROWS,
-                 name: str = "splitkey-compute") -> None:
+                 name: str = "splitkey-compute", nice: int = 0) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self._run = run
         self._max_rows = max_rows
+        self._nice = nice
         self._queue: deque[Pending] = deque()
         self._ready = threading.Condition()
         self.batches = 0  #: batches run so far (for tests and metrics)
@@ -79,6 +81,8 @@ class Batcher:
         return batch
 
     def _serve(self) -> None:
+        if self._nice:
+            lower_priority(self._nice)
         while True:
             with self._ready:
                 while not self._queue:
@@ -100,3 +104,15 @@ class Batcher:
             return
         for job, result in zip(batch, results):
             job.future.set_result(result)
+
+
+def lower_priority(nice: int) -> None:
+    """Give the calling thread the scheduling priority ``nice`` (Linux schedules threads one by one).
+
+    Bulk work (context writes, prefaulting) runs below the queries that share the
+    worker's CPU. Where a thread's priority cannot be set, it keeps the process's.
+    """
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):  # not Linux, or not permitted
+        pass

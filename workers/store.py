@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from workers.batch import lower_priority
 from workers.copies import prefault
 from workers.dtypes import dtype_name, dtype_of
 from workers.layout import StreamingKV, StreamingView, bytes_per_key, padded_capacity
@@ -31,6 +32,8 @@ from workers.tasks import ShardWrite
 
 #: Keys a shard's prefault thread faults in per step, ahead of the appends.
 PREFAULT_KEYS = 8192
+#: Its scheduling priority: below queries and writes (workers.batch.lower_priority).
+PREFAULT_NICE = 15
 
 
 def _prefault_ahead(kv: StreamingKV) -> None:
@@ -39,6 +42,7 @@ def _prefault_ahead(kv: StreamingKV) -> None:
     Runs in a thread of its own; the appends write the same memory meanwhile, which
     prefault leaves as it is. A step the appends already passed is skipped.
     """
+    lower_priority(PREFAULT_NICE)
     start = kv.n_k
     while start < kv.capacity:
         start = max(start, kv.n_k)
