@@ -72,6 +72,11 @@ class ShardWrite:
     max_capacity: int  # keys the shard may grow to
     k_pos: Any  # [n] int64 numpy array
     reserve: int = 0  # keys to allocate (and count against the budget) when the shard is created; 0: the keys written
+    span: tuple[int, int] | None = None  # keys [a, b) of the k and v sent beside it; None: all of them
+
+    def keys_of(self, a: Any) -> Any:
+        """This write's keys of an array sent beside it (k or v)."""
+        return a if self.span is None else a[self.span[0]:self.span[1]]
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ append, never half of it (docs/CONTEXTS.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import secrets
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +134,14 @@ def worker_message(exc: BaseException) -> str:
 
 
 @dataclass(frozen=True)
+class Refs:
+    """A write's k and v as the workers get them (object refs, or the arrays when small: ``pool.put``)."""
+
+    k: Any
+    v: Any
+
+
+@dataclass(frozen=True)
 class Undo:
     """What to do to one replica if a write fails elsewhere: cut the shard back, or drop it."""
 
@@ -148,6 +157,7 @@ class ContextService:
         self.pool = pool
         self.directory = directory
         self.owner = "frontend-" + secrets.token_hex(8)
+        self._turns: dict[str, asyncio.Lock] = {}  # context id -> this front end's writes take turns (_lease)
 
     # -- queries --------------------------------------------------------------
     async def resolve(self, ids: Sequence[str]) -> Resolved:
@@ -196,12 +206,13 @@ class ContextService:
         with timings.measure("place"):
             placement = await self._place(plan.sizes, record)
         with timings.measure("put"):
-            parts = await self.pool.put(*(a for lo, hi in bounds for a in (kv.k[lo:hi], kv.v[lo:hi])))
+            refs = Refs(*await self.pool.put(kv.k, kv.v))
         writes: list[Awaitable[Any]] = []
         for i, (lo, hi) in enumerate(bounds):
             record["shards"].append({"index": i, "length": hi - lo, "workers": self.pool.names(placement[i])})
-            shard = ShardWrite(record["id"], i, record["dtype"], plan.capacity, k_pos[lo:hi], reserve=plan.reserve)
-            writes += [self.pool.create_shard(w, shard, parts[2 * i], parts[2 * i + 1], record) for w in placement[i]]
+            shard = ShardWrite(record["id"], i, record["dtype"], plan.capacity, k_pos[lo:hi], reserve=plan.reserve,
+                               span=(lo, hi))
+            writes += [self.pool.create_shard(w, shard, refs.k, refs.v, record) for w in placement[i]]
         try:
             with timings.measure("store"):
                 await self._write_all(writes)
@@ -214,9 +225,9 @@ class ContextService:
 
     async def append(self, ctx_id: str, write: ContextWrite, timings: Timings) -> dict:
         """The write's keys after the context's; ``timings`` as for :meth:`create` (commit includes the lease)."""
-        with timings.measure("commit"):
-            owner = await self._acquire(ctx_id)
-        try:
+        with timings.measure("put"):  # before the lease: the next write's keys travel while this one is stored
+            refs = Refs(*await self.pool.put(write.kv.k, write.kv.v))
+        async with self._lease(ctx_id, timings) as owner:
             old = await self._record(ctx_id)
             if write.after is not None and write.after != length(old):
                 raise LengthMismatch(f"after must be the context's length {length(old)}, got {write.after}")
@@ -232,8 +243,8 @@ class ContextService:
             new["version"] += 1
             if n:
                 new["next_pos"] = max(old["next_pos"], int(np.max(k_pos)) + 1)
-            writes, undo, taken = await self._fill_open_shards(new, kv, k_pos, timings)
-            more_writes, more_undo = await self._open_shards(new, kv, k_pos, taken, timings)
+            writes, undo, taken = self._fill_open_shards(new, refs, n, k_pos)
+            more_writes, more_undo = await self._open_shards(new, refs, n, k_pos, taken, timings)
             try:
                 with timings.measure("store"):
                     await self._write_all(writes + more_writes)
@@ -242,54 +253,52 @@ class ContextService:
                 raise
             with timings.measure("commit"):
                 await self.directory.commit(new, owner)
-                await self._note(new)
-            return describe(new)
-        finally:
-            with timings.measure("commit"):
-                await self.directory.release(ctx_id, owner)
+        with timings.measure("commit"):
+            await self._note(new)  # outside the lease: a holder keeps the newest version it is told
+        return describe(new)
 
     async def delete(self, ctx_id: str) -> dict:
-        await self._acquire(ctx_id)
-        rec = await self.directory.remove(ctx_id)
+        async with self._lease(ctx_id, Timings()):
+            rec = await self.directory.remove(ctx_id)  # the lease goes with the record
+        self._turns.pop(ctx_id, None)
         if rec is None:
             raise ContextNotFound(f"id must name an existing context, got {ctx_id!r}")
         await self._drop_everywhere(ctx_id)
         return describe(rec)
 
     # -- the parts of an append ---------------------------------------------------
-    async def _fill_open_shards(self, new: ContextRecord, kv: InlineKV, k_pos: np.ndarray,
-                                timings: Timings) -> tuple[list[Awaitable[Any]], list[Undo], int]:
-        """Append to the open shards (:func:`open_shards`) while they have room; updates ``new``;
-        returns their writes, their undos and the keys taken."""
+    def _fill_open_shards(self, new: ContextRecord, refs: Refs, n: int,
+                          k_pos: np.ndarray) -> tuple[list[Awaitable[Any]], list[Undo], int]:
+        """Append the first of the write's ``n`` keys to the open shards (:func:`open_shards`) while they have
+        room; updates ``new``; returns their writes, their undos and the keys taken."""
         writes: list[Awaitable[Any]] = []
         undo: list[Undo] = []
         taken = 0
         for entry in open_shards(new["shards"]):
-            take = min(new["shard_capacity"] - entry["length"], kv.dims.n_k - taken)
+            take = min(new["shard_capacity"] - entry["length"], n - taken)
             if take > 0:
-                with timings.measure("put"):
-                    more_writes, more_undo = await self._fill(new, entry, kv, k_pos, taken, take)
+                more_writes, more_undo = self._fill(new, entry, refs, k_pos, taken, take)
                 writes, undo, taken = writes + more_writes, undo + more_undo, taken + take
         return writes, undo, taken
 
-    async def _fill(self, new: ContextRecord, entry: ShardEntry, kv: InlineKV, k_pos: np.ndarray, lo: int,
-                    take: int) -> tuple[list[Awaitable[Any]], list[Undo]]:
+    def _fill(self, new: ContextRecord, entry: ShardEntry, refs: Refs, k_pos: np.ndarray, lo: int,
+              take: int) -> tuple[list[Awaitable[Any]], list[Undo]]:
         """Append keys ``[lo, lo + take)`` of the write to shard ``entry`` of ``new`` (updated)."""
         holders = self.pool.indexes(entry["workers"], alive=True)
         if not holders:
             raise ContextLost(f"shard {entry['index']} of context {new['id']} has no live replica left")
         entry["workers"] = self.pool.names(holders)
-        k_ref, v_ref = await self.pool.put(kv.k[lo:lo + take], kv.v[lo:lo + take])
-        shard = ShardWrite(new["id"], entry["index"], new["dtype"], new["shard_capacity"], k_pos[lo:lo + take])
-        writes = [self.pool.append_shard(w, shard, k_ref, v_ref, entry["length"]) for w in holders]
+        shard = ShardWrite(new["id"], entry["index"], new["dtype"], new["shard_capacity"], k_pos[lo:lo + take],
+                           span=(lo, lo + take))
+        writes = [self.pool.append_shard(w, shard, refs.k, refs.v, entry["length"]) for w in holders]
         undo = [Undo(w, new["id"], entry["index"], entry["length"]) for w in holders]
         entry["length"] += take
         return writes, undo
 
-    async def _open_shards(self, new: ContextRecord, kv: InlineKV, k_pos: np.ndarray, start: int,
+    async def _open_shards(self, new: ContextRecord, refs: Refs, n: int, k_pos: np.ndarray, start: int,
                            timings: Timings) -> tuple[list[Awaitable[Any]], list[Undo]]:
         """New shards for keys ``[start, n)`` of the append; updates ``new`` and returns their writes."""
-        cap, rest = new["shard_capacity"], kv.dims.n_k - start
+        cap, rest = new["shard_capacity"], n - start
         sizes = [min(cap, rest - i) for i in range(0, rest, cap)]
         if not sizes:
             return [], []
@@ -297,17 +306,15 @@ class ContextService:
         with timings.measure("place"):
             placement = await self._place([reserve or size for size in sizes], new)
         starts = [start + sum(sizes[:i]) for i in range(len(sizes))]
-        with timings.measure("put"):
-            parts = await self.pool.put(*(a for lo, size in zip(starts, sizes) for a in (kv.k[lo:lo + size],
-                                                                                    kv.v[lo:lo + size])))
         writes: list[Awaitable[Any]] = []
         undo: list[Undo] = []
-        for i, (lo, size, workers) in enumerate(zip(starts, sizes, placement)):
+        for lo, size, workers in zip(starts, sizes, placement):
             idx = len(new["shards"])
             entry: ShardEntry = {"index": idx, "length": size, "workers": self.pool.names(workers)}
             new["shards"].append(entry)
-            shard = ShardWrite(new["id"], idx, new["dtype"], cap, k_pos[lo:lo + size], reserve=reserve)
-            writes += [self.pool.create_shard(w, shard, parts[2 * i], parts[2 * i + 1], new) for w in workers]
+            shard = ShardWrite(new["id"], idx, new["dtype"], cap, k_pos[lo:lo + size], reserve=reserve,
+                               span=(lo, lo + size))
+            writes += [self.pool.create_shard(w, shard, refs.k, refs.v, new) for w in workers]
             undo += [Undo(w, new["id"], idx, None) for w in workers]
         return writes, undo
 
@@ -371,8 +378,31 @@ class ContextService:
         except (WorkersUnavailable, ShardMissing, ValueError):
             pass
 
+    @contextlib.asynccontextmanager
+    async def _lease(self, ctx_id: str, timings: Timings) -> AsyncIterator[str]:
+        """The context's lease for one operation; yields the owner token to commit with.
+
+        Writes that reach this front end take turns on a lock of its own first, in
+        the order they arrived (an upload's chunks in flight together wait there
+        without asking the directory); then the directory's lease keeps out other
+        front ends. The time to take and give back both is ``timings``' commit.
+        """
+        turn = self._turns.setdefault(ctx_id, asyncio.Lock())
+        with timings.measure("commit"):
+            await turn.acquire()
+        try:
+            with timings.measure("commit"):
+                owner = await self._acquire(ctx_id)
+            try:
+                yield owner
+            finally:
+                with timings.measure("commit"):
+                    await self.directory.release(ctx_id, owner)
+        finally:
+            turn.release()
+
     async def _acquire(self, ctx_id: str) -> str:
-        """Take the context's lease for one operation; returns the owner token to commit and release with."""
+        """Take the directory's lease on the context; returns the owner token to commit and release with."""
         owner = f"{self.owner}-{secrets.token_hex(6)}"
         while not await self.directory.acquire(ctx_id, owner, LEASE_TTL_S):
             await asyncio.sleep(LEASE_POLL_S)
