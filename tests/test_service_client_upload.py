@@ -51,7 +51,7 @@ def test_chunks_keep_each_tensor_under_the_element_limit():
 
 def test_chunks_default_to_the_target_bytes_and_the_caller_may_ask_for_fewer_or_more():
     k, v = np.zeros((1, 8, 128), np.float32), np.zeros((1, 8, 128), np.float32)  # 8 KiB a key
-    assert chunk_keys(Limits(), k, v) == 64 * 2**20 // 8192  # the default target: 64 MiB of k and v
+    assert chunk_keys(Limits(), k, v) == 16 * 2**20 // 8192  # the default target: 16 MiB of k and v
     assert chunk_keys(Limits(), k, v, target_bytes=8192 * 3) == 3
     assert chunk_keys(Limits(), k, v, requested=5) == 5
     # A request past what the server takes is capped at the limit; at least one key goes.
@@ -119,19 +119,38 @@ def test_a_chunked_create_and_append_are_exact_and_fill_the_planned_shards_in_or
         [ctx] = [c for c in client.list_contexts() if c["id"] not in before]
         shards.append(ctx["shard_lengths"])
 
-    desc = client.create_context(k[:1000], v[:1000], k_pos[:1000], replicas=2, chunk_keys=128, progress=progress)
+    # One chunk in flight: the server's state at each progress call is exactly that chunk's.
+    desc = client.create_context(k[:1000], v[:1000], k_pos[:1000], replicas=2, chunk_keys=128, progress=progress,
+                                 pipeline=1)
     assert desc["length"] == 1000 and desc["expected_length"] == 1000 and desc["replicas"] == 2
     assert seen == [(n, 1000) for n in (128, 256, 384, 512, 640, 768, 896, 1000)]
     # Two workers, 1000 keys planned: two shards of 500, filled in order.
     assert shards == [[128, 0], [256, 0], [384, 0], [500, 12], [500, 140], [500, 268], [500, 396], [500, 500]]
     seen.clear()
-    desc = client.append(desc["id"], k[1000:], v[1000:], k_pos[1000:], chunk_keys=300, progress=progress)
+    desc = client.append(desc["id"], k[1000:], v[1000:], k_pos[1000:], chunk_keys=300, progress=progress, pipeline=1)
     assert seen == [(300, 700), (600, 700), (700, 700)]
     assert desc["length"] == 1700 and desc["shard_lengths"] == [500, 500, 500, 200]
     q = rng.standard_normal((4, 4, 16)).astype(dtype)
     q_pos = np.array([0, 2000, 4000, 6000])
     out, lse = client.attention(q, contexts=[desc["id"]], causal=True, q_pos=q_pos)
     assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=q_pos, k_pos=k_pos)
+    client.delete_context(desc["id"])
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("pipeline", [2, 4])
+def test_chunks_in_flight_together_store_every_key_once_in_order(client, rng, pipeline):
+    k, v = kv(rng, 2000, dtype=BFLOAT16)
+    seen = []
+    desc = client.create_context(k[:1200], v[:1200], chunk_keys=100, pipeline=pipeline,
+                                 progress=lambda done, total: seen.append(done))
+    assert seen == list(range(100, 1300, 100)) and desc["length"] == 1200
+    desc = client.append(desc["id"], k[1200:], v[1200:], chunk_keys=64, pipeline=pipeline)
+    assert desc["length"] == 2000 and sum(desc["shard_lengths"]) == 2000
+    q = rng.standard_normal((3, 4, 16)).astype(BFLOAT16)
+    q_pos = np.array([50, 1500, 1999])
+    out, lse = client.attention(q, contexts=[desc["id"]], causal=True, q_pos=q_pos)
+    assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=q_pos, k_pos=np.arange(2000))
     client.delete_context(desc["id"])
 
 

@@ -18,12 +18,13 @@ import http.client
 import json
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from service.client.errors import SplitkeyError, UploadError
+from service.client.pipeline import Chunk, SendChunk, send_pipelined
 from service.client.upload import (
     ATTEMPT_ERRORS,
     TRANSPORT_ERRORS,
@@ -64,6 +65,7 @@ class Client:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url must be http(s)://HOST[:PORT], got {url!r}")
+        self.url = url
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.https = parts.scheme == "https"
@@ -89,7 +91,7 @@ class Client:
     # -- contexts ----------------------------------------------------------------
     def create_context(self, k: Any, v: Any, k_pos: Any = None, *, replicas: int | None = None,
                        shards: int | None = None, chunk_keys: int | None = None, progress: Progress | None = None,
-                       retries: int = 3) -> dict:
+                       retries: int = 3, pipeline: int = 2) -> dict:
         """Store ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]`` (any ``n_k``) as a new context; its description.
 
         Sent in chunks of ``chunk_keys`` keys (default: from the server's limits,
@@ -97,7 +99,9 @@ class Client:
         creates the context with ``expected_length = n_k`` and the others are appends
         with ``after``. ``progress(done, total)`` is called after each committed chunk;
         a chunk that fails with 429, 503, 504 or a lost connection is sent again up to
-        ``retries`` times. Raises :class:`UploadError`, which says which keys are stored.
+        ``retries`` times. Up to ``pipeline`` chunks are in flight at once, each on a
+        connection of its own (``service.client.pipeline``; 1: one at a time). Raises
+        :class:`UploadError`, which says which keys are stored.
         """
         k, v, k_pos = _arrays(k, v, k_pos)
         upload = Upload(total=_keys(k), progress=progress, retries=retries)
@@ -109,10 +113,10 @@ class Client:
         desc = self._send(upload, CREATE, _query(options), tensors)
         upload.context_id = desc["id"]
         upload.commit(first)
-        return self._append_chunks(upload, chunks, base=0) or desc
+        return self._append_chunks(upload, chunks, base=0, pipeline=pipeline) or desc
 
     def append(self, context_id: str, k: Any, v: Any, k_pos: Any = None, *, chunk_keys: int | None = None,
-               progress: Progress | None = None, retries: int = 3) -> dict:
+               progress: Progress | None = None, retries: int = 3, pipeline: int = 2) -> dict:
         """Append ``k``, ``v`` (any ``n_k``) to a context; its new description.
 
         Chunked as :meth:`create_context`: one chunk is one append as it always was;
@@ -130,7 +134,7 @@ class Client:
             base = int(self.get_context(context_id)["length"])
         except ATTEMPT_ERRORS as exc:
             raise upload.stopped(exc) from exc
-        return self._append_chunks(upload, _chunks(k, v, k_pos, bounds), base=base)
+        return self._append_chunks(upload, _chunks(k, v, k_pos, bounds), base=base, pipeline=pipeline)
 
     def get_context(self, context_id: str) -> dict:
         return json.loads(self._request("GET", f"/v1/contexts/{context_id}"))
@@ -189,15 +193,54 @@ class Client:
                     raise ValueError(f"{name} must have the n_k = {n} keys of k, got {_keys(a)}")
         return bounds
 
-    def _append_chunks(self, upload: Upload, chunks: Iterator[tuple[int, dict[str, Any]]], base: int) -> dict:
-        """Append each chunk after the ``base + upload.committed`` keys stored; the last description ({} if none)."""
+    def _append_chunks(self, upload: Upload, chunks: Iterator[tuple[int, dict[str, Any]]], base: int,
+                       pipeline: int) -> dict:
+        """Append each chunk after the ``base + upload.committed`` keys stored; the last description ({} if none).
+
+        Up to ``pipeline`` at a time while all goes well (``service.client.pipeline``);
+        from the first chunk that does not, one at a time with retries.
+        """
+        if type(pipeline) is not int or pipeline < 1:
+            raise ValueError(f"pipeline must be an int >= 1, got {pipeline!r}")
+        items = [Chunk(keys, tensors) for keys, tensors in chunks]
+        after = base + upload.committed
+        for item in items:
+            item.after, after = after, after + item.keys
+        context_id = str(upload.context_id)
+        path = self._append_path(context_id)
+        start = 0
         desc: dict = {}
-        path = self._append_path(str(upload.context_id))
-        for keys, tensors in chunks:
-            after = base + upload.committed
-            desc = self._send(upload, path, _query({"after": after}), tensors, after=after, keys=keys)
-            upload.commit(keys)
+        if pipeline > 1 and len(items) > 1:
+            clones = [Client(self.url, api_key=self.api_key, timeout=self.timeout) for _ in range(pipeline - 1)]
+            try:
+                start, desc = send_pipelined([self._chunk_sender(), *(c._chunk_sender() for c in clones)], upload,
+                                             path, items, lambda: self._length(context_id),
+                                             lambda after: _query({"after": after}))
+            finally:
+                for c in clones:
+                    c.close()
+            if start == len(items) and not desc:  # the last chunks were found stored, not answered
+                desc = self.get_context(context_id)
+        for item in items[start:]:
+            desc = self._send(upload, path, _query({"after": item.after}), item.tensors, after=item.after,
+                              keys=item.keys)
+            upload.commit(item.keys)
         return desc
+
+    def _chunk_sender(self) -> SendChunk:
+        """One chunk on this client's connection, no retries (``service.client.pipeline``)."""
+        def send(path: str, query: str, tensors: Any, sent: Callable[[], None]) -> dict:
+            try:
+                return json.loads(self._request("POST", path, query, tensors, resend=False, sent=sent))
+            finally:
+                sent()  # the next chunk must not wait for a body that failed to go out
+        return send
+
+    def _length(self, context_id: str) -> int | None:
+        try:
+            return int(self.get_context(context_id)["length"])
+        except ATTEMPT_ERRORS:
+            return None
 
     def _send(self, upload: Upload, path: str, query: str, tensors: Mapping[str, Any], *,
               after: int | None = None, keys: int = 0) -> dict:
@@ -242,11 +285,12 @@ class Client:
         return self._conn
 
     def _request(self, method: str, path: str, query: str = "", tensors: Mapping[str, Any] | None = None, *,
-                 resend: bool = True) -> bytes:
+                 resend: bool = True, sent: Callable[[], None] | None = None) -> bytes:
         """The answer's body; an error answer raises :class:`SplitkeyError`.
 
         ``resend``: send once more on a fresh connection when the keep-alive one turns
         out closed (the server closed it while idle); a lost connection otherwise raises.
+        ``sent()`` is called once the request's body is out, before its answer is read.
         """
         headers = {"Accept": BINARY + ", application/json"}
         if self.api_key:
@@ -262,6 +306,8 @@ class Client:
             conn = self._connection()
             try:
                 conn.request(method, url, body=body, headers=headers)
+                if sent is not None:
+                    sent()
                 resp = conn.getresponse()
                 data = resp.read()
                 break

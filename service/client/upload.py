@@ -17,10 +17,10 @@ import numpy as np
 from service.client.errors import SplitkeyError, UploadError
 from service.wire.rules import Limits
 
-#: Bytes of k and v per chunk when the caller names no chunk size: large enough that a
-#: request's fixed costs vanish, small enough to bound the memory of one request on
-#: either side. To be measured (issue 9).
-DEFAULT_CHUNK_BYTES = 64 * 2**20
+#: Bytes of k and v per chunk when the caller names no chunk size. Measured on 2 cores
+#: (docs/BENCHMARKS.md, issue 9): 16 MiB moves as many bytes per second as 64 MiB, and a
+#: small query that lands during an upload waits behind one chunk's copy, not four.
+DEFAULT_CHUNK_BYTES = 16 * 2**20
 #: Bytes a chunk leaves for the safetensors length field and JSON header (three entries
 #: whose numbers have at most 20 digits take under 420 bytes).
 HEADER_ROOM = 512
