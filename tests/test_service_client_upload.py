@@ -155,6 +155,22 @@ def test_chunks_in_flight_together_store_every_key_once_in_order(client, rng, pi
 
 
 @pytest.mark.ray
+def test_a_context_sent_piece_by_piece_with_expected_length_fills_its_planned_shards(client, rng):
+    k, v = kv(rng, 1200)
+    desc = client.create_context(k[:100], v[:100], expected_length=1200)
+    assert desc["expected_length"] == 1200 and desc["length"] == 100
+    for lo in range(100, 1200, 220):  # the rest later, in pieces the client never holds together
+        desc = client.append(desc["id"], k[lo:lo + 220], v[lo:lo + 220])
+    assert desc["length"] == 1200 and desc["shard_lengths"] == [600, 600]  # no shard beyond the plan
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[desc["id"]], q_pos=np.array([1199, 1199]))
+    assert_close_to_reference(out, lse, q, k, v, q_pos=np.array([1199, 1199]))
+    with pytest.raises(ValueError, match="expected_length must be an int >= the 100 keys given, got 99"):
+        client.create_context(k[:100], v[:100], expected_length=99)
+    client.delete_context(desc["id"])
+
+
+@pytest.mark.ray
 def test_one_chunk_is_the_single_request_of_old(client, rng):
     k, v = kv(rng, 300)
     seen = []

@@ -91,7 +91,7 @@ class Client:
     # -- contexts ----------------------------------------------------------------
     def create_context(self, k: Any, v: Any, k_pos: Any = None, *, replicas: int | None = None,
                        shards: int | None = None, chunk_keys: int | None = None, progress: Progress | None = None,
-                       retries: int = 3, pipeline: int = 2) -> dict:
+                       retries: int = 3, pipeline: int = 2, expected_length: int | None = None) -> dict:
         """Store ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]`` (any ``n_k``) as a new context; its description.
 
         Sent in chunks of ``chunk_keys`` keys (default: from the server's limits,
@@ -102,14 +102,20 @@ class Client:
         ``retries`` times. Up to ``pipeline`` chunks are in flight at once, each on a
         connection of its own (``service.client.pipeline``; 1: one at a time). Raises
         :class:`UploadError`, which says which keys are stored.
+
+        ``expected_length``: the keys the context will hold once later appends are in
+        (at least ``n_k``): its shards are planned and allocated for them now, so a
+        context too large to hold in the client's memory can be sent piece by piece.
         """
         k, v, k_pos = _arrays(k, v, k_pos)
         upload = Upload(total=_keys(k), progress=progress, retries=retries)
+        if expected_length is not None and (type(expected_length) is not int or expected_length < upload.total):
+            raise ValueError(f"expected_length must be an int >= the {upload.total} keys given, got {expected_length!r}")
         bounds = self._chunk_bounds(upload, k, v, k_pos, chunk_keys)
         chunks = _chunks(k, v, k_pos, bounds)
         first, tensors = next(chunks)
-        options = {"replicas": replicas, "shards": shards,
-                   "expected_length": upload.total if len(bounds) > 1 else None}
+        planned = expected_length if expected_length is not None else upload.total if len(bounds) > 1 else None
+        options = {"replicas": replicas, "shards": shards, "expected_length": planned}
         desc = self._send(upload, CREATE, _query(options), tensors)
         upload.context_id = desc["id"]
         upload.commit(first)
