@@ -11,7 +11,7 @@ import pytest
 from reference import assert_close_to_reference
 
 from merge import finalize
-from workers.actor import ShardWorker
+from workers.actor import ShardWorker, _share_a_shard
 from workers.batch import Batcher
 from workers.config import WorkerConfig
 from workers.options import AttentionOptions
@@ -81,6 +81,18 @@ def test_a_failing_job_fails_alone_and_its_batch_mates_still_answer():
         bad.result(10)
 
 
+def test_only_jobs_the_oldest_admits_join_its_batch():
+    gate = Gate()
+    b = Batcher(gate.run, joins=lambda first, job: first[0] == job[0])  # same first letter
+    b.submit("go", key="k")
+    assert gate.started.wait(10)
+    futures = [b.submit(p, key="k") for p in ("ab", "xy", "ac", "xz")]
+    queued(b, 4)
+    gate.open.set()
+    [f.result(10) for f in futures]
+    assert gate.batches[1:] == [["ab", "ac"], ["xy", "xz"]]
+
+
 def test_max_rows_must_be_positive():
     with pytest.raises(ValueError, match="max_rows must be >= 1, got 0"):
         Batcher(lambda p: p, max_rows=0)
@@ -111,7 +123,7 @@ def test_concurrent_queries_on_a_worker_share_a_pass_and_keep_their_bits(rng):
             assert release.wait(30)
         return w._run(jobs)
 
-    w.compute = Batcher(held_run)
+    w.compute = Batcher(held_run, joins=_share_a_shard)
     with ThreadPoolExecutor(9) as pool:
         first = pool.submit(w.partial_resident, qs[0][0], ShardQuery(qs[0][1], opts), reads, 2)
         assert held.wait(10)
@@ -136,3 +148,45 @@ def test_a_query_over_a_shard_the_worker_lacks_fails_alone(rng):
         w.partial_resident(q, ShardQuery(np.array([5]), AttentionOptions()), (ShardRead("nope", 0, 3),), 2)
     status, _ = w.partial_resident(q, ShardQuery(np.array([5]), AttentionOptions()), (ShardRead("ctx", 0, 100),), 2)
     assert status.batch == 1 and w.ping()["batches"] >= 2
+
+
+def test_queries_over_contexts_that_share_a_prefix_share_the_prefix_pass(rng):
+    w = ShardWorker(WorkerConfig(), "w0")
+    parts = {}
+    for ctx, n, start in (("prefix", 2000, 0), ("s1", 300, 2000), ("s2", 500, 2000), ("other", 700, 0)):
+        k = rng.standard_normal((n, 2, 32)).astype(np.float32)
+        v = rng.standard_normal((n, 2, 16)).astype(np.float32)
+        w.create_shard(ShardWrite(ctx, 0, "float32", n, np.arange(start, start + n)), k, v, {"version": 1})
+        parts[ctx] = (k, v, np.arange(start, start + n))
+    reads = {ctx: ShardRead(ctx, 0, len(parts[ctx][0])) for ctx in parts}
+    asks = [("prefix", "s1"), ("prefix", "s2"), ("other",), ("prefix", "s2")]
+    qs = [rng.standard_normal((1, 8, 32)).astype(np.float32) for _ in asks]
+    query = ShardQuery(np.array([2600]), AttentionOptions(causal=True))
+    alone = [w.partial_resident(q, query, tuple(reads[c] for c in ask), 2)[1] for q, ask in zip(qs, asks)]
+    held, release = threading.Event(), threading.Event()
+    runs = []
+
+    def held_run(jobs):
+        runs.append([tuple(r.context_id for r in j.reads) for j in jobs])
+        if not held.is_set():
+            held.set()
+            assert release.wait(30)
+        return w._run(jobs)
+
+    w.compute = Batcher(held_run, joins=_share_a_shard)
+    with ThreadPoolExecutor(5) as pool:
+        pool.submit(w.partial_resident, qs[0], query, (reads["s1"],), 2)
+        assert held.wait(10)
+        futures = [pool.submit(w.partial_resident, q, query, tuple(reads[c] for c in ask), 2)
+                   for q, ask in zip(qs, asks)]
+        queued(w.compute, 4)
+        release.set()
+        results = [f.result(60) for f in futures]
+    # The three queries over the prefix ran in one batch (one pass over its keys); the other alone.
+    assert runs[1:] == [[("prefix", "s1"), ("prefix", "s2"), ("prefix", "s2")], [("other",)]]
+    assert [status.batch for status, _ in results] == [3, 3, 1, 3]
+    for q, ask, (_, state), solo in zip(qs, asks, results, alone):
+        assert state.m.tobytes() == solo.m.tobytes() and state.acc.tobytes() == solo.acc.tobytes()
+        k, v, k_pos = (np.concatenate([parts[c][i] for c in ask]) for i in range(3))
+        out, lse = finalize(state)
+        assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=np.array([2600]), k_pos=k_pos)

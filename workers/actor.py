@@ -72,8 +72,13 @@ class ResidentJob:
     fanin: int
 
     def key(self) -> Hashable:
-        """Jobs with equal keys read the same shards with queries that may share a pass (workers.plan.batchable)."""
-        return self.reads, self.fanin, tuple(self.q.shape), np.dtype(self.q.dtype).str
+        """Jobs with equal keys have queries that may share a pass over a shard (workers.plan.batchable)."""
+        return tuple(self.q.shape), np.dtype(self.q.dtype).str
+
+
+def _share_a_shard(first: ResidentJob, other: ResidentJob) -> bool:
+    """Whether ``other`` reads a shard ``first`` reads, at the same committed length (it joins first's batch)."""
+    return not set(first.reads).isdisjoint(other.reads)
 
 
 class ShardWorker:
@@ -89,7 +94,8 @@ class ShardWorker:
             self.xp = array_module()
         self.store = ShardStore(config.memory_budget_bytes, self.xp)
         self.calls = 0
-        self.compute = Batcher(self._run, max_rows=config.batch_rows, name=f"{name}-compute")
+        self.compute = Batcher(self._run, max_rows=config.batch_rows, name=f"{name}-compute",
+                               joins=_share_a_shard)
         # Context writes run one at a time on a thread of their own, below the queries (docs/CONTEXTS.md).
         self.writes = Batcher(_run_each, max_rows=1, name=f"{name}-writes", nice=WRITE_NICE)
 
@@ -140,7 +146,7 @@ class ShardWorker:
         return result
 
     def _run(self, jobs: Sequence[InlineJob | ResidentJob]) -> list[tuple[ComputeStatus, State]]:
-        """One batch on the compute thread: a single inline job, or resident jobs of one key."""
+        """One batch on the compute thread: a single inline job, or resident jobs of one key that share shards."""
         t0 = time.perf_counter()
         xp = self.xp
         kernel = self.config.kernel
@@ -155,11 +161,19 @@ class ShardWorker:
             resident = [j for j in jobs if isinstance(j, ResidentJob)]
             queries = [(xp.asarray(j.q), xp.asarray(j.query.q_pos), j.query.options) if xp is not np
                        else (j.q, j.query.q_pos, j.query.options) for j in resident]
-            first = resident[0]
-            views = [self.store.view(r.context_id, r.index, r.length) for r in first.reads]  # raises ShardMissing first
-            per_view = [partial_attention_resident_many(queries, view, kernel=kernel) for view in views]
-            states = [merge_all([states_of_view[i] for states_of_view in per_view], fanin=first.fanin)
-                      for i in range(len(resident))]
+            # Each shard any job reads, once, with the jobs that read it: one pass over its keys for all of
+            # them (a shared prefix's shards serve every suffix's query), then each job merges its own.
+            readers: dict[ShardRead, list[int]] = {}
+            for i, j in enumerate(resident):
+                for r in j.reads:
+                    readers.setdefault(r, []).append(i)
+            views = {r: self.store.view(r.context_id, r.index, r.length) for r in readers}  # ShardMissing first
+            state_of: dict[tuple[int, ShardRead], State] = {}
+            for r, idx in readers.items():
+                for i, st in zip(idx, partial_attention_resident_many([queries[i] for i in idx], views[r],
+                                                                      kernel=kernel)):
+                    state_of[(i, r)] = st
+            states = [merge_all([state_of[(i, r)] for r in j.reads], fanin=j.fanin) for i, j in enumerate(resident)]
         seconds = time.perf_counter() - t0
         out = []
         for st in states:

@@ -7,7 +7,9 @@ every other waiting job with the same key (the same resident shards and query
 shape: ``workers.plan.batchable`` decides what shares a pass), up to a bound on
 rows; jobs it leaves keep their order. Nothing waits on a timer: an idle worker
 starts the first job at once, and a batch is what arrived while the previous one
-ran. Each job's result (or exception) goes back to its own caller.
+ran. Each job's result (or exception) goes back to its own caller. ``joins(first,
+job)`` narrows who may join the oldest job's batch (the shard worker asks that
+they read a shard in common).
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ class Batcher:
     """
 
     def __init__(self, run: Callable[[Sequence[Any]], Sequence[Any]], *, max_rows: int = MAX_BATCH_ROWS,
-                 name: str = "splitkey-compute", nice: int = 0) -> None:
+                 name: str = "splitkey-compute", nice: int = 0,
+                 joins: Callable[[Any, Any], bool] | None = None) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self._run = run
         self._max_rows = max_rows
         self._nice = nice
+        self._joins = joins
         self._queue: deque[Pending] = deque()
         self._ready = threading.Condition()
         self.batches = 0  #: batches run so far (for tests and metrics)
@@ -74,7 +78,8 @@ class Batcher:
             return batch
         rows = first.rows
         for job in list(self._queue):
-            if job.key == first.key and rows + job.rows <= self._max_rows:
+            if job.key == first.key and rows + job.rows <= self._max_rows and (
+                    self._joins is None or self._joins(first.payload, job.payload)):
                 self._queue.remove(job)
                 batch.append(job)
                 rows += job.rows
