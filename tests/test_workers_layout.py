@@ -4,7 +4,7 @@ from reference import assert_close_to_reference, contract_layout
 
 from merge import finalize
 from workers import BFLOAT16, StreamingKV, partial_attention_resident
-from workers.layout import STRIDE_PAD, padded_capacity
+from workers.layout import LINE_BYTES, PAGE_BYTES, padded_capacity
 from workers.options import AttentionOptions, KernelOptions
 
 
@@ -19,7 +19,7 @@ def test_streaming_layout_after_appends_equals_the_concatenated_arrays(rng):
     np.testing.assert_array_equal(k2, k)
     np.testing.assert_array_equal(v2, v)
     np.testing.assert_array_equal(view.k_pos, np.arange(1000))
-    assert kv.capacity % 2 == 0 and (kv.capacity - STRIDE_PAD) % 256 == 0
+    assert kv.capacity >= 1000 and kv.capacity * 4 % PAGE_BYTES == LINE_BYTES
 
 
 def test_snapshot_taken_before_an_append_keeps_its_length(rng):
@@ -51,10 +51,16 @@ def test_append_rejects_wrong_shapes_and_dtypes():
     assert kv.n_k == 0
 
 
-def test_padded_capacity_avoids_power_of_two_strides():
-    for n in (1, 256, 1024, 65536):
-        c = padded_capacity(n)
+@pytest.mark.parametrize("itemsize", [2, 4, 8])
+def test_rows_span_an_odd_number_of_pages_plus_a_cache_line(itemsize):
+    for n in (1, 256, 1000, 1024, 65536, 262144, 10**6):
+        c = padded_capacity(n, itemsize)
+        row = c * itemsize
         assert c >= n and c & (c - 1) != 0
+        if row >= PAGE_BYTES:
+            assert row % PAGE_BYTES == LINE_BYTES and (row // PAGE_BYTES) % 2 == 1
+        else:
+            assert row % LINE_BYTES == 0
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64], ids=lambda t: np.dtype(t).name)

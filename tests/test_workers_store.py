@@ -68,15 +68,15 @@ def test_drop_frees_the_memory():
 
 def test_a_reserved_shard_is_allocated_and_charged_once_and_never_grows():
     bpk = bytes_per_key(2, 8, 4, np.float32)
-    st = ShardStore(budget_bytes=padded_capacity(1000) * bpk)
+    st = ShardStore(budget_bytes=padded_capacity(1000, 4) * bpk)
     k, v = kv(1000)
     st.create(ShardWrite("c", 0, "float32", 1000, np.arange(10), reserve=1000), k[:10], v[:10], context={})
-    assert st.used == padded_capacity(1000) * bpk  # the whole capacity, charged now
+    assert st.used == padded_capacity(1000, 4) * bpk  # the whole capacity, charged now
     arrays = st.view("c", 0, 10).kt.base
     for lo in range(10, 1000, 330):
         hi = min(lo + 330, 1000)
         st.append(ShardWrite("c", 0, "float32", 1000, np.arange(lo, hi)), k[lo:hi], v[lo:hi], committed=lo)
-    assert st.used == padded_capacity(1000) * bpk
+    assert st.used == padded_capacity(1000, 4) * bpk
     assert st.view("c", 0, 1000).kt.base is arrays, "the shard must fill its first arrays, not copy into larger ones"
     got_k, got_v = contract_layout(st.view("c", 0, 1000))
     np.testing.assert_array_equal(got_k, k)
@@ -95,7 +95,7 @@ def test_concurrent_creates_never_overdraw_the_budget():
     # Eight threads each create a shard that takes 30% of the budget: three fit, five must fail,
     # however the threads interleave (the budget check and the insert are one write).
     n = 20_000
-    need = padded_capacity(n) * bytes_per_key(2, 8, 4, np.dtype(np.float32))
+    need = padded_capacity(n, 4) * bytes_per_key(2, 8, 4, np.dtype(np.float32))
     st = ShardStore(budget_bytes=int(need / 0.3))
     k, v = kv(n)
     start = threading.Barrier(8)

@@ -118,7 +118,7 @@ class ShardStore:
         n, h_kv, d = (int(s) for s in k.shape)
         d_v = int(v.shape[2])
         capacity = max(n, write.reserve)
-        self._reserve(padded_capacity(capacity) * bytes_per_key(h_kv, d, d_v, dt),
+        self._reserve(padded_capacity(capacity, dt.itemsize) * bytes_per_key(h_kv, d, d_v, dt),
                       f"shard {index} of context {context_id}")
         kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity)
         kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos), max_capacity=write.max_capacity)
