@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 2 GiB)")
     s.add_argument("--max-inflight", type=int, default=None, help="requests admitted at once (default 64)")
     s.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds (default 120)")
-    s.add_argument("--worker-memory-bytes", type=int, default=None, help="resident context bytes per worker (default 2 GiB)")
+    s.add_argument("--worker-memory-bytes", type=int, default=None, help="resident context bytes per worker (default 4 GiB)")
     s.add_argument("--batch-rows", type=int, default=None,
                    help="query rows one pass over resident keys serves together (default 1024; 1: no batching)")
     s.set_defaults(func=_serve)

@@ -43,7 +43,8 @@ class ServiceSettings(BaseSettings):
     block_size: int | None = Field(None, ge=1)
     kernel_threads: int = Field(1, ge=1, description="Threads per worker's kernel (one CPU each by default).")
     worker_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker.")
-    worker_memory_bytes: int = Field(2 * 2**30, ge=0, description="Resident context bytes per worker.")
+    worker_memory_bytes: int = Field(4 * 2**30, ge=0, description="Resident context bytes per worker (a 1M-key "
+                                                                 "decode-shape bfloat16 context fits on two).")
     worker_concurrency: int = Field(64, ge=1, description="Calls a worker accepts at once (each waits in its own "
                                                           "thread; one compute thread serves them, docs/CONTEXTS.md).")
     batch_rows: int = Field(1024, ge=1, description="Query rows (n_q*h_q) one pass over resident keys serves at "

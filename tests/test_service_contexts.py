@@ -237,7 +237,7 @@ def test_expected_length_plans_the_shards_for_the_total_and_allocates_them_at_cr
     # Two live workers, 1000 planned keys: 2 shards of capacity 500 (not 1 shard sized for 100 keys);
     # the body fills them in order, and both are allocated in full now.
     assert ctx["expected_length"] == 1000 and ctx["shard_lengths"] == [100, 0]
-    allocated = 2 * padded_capacity(500) * bytes_per_key(2, 16, 8, np.float32)
+    allocated = 2 * padded_capacity(500, 4) * bytes_per_key(2, 16, 8, np.float32)
     assert client.cluster()["bytes_held"] - before == allocated
     assert client.append(ctx["id"], k[100:800], v[100:800])["shard_lengths"] == [500, 300]
     # Past the plan, appends open new shards at the planned capacity, allocated in full too.
@@ -253,11 +253,11 @@ def test_expected_length_plans_the_shards_for_the_total_and_allocates_them_at_cr
 def test_a_planned_context_that_cannot_fit_fails_at_create_and_leaves_nothing(client, server, rng):
     k, v = kv(rng, 10)
     before = client.cluster()["bytes_held"]
-    r = post_kv(server.url, "/v1/contexts", k, v, expected_length=10**8)  # 20 GB planned, 2 GiB per worker
+    r = post_kv(server.url, "/v1/contexts", k, v, expected_length=10**8)  # 20 GB planned, 4 GiB per worker
     assert r.status_code == 507 and r.json()["code"] == "insufficient_capacity", r.text
     # The worker's own words, not the traceback Ray wraps them in.
     assert re.fullmatch(r"the context does not fit: shard \d+ of context ctx_\S+ needs \d+ bytes, but this worker "
-                        r"holds \d+ of its 2147483648-byte budget", r.json()["detail"]), r.json()["detail"]
+                        r"holds \d+ of its 4294967296-byte budget", r.json()["detail"]), r.json()["detail"]
     assert client.cluster()["bytes_held"] == before
     r = post_kv(server.url, "/v1/contexts", k, v, expected_length=9)
     assert r.status_code == 422 and "expected_length must be at least the 10 keys of this body, got 9" in r.text

@@ -23,7 +23,7 @@ class WorkerConfig:
 
     device: str = "cpu"
     kernel: KernelOptions = field(default_factory=KernelOptions)
-    memory_budget_bytes: int = 2 * 2**30
+    memory_budget_bytes: int = 4 * 2**30
     batch_rows: int = MAX_BATCH_ROWS
 
     def __post_init__(self) -> None:

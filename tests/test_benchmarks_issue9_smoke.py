@@ -1,0 +1,57 @@
+"""benchmarks/uploads.py and batching.py: their pure parts and a tiny in-process run, without a server.
+
+No timing is asserted: the roof arithmetic, the reports built from made-up rounds,
+and that the in-process batch measurement checks every batched state bitwise.
+"""
+
+import pytest
+from benchloader import benchmark_module
+
+from service.client.loadtest import Level
+
+
+@pytest.fixture(scope="module")
+def uploads():
+    with benchmark_module("uploads.py") as module:
+        yield module
+
+
+@pytest.fixture(scope="module")
+def batching():
+    with benchmark_module("batching.py") as module:
+        yield module
+
+
+def test_a_decode_query_does_two_flop_per_float32_byte_and_four_per_16_bit_byte(batching):
+    assert batching.flop_per_byte("float32") == 2 and batching.flop_per_byte("bfloat16") == 4
+
+
+def test_the_roof_is_the_batch_until_the_products_run_out(batching):
+    r = batching.KernelResult("float32", alone_s=batching.kv_bytes(1000, "float32") / 10e9)  # B = 10 GB/s
+    assert r.roof(16, 60.0, 1000) == pytest.approx(3.0)  # 60 GFLOP/s / (2 flop/B * 10 GB/s)
+    assert r.roof(2, 60.0, 1000) == 2
+
+
+def test_a_tiny_in_process_run_batches_bitwise_and_reports(batching):
+    res = batching.measure_kernel("float16", 2048, 1, seed=3)
+    assert res.bitwise and set(res.batch_s) == set(batching.BATCHES) and res.c1_gflops > 0
+    args = batching.parse_args(["--quick"])
+    service = [batching.ServiceResult("float32", True, [Level(1, 4, 0, 1.0, 10.0, 11.0, 12.0, 4.0),
+                                                        Level(16, 64, 0, 4.0, 40.0, 50.0, 60.0, 16.0)])]
+    text = batching.report(args, [res], service, [])
+    assert "| float16 |" in text and "4.00x" in text and "req/s at concurrency 16 / concurrency 1: 4.00" in text
+
+
+def test_the_upload_report_takes_medians_over_rounds(uploads):
+    args = uploads.parse_args(["--quick"])
+    chunk = 2048
+    chunk_bytes = 2 * chunk * 8 * 128 * 2
+    total = 2 * args.n_k * 8 * 128 * 2
+    rounds = [uploads.Round(idle=[0.010] * 50, during=[0.020] * 50,
+                            inline=[uploads.common.Record(chunk_bytes / 1e9, {"parse": 0.5})],
+                            upload_s=total / 0.8e9, probed_upload_s=total / 0.5e9, chunks=[{"store": 0.1}])
+              for _ in range(3)]
+    text = uploads.report(args, rounds, chunk, [])
+    assert "upload >= 0.8 x inline ingest: 0.80 (met)" in text
+    assert "probe p99 during the upload <= 3 x idle: 2.00 (met)" in text
+    assert "store 100" in text and "parse 500" in text
