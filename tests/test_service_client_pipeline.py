@@ -14,21 +14,33 @@ from service.client.upload import Upload
 
 
 class Context:
-    """A context's length, changed only by a chunk that follows it exactly."""
+    """A context's length, changed only by a chunk that follows it exactly; writes take turns in the
+    order they arrived (the front end's turn lock)."""
 
     def __init__(self) -> None:
         self.length = 0
         self.order: list[int] = []
-        self.lock = threading.Lock()
+        self.turn = threading.Condition()
+        self.arrivals: list[int] = []
+
+    def arrive(self, after: int) -> None:
+        with self.turn:
+            self.arrivals.append(after)
 
     def apply(self, after: int, keys: int) -> dict:
-        with self.lock:
-            if after != self.length:
-                raise SplitkeyError(409, "length_mismatch", f"after must be the context's length {self.length}, "
-                                                            f"got {after}")
-            self.length += keys
-            self.order.append(after)
-            return {"length": self.length}
+        """Once every write that arrived before this one is done."""
+        with self.turn:
+            self.turn.wait_for(lambda: self.arrivals[0] == after)
+            try:
+                if after != self.length:
+                    raise SplitkeyError(409, "length_mismatch", f"after must be the context's length {self.length}, "
+                                                                f"got {after}")
+                self.length += keys
+                self.order.append(after)
+                return {"length": self.length}
+            finally:
+                self.arrivals.pop(0)
+                self.turn.notify_all()
 
 
 def chunks(sizes):
@@ -40,12 +52,17 @@ def chunks(sizes):
 
 
 def sender(ctx, delay=None, lose_answer=None):
-    """A connection: ``delay(after)`` seconds before the chunk reaches the context; ``lose_answer(after)``: the
-    chunk is stored but its answer never comes."""
+    """A connection: ``delay(after)`` seconds on the way (after its body is out, before it reaches the
+    server); ``lose_answer(after)``: the chunk is stored but its answer never comes."""
     def send(path, query, tensors, sent):
         after = int(query.split("=")[1])
-        sent()
-        time.sleep(delay(after) if delay else 0)
+        if delay:  # held up on the way: the next chunk may arrive first
+            sent()
+            time.sleep(delay(after))
+            ctx.arrive(after)
+        else:  # the body is in when the client's send returns
+            ctx.arrive(after)
+            sent()
         got = ctx.apply(after, tensors["k"])
         if lose_answer and lose_answer(after):
             raise ConnectionResetError("the answer was lost")
