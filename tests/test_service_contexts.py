@@ -103,20 +103,25 @@ def test_queries_during_concurrent_appends_see_whole_appends_only(server, rng):
     def querier():
         seen = []
         with Client(server.url) as c:
-            while not done.is_set() or len(seen) < 3:
+            while True:
+                # A query sent after the last append returned must see every key: read it
+                # before the request, so that the last answer of each querier is such a query.
+                finished = done.is_set()
                 out, _ = c.attention(q, contexts=[ctx["id"]], q_pos=q_pos)
                 err = {hi: float(np.max(np.abs(out - ref))) for hi, ref in refs.items()}
                 best = min(err, key=err.get)
                 assert err[best] < 1e-5, f"answer matches no whole prefix: {err}"
                 seen.append(best)
-        return seen
+                if finished and len(seen) >= 3:
+                    return seen
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         fa = pool.submit(appender)
         fq = [pool.submit(querier) for _ in range(2)]
         fa.result()
-        seen = [s for f in fq for s in f.result()]
-    assert max(seen) == 1200
+        seen = [f.result() for f in fq]
+    assert all(s[-1] == 1200 for s in seen), seen
+    assert all(a <= b for s in seen for a, b in zip(s, s[1:])), f"a later query saw fewer keys: {seen}"
     with Client(server.url) as c:
         c.delete_context(ctx["id"])
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from workers import BFLOAT16
-from workers.widen import _bits_numpy, float16_to_float32, widen
+from workers.widen import _bits_numpy, as_rows, float16_to_float32, widen
 
 
 def test_every_float16_widens_exactly_including_subnormals_infinities_and_nans():
@@ -35,6 +35,11 @@ def test_the_numpy_fallback_computes_the_same_bits():
     lambda a: a[0],                                # 2-d
     lambda a: a[0, 0],                             # 1-d
     lambda a: a[:0],                               # empty
+    lambda a: a[:, :, 2:9],                        # streaming keys kt [hb, d, B]: rows a capacity apart
+    lambda a: a[1:4, 1:3],                         # streaming values v [hb, B, d_v]: heads apart
+    lambda a: a[:, ::-1],                          # a negative stride: gathered
+    lambda a: a[:, :, ::2],                        # no unit stride inside: gathered
+    lambda a: np.broadcast_to(a[:1], a.shape),     # a zero stride
 ])
 def test_blocks_of_any_layout_widen_to_contiguous_float32(make, rng):
     block = make((rng.standard_normal((6, 4, 11)) * 100).astype(np.float16))
@@ -62,3 +67,13 @@ def test_without_numba_the_numpy_arithmetic_gives_the_same_block(monkeypatch, rn
     monkeypatch.setattr(module, "compiled_widen16", lambda: None)
     fallback = float16_to_float32(block)
     assert np.array_equal(fallback.view(np.uint32), compiled.view(np.uint32))
+
+
+def test_streaming_blocks_are_read_in_place_as_rows_without_a_gather_copy():
+    kt = np.zeros((8, 16, 100), np.float16).view(np.uint16)  # [h_kv, d, capacity]
+    base, row_stride, rows, cols = as_rows(kt[2:4, :, 10:30])  # [hb, d, B]
+    assert (row_stride, rows, cols) == (100, 2 * 16, 20) and np.shares_memory(base, kt)
+    v = np.zeros((8, 100, 16), np.float16).view(np.uint16)  # [h_kv, capacity, d_v]
+    base, row_stride, rows, cols = as_rows(v[2:4, 10:30])  # [hb, B, d_v]
+    assert (row_stride, rows, cols) == (100 * 16, 2, 20 * 16) and np.shares_memory(base, v)
+    assert as_rows(kt[:, :, ::2]) is None

@@ -34,8 +34,9 @@ REBIAS = np.float32(2.0**112)
 
 
 @functools.cache
-def compiled_widen16() -> Callable[[np.ndarray, np.ndarray], None] | None:
-    """The numba loop ``(h [n] uint16, out [n] float32) -> None``, built on first use; None without numba.
+def compiled_widen16() -> Callable[[np.ndarray, int, int, int, np.ndarray], None] | None:
+    """The numba loop ``(base, row_stride, rows, cols, out) -> None`` over rows of float16 bits
+    (see :func:`as_rows`), built on first use; None without numba.
 
     Imported lazily: only float16 work pays for loading numba.
     """
@@ -59,12 +60,45 @@ def compiled_widen16() -> Callable[[np.ndarray, np.ndarray], None] | None:
         return types.float32(types.uint16), codegen
 
     @numba.njit(nogil=True, boundscheck=False)
-    def widen16(h: Any, out: Any) -> None:  # pragma: no cover - compiled
-        # h [n] uint16 and out [n] float32, both contiguous so that the loop vectorises.
-        for t in range(h.shape[0]):
-            out[t] = half_bits_to_float(h[t])  # type: ignore[call-arg]  # numba passes typingctx
+    def widen16(base: Any, row_stride: int, rows: int, cols: int, out: Any) -> None:  # pragma: no cover
+        # base [(rows - 1) * row_stride + cols] uint16 and out [rows * cols] float32, both
+        # contiguous: row i is base[i * row_stride : i * row_stride + cols]. Each row is
+        # taken as a contiguous slice, so that the inner loop vectorises.
+        for i in range(rows):
+            src = base[i * row_stride:i * row_stride + cols]
+            dst = out[i * cols:(i + 1) * cols]
+            for t in range(cols):
+                dst[t] = half_bits_to_float(src[t])  # type: ignore[call-arg]  # numba passes typingctx
 
     return widen16
+
+
+def as_rows(bits: np.ndarray) -> tuple[np.ndarray, int, int, int] | None:
+    """``(base, row_stride, rows, cols)``: ``bits`` (non-empty, uint16) as rows of contiguous elements
+    one ``row_stride`` apart, read through ``base``, a contiguous view of the span they cover; None
+    when no such view exists (then the caller copies).
+
+    A key block of the streaming layout, ``kt [hb, d, B]`` with a row stride of the capacity,
+    is ``hb * d`` rows of ``B``; a value block ``v [hb, B, d_v]`` is ``hb`` rows of ``B * d_v``.
+    Reading in place saves the gather copy that used to precede the widening loop.
+    """
+    item = bits.itemsize
+    for split in range(bits.ndim):  # the fewest rows first: split 0 is one contiguous row
+        rows_n = int(np.prod(bits.shape[:split], dtype=np.int64))
+        cols = int(np.prod(bits.shape[split:], dtype=np.int64))
+        try:
+            r = bits.reshape(rows_n, cols, copy=False)  # [rows, cols], a view or nothing
+        except ValueError:
+            continue
+        if r.strides[1] != item and cols > 1:
+            continue
+        row_stride = r.strides[0] // item if rows_n > 1 else cols
+        if row_stride < 0 or r.strides[0] % item:
+            continue
+        span = (rows_n - 1) * row_stride + cols
+        base = np.lib.stride_tricks.as_strided(r, shape=(span,), strides=(item,))  # [span], in bounds of bits
+        return base, row_stride, rows_n, cols
+    return None
 
 
 def _bits_numpy(h: np.ndarray, out_bits: np.ndarray) -> None:
@@ -88,9 +122,11 @@ def float16_to_float32(x: np.ndarray) -> np.ndarray:
     loop = compiled_widen16()
     if loop is not None:
         if x.size:
-            # A strided block (a key range of the streaming layout) is gathered first:
-            # copying 2-byte rows runs at memory speed, and the flat loop then vectorises.
-            loop(np.ascontiguousarray(bits).reshape(-1), out.reshape(-1))
+            rows = as_rows(bits)
+            if rows is None:  # no uniform row stride: gather first (copying 2-byte rows runs at memory speed)
+                flat = np.ascontiguousarray(bits).reshape(-1)  # [n], one row
+                rows = (flat, flat.size, 1, flat.size)
+            loop(*rows, out.reshape(-1))
         return out
     _bits_numpy(bits, out.view(np.uint32))
     with np.errstate(invalid="ignore"):  # signalling NaNs stay NaNs, quietly
