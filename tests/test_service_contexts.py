@@ -1,6 +1,7 @@
 """Resident contexts end to end: create, append, query (also across contexts), delete."""
 
 import concurrent.futures
+import itertools
 import re
 import threading
 
@@ -121,7 +122,7 @@ def test_queries_during_concurrent_appends_see_whole_appends_only(server, rng):
         fa.result()
         seen = [f.result() for f in fq]
     assert all(s[-1] == 1200 for s in seen), seen
-    assert all(a <= b for s in seen for a, b in zip(s, s[1:])), f"a later query saw fewer keys: {seen}"
+    assert all(a <= b for s in seen for a, b in itertools.pairwise(s)), f"a later query saw fewer keys: {seen}"
     with Client(server.url) as c:
         c.delete_context(ctx["id"])
 

@@ -126,7 +126,8 @@ def float16_to_float32(x: np.ndarray) -> np.ndarray:
             if rows is None:  # no uniform row stride: gather first (copying 2-byte rows runs at memory speed)
                 flat = np.ascontiguousarray(bits).reshape(-1)  # [n], one row
                 rows = (flat, flat.size, 1, flat.size)
-            loop(*rows, out.reshape(-1))
+            base, row_stride, n_rows, cols = rows
+            loop(base, row_stride, n_rows, cols, out.reshape(-1))
         return out
     _bits_numpy(bits, out.view(np.uint32))
     with np.errstate(invalid="ignore"):  # signalling NaNs stay NaNs, quietly
