@@ -166,7 +166,7 @@ def run_case(case: str, dtype: str, n_q: int, n_k: int, args: argparse.Namespace
              copy_gb_per_s: float | None) -> list[Result]:
     """Every path on one set of inputs; SDPA first, as the reference for time and output."""
     cp, torch, gpu, bf16 = ctx["cp"], ctx["torch"], ctx["gpu"], ctx["bf16"]
-    from merge import finalize  # noqa: PLC0415
+    from merge import finalize
     from workers.layout import NaturalKV
     from workers.options import AttentionOptions, GpuKernels, KernelOptions
     from workers.problem import check_problem
@@ -182,7 +182,7 @@ def run_case(case: str, dtype: str, n_q: int, n_k: int, args: argparse.Namespace
     outs: dict[str, Any] = {}
 
     def sdpa() -> None:
-        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             outs["sdpa"] = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=True)
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     import cupy as cp  # the GPU part only
 
     try:
-        import torch  # noqa: PLC0415
+        import torch
     except ImportError as exc:
         print(f"torch unavailable ({exc}): no SDPA comparison", file=sys.stderr)
         torch, args.paths = None, [p for p in args.paths if p != "sdpa"]

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import http.client
 import os
 import statistics
 import subprocess
@@ -98,6 +97,7 @@ from benchmarks.common import (
 )
 from service.client import Client
 from service.client.loadtest import Level, run_level
+from service.client.timing import parse_server_timing
 from service.wire.safetensors import encode_safetensors
 from workers import attention as inprocess_attention
 
@@ -173,19 +173,6 @@ def gbs(nbytes: float, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
-def parse_server_timing(header: str | None) -> dict[str, float]:
-    """``"parse;dur=1.5, total;dur=2"`` -> ``{"parse": 0.0015, "total": 0.002}`` (seconds)."""
-    stages: dict[str, float] = {}
-    for part in (header or "").split(","):
-        name, _, params = part.strip().partition(";")
-        for param in params.split(";"):
-            key, _, value = param.strip().partition("=")
-            if name and key == "dur":
-                with contextlib.suppress(ValueError):
-                    stages[name] = float(value) / 1000
-    return stages
-
-
 # ------------------------------------------------------------------ servers
 
 
@@ -203,28 +190,11 @@ def bare_server(workdir: Path, env: dict[str, str] | None = None) -> Iterator[st
 # ------------------------------------------------------------------ clients
 
 
-class RecordingConnection(http.client.HTTPConnection):
-    """An HTTPConnection that keeps the last response's Server-Timing header."""
-
-    last_timing = ""
-
-    def getresponse(self) -> http.client.HTTPResponse:  # type: ignore[override]
-        resp = super().getresponse()
-        self.last_timing = resp.getheader("Server-Timing", "")
-        return resp
-
-
 class TimedClient(Client):
-    """``service.client.Client`` (same encode and transport) that exposes the Server-Timing stages."""
-
-    def _connection(self) -> http.client.HTTPConnection:
-        if self._conn is None:
-            self._conn = RecordingConnection(self.host, self.port, timeout=self.timeout)
-        return self._conn
+    """``service.client.Client`` whose last answer's Server-Timing stages are at hand."""
 
     def last_stages(self) -> dict[str, float]:
-        conn = self._conn
-        return parse_server_timing(conn.last_timing if isinstance(conn, RecordingConnection) else "")
+        return parse_server_timing(self.last_server_timing)
 
 
 def closed_loop(url: str, send: Callable[[TimedClient], Any], concurrency: int, requests: int,

@@ -35,7 +35,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _loadtest(args: argparse.Namespace) -> int:
-    from service.client.loadtest import main as loadtest_main
+    from service.client.loadtest.cli import main as loadtest_main
 
     return loadtest_main(args)
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="query rows one pass over resident keys serves together (default 1024; 1: no batching)")
     s.set_defaults(func=_serve)
     lt = sub.add_parser("loadtest", help="load-test a running service with long contexts")
-    from service.client.loadtest import add_arguments
+    from service.client.loadtest.cli import add_arguments
 
     add_arguments(lt)
     lt.set_defaults(func=_loadtest)

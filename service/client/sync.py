@@ -74,6 +74,9 @@ class Client:
         self.timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
         self._limits: Limits | None = None
+        #: The ``Server-Timing`` header of the last answer ("" if it had none):
+        #: ``service.client.timing.parse_server_timing`` reads it as stage durations.
+        self.last_server_timing = ""
 
     # -- attention ---------------------------------------------------------------
     def attention(self, q: Any, k: Any = None, v: Any = None, contexts: Sequence[str] | None = None, *,
@@ -316,6 +319,7 @@ class Client:
                     sent()
                 resp = conn.getresponse()
                 data = resp.read()
+                self.last_server_timing = resp.getheader("Server-Timing", "")
                 break
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
                 # A keep-alive connection the server closed while idle: reconnect once.

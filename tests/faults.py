@@ -1,0 +1,63 @@
+"""A test-only fault: a proxy in front of a real service that changes its attention answers.
+
+Never part of the shipped server: the load test and the Locust file must notice
+that answers are wrong, and the only honest way to show it is a server that lies.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import threading
+from typing import Self
+
+import numpy as np
+
+from service.wire.safetensors import decode_safetensors, encode_safetensors
+
+
+class WrongAnswers(http.server.ThreadingHTTPServer):
+    """A proxy in front of the service that changes its attention answers: a test-only fault."""
+
+    def __init__(self, target_port: int, change) -> None:
+        self.target_port, self.change = target_port, change
+        super().__init__(("127.0.0.1", 0), Forward)
+        self.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def __enter__(self) -> Self:
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+class Forward(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        conn = http.client.HTTPConnection("127.0.0.1", self.server.target_port, timeout=60)
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+        conn.request(self.command, self.path, body=body or None, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        if self.path.startswith("/v1/attention") and resp.status == 200:
+            t = decode_safetensors(data, {"out", "lse"})
+            out, lse = self.server.change(np.array(t["out"]), np.array(t["lse"]))
+            data = b"".join(bytes(b) for b in encode_safetensors({"out": out, "lse": lse}))
+        self.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                self.send_header(k, v)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        conn.close()
+
+    do_GET = do_POST = do_DELETE = forward

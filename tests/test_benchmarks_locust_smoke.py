@@ -1,0 +1,49 @@
+"""benchmarks/locustfile.py under a real Locust against the real service: it loads, checks and cleans up."""
+
+import csv
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from faults import WrongAnswers
+from server import ROOT
+
+from service.client import Client
+
+pytest.importorskip("locust")
+
+
+def run_locust(host: str, tmp_path, seconds: int = 4) -> tuple[subprocess.CompletedProcess, dict]:
+    locust = shutil.which("locust", path=str(ROOT / ".venv" / "bin")) or shutil.which("locust")
+    cmd = [locust or sys.executable, *([] if locust else ["-m", "locust"]), "-f", str(ROOT / "benchmarks" / "locustfile.py"),
+           "--host", host, "--headless", "-u", "2", "-r", "2", "-t", f"{seconds}s", "--only-summary",
+           "--csv", str(tmp_path / "loc"), "--splitkey-n-k", "2K", "--splitkey-heads", "4,2,16",
+           "--splitkey-verify-every", "3"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    with (tmp_path / "loc_stats.csv").open() as f:
+        rows = {r["Name"]: r for r in csv.DictReader(f)}
+    return done, rows
+
+
+@pytest.mark.ray
+def test_locust_decodes_over_a_stored_context_with_checked_answers_and_deletes_it(server, tmp_path):
+    with Client(server.url) as c:
+        before = {ctx["id"] for ctx in c.list_contexts()}
+    done, rows = run_locust(server.url, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = rows["/v1/attention (decode)"]
+    assert int(row["Request Count"]) > 10 and int(row["Failure Count"]) == 0
+    with Client(server.url) as c:
+        assert {ctx["id"] for ctx in c.list_contexts()} == before
+
+
+@pytest.mark.ray
+def test_locust_counts_wrong_answers_as_failures(server, tmp_path):
+    with WrongAnswers(server.port, lambda out, lse: (out, lse + np.float32(0.5))) as proxy:
+        done, rows = run_locust(proxy.url, tmp_path, seconds=3)
+    assert done.returncode == 1
+    row = rows["/v1/attention (decode)"]
+    assert int(row["Failure Count"]) > 0 and int(row["Failure Count"]) < int(row["Request Count"])  # the checked ones
+    assert "wrong answer: relative error" in (tmp_path / "loc_failures.csv").read_text()
