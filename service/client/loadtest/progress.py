@@ -55,6 +55,7 @@ class LiveLine:
         self.every = TTY_EVERY_S if self.tty else LOG_EVERY_S
         self.t0 = self.last = time.perf_counter()
         self.done = self.failed = 0
+        self.written = (-1, -1)  # (done, failed) of the last line written
         self.latencies: list[float] = []
         self.lock = threading.Lock()
 
@@ -75,6 +76,9 @@ class LiveLine:
             self._write(final=True)
 
     def _write(self, final: bool) -> None:
+        if not self.tty and final and self.written == (self.done, self.failed):
+            return  # the last line says it already
+        self.written = (self.done, self.failed)
         seconds = max(time.perf_counter() - self.t0, 1e-9)
         p50 = sorted(self.latencies)[len(self.latencies) // 2] * 1000 if self.latencies else float("nan")
         line = (f"{self.label}: {self.done} done, {self.failed} failed, {self.done / seconds:.1f} req/s, "

@@ -10,9 +10,11 @@ workload deletes the contexts it made itself.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -22,6 +24,7 @@ from service.client.loadtest.reference import Expected
 from service.client.sync import Client
 from service.client.upload import HEADER_ROOM, Progress
 
+T = TypeVar("T")
 #: Stream numbers (data.Source): the base context, the inline keys, the shared-prefix suffixes.
 BASE_STREAM, INLINE_STREAM, SUFFIX_STREAM = 0, 1, 2
 #: Turns of one conversation: its turn t is stream TURN_STREAM + conversation * TURNS + t.
@@ -50,6 +53,22 @@ class Call:
     timing: str | None = None
 
 
+def ahead(pieces: Iterator[T]) -> Iterator[T]:
+    """The items of ``pieces``, each next one drawn on a thread while the caller sends the last.
+
+    Drawing a piece (random numbers, a cast) took as long as sending it; overlapped,
+    an upload runs at the rate of the slower of the two. Two pieces are held at a time.
+    """
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="loadtest-draw") as pool:
+        nxt = pool.submit(next, pieces, None)
+        while True:
+            item = nxt.result()
+            if item is None:
+                return
+            nxt = pool.submit(next, pieces, None)
+            yield item
+
+
 def upload(client: Client, source: Source, stream: int, n: int, *, pos0: int = 0, replicas: int = 1,
            chunk_keys: int | None = None, progress: Progress | None = None) -> str:
     """Store keys ``[0, n)`` of ``stream`` at positions ``pos0 ..`` as a new context, piece by piece; its id.
@@ -58,7 +77,7 @@ def upload(client: Client, source: Source, stream: int, n: int, *, pos0: int = 0
     planned for all of it); the others are appends. ``progress(done, n)`` after each chunk.
     """
     ctx: str | None = None
-    for start, k, v in source.pieces(stream, 0, n, UPLOAD_PIECE):
+    for start, k, v in ahead(source.pieces(stream, 0, n, UPLOAD_PIECE)):
         k_pos = pos0 + np.arange(start, start + k.shape[0]) if pos0 else None
 
         def step(done: int, _total: int, base: int = start) -> None:
