@@ -62,3 +62,30 @@ def test_service_doc_python_client_example_runs(server):
     out = run.stdout
     expected = re.search(r"# (\(.*\))\s*$", code.strip().splitlines()[-1]).group(1)
     assert out.strip() == expected
+
+
+def test_the_quickstart_and_loadtest_doc_commands_are_valid_sweeps():
+    from service.cli import build_parser
+    from service.client.loadtest.cli import config_from_args
+
+    def sweeps(path: str) -> list:
+        lines = [line for b in blocks(path, "bash") for line in b.replace("\\\n", " ").splitlines()
+                 if "splitkey loadtest" in line]
+        return [config_from_args(build_parser().parse_args(["loadtest", *line.split("splitkey loadtest", 1)[1]
+                                                             .split("#")[0].split()])) for line in lines]
+
+    [quickstart] = sweeps("README.md")
+    assert quickstart.n_k == (2**20,) and quickstart.shape.dtype == "bfloat16"  # the 1M-key run the README promises
+    first, example = sweeps("docs/LOADTEST.md")
+    assert first == quickstart
+    assert example.modes == ("decode", "prefill", "shared-prefix", "multi-turn") and len(example.points()) == 4
+
+
+@pytest.mark.ray
+def test_loadtest_doc_library_example_runs(server):
+    [code] = [b for b in blocks("docs/LOADTEST.md", "python") if "run_sweep" in b]
+    run = subprocess.run([sys.executable, "-c", code.replace(DOC_URL, server.url)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert len(lines) == 2 * 2 * 2 and all(line.endswith(" 0") for line in lines)  # 8 points, none wrong

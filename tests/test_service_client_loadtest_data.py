@@ -79,3 +79,13 @@ def test_the_error_is_relative_and_catches_shapes_and_empty_rows():
     assert error(out[:, :1], lse[:, :1], out, lse) == float("inf")  # a missing head
     assert error(out, np.array([[10.0, 3.0]]), out, lse) == float("inf")  # a row that should be empty
     assert error(out * np.nan, lse, out, lse) == float("inf")
+
+
+def test_turn_streams_draw_small_blocks_and_cut_the_same():
+    src = Source(3, Shape(h_q=2, h_kv=1, d=4, d_v=4))
+    stream = data.TURN_STREAM + 5
+    assert src.block_keys(stream) == data.TURN_BLOCK_KEYS and src.block_keys(0) == data.GENERATE_KEYS
+    k, v = src.kv(stream, 0, 600)
+    for lo, hi in [(0, 16), (250, 260), (256, 600)]:
+        kk, vv = src.kv(stream, lo, hi)
+        assert kk.tobytes() == k[lo:hi].tobytes() and vv.tobytes() == v[lo:hi].tobytes()

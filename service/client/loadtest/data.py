@@ -20,6 +20,9 @@ from workers.dtypes import DTYPES
 
 #: Keys per generator block (a range touches ceil(len / GENERATE_KEYS) + 1 blocks at most).
 GENERATE_KEYS = 16384
+#: Keys per block of the short streams (chat turns, from TURN_STREAM on): a turn of a few
+#: keys must not draw 16K of them inside its measured latency.
+TURN_BLOCK_KEYS = 256
 #: Stream numbers: contexts and inline keys use 0 .. 2**20, queries and turns above.
 QUERY_STREAM = 2**40
 TURN_STREAM = 2**41
@@ -47,12 +50,18 @@ class Source:
         self.shape = shape
         self.dtype = DTYPES[shape.dtype]
 
+    @staticmethod
+    def block_keys(stream: int) -> int:
+        """Keys per generator block of ``stream``."""
+        return TURN_BLOCK_KEYS if stream >= TURN_STREAM else GENERATE_KEYS
+
     def _block(self, stream: int, b: int) -> tuple[np.ndarray, np.ndarray]:
         """Block ``b`` of ``stream``: ``(k [G, h_kv, d], v [G, h_kv, d_v])`` in the sweep's dtype."""
         s = self.shape
+        size = self.block_keys(stream)
         rng = np.random.default_rng([self.seed, stream, b])
-        k = rng.standard_normal((GENERATE_KEYS, s.h_kv, s.d), dtype=np.float32).astype(self.dtype)
-        v = rng.standard_normal((GENERATE_KEYS, s.h_kv, s.d_v), dtype=np.float32).astype(self.dtype)
+        k = rng.standard_normal((size, s.h_kv, s.d), dtype=np.float32).astype(self.dtype)
+        v = rng.standard_normal((size, s.h_kv, s.d_v), dtype=np.float32).astype(self.dtype)
         return k, v
 
     def kv(self, stream: int, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,11 +71,12 @@ class Source:
         s = self.shape
         k = np.empty((hi - lo, s.h_kv, s.d), self.dtype)
         v = np.empty((hi - lo, s.h_kv, s.d_v), self.dtype)
-        for b in range(lo // GENERATE_KEYS, -(-hi // GENERATE_KEYS)):
-            a, z = max(lo, b * GENERATE_KEYS), min(hi, (b + 1) * GENERATE_KEYS)
+        size = self.block_keys(stream)
+        for b in range(lo // size, -(-hi // size)):
+            a, z = max(lo, b * size), min(hi, (b + 1) * size)
             kb, vb = self._block(stream, b)
-            k[a - lo:z - lo] = kb[a - b * GENERATE_KEYS:z - b * GENERATE_KEYS]
-            v[a - lo:z - lo] = vb[a - b * GENERATE_KEYS:z - b * GENERATE_KEYS]
+            k[a - lo:z - lo] = kb[a - b * size:z - b * size]
+            v[a - lo:z - lo] = vb[a - b * size:z - b * size]
         return k, v
 
     def pieces(self, stream: int, lo: int, hi: int, size: int) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:

@@ -47,7 +47,7 @@ def write_plots(points: Sequence[PointMetrics], out: pathlib.Path) -> list[pathl
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     plain = FuncFormatter(lambda y, _pos: f"{y:g}")  # 20, not 2 x 10^1
     out.mkdir(parents=True, exist_ok=True)
@@ -87,8 +87,9 @@ def write_plots(points: Sequence[PointMetrics], out: pathlib.Path) -> list[pathl
             ks = sorted({p.n_k for s in by_mode[mode].values() for p in s})
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 10, 20, 50, 100, ...
             ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(plain)
+            ax.yaxis.set_minor_formatter(NullFormatter())
             ax.set_xticks(ks, [_key_label(k) for k in ks])
             ax.set_xlabel("context length (keys)")
             ax.set_ylabel("latency (ms)")

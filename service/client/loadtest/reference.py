@@ -16,18 +16,44 @@ import numpy as np
 
 from service.client.loadtest.data import GENERATE_KEYS, Segment, Source
 
+#: Query rows of one request the reference computes at most (see Expected.rows).
+CHECK_ROWS = 8
 #: Bytes of one float64 score tile; bounds the reference's memory whatever the batch of rows.
 SCORE_BYTES = 64 * 2**20
 
 
 @dataclass
 class Expected:
-    """What one request asked: ``q [n_q, h_q, d]`` at positions ``q_pos [n_q]`` over ``segments`` in order."""
+    """What one request asked: ``q [n_q, h_q, d]`` at positions ``q_pos [n_q]`` over ``segments`` in order.
+
+    ``rows``: the query rows of the answer to check (all when None). A long prefill is
+    checked on a few rows (:data:`CHECK_ROWS`, spread over the chunk, first and last
+    included): a float64 reference of every row would cost the client as much as the
+    service's work, and a wrong merge or a missed shard shows in every row.
+    """
 
     q: np.ndarray
     q_pos: np.ndarray
     segments: tuple[Segment, ...]
     causal: bool = False
+    rows: np.ndarray | None = None
+
+    def checked(self) -> Expected:
+        """The same question restricted to its checked rows."""
+        if self.rows is None:
+            return self
+        return Expected(self.q[self.rows], self.q_pos[self.rows], self.segments, self.causal)
+
+    def select(self, out: np.ndarray, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The checked rows of an answer ``(out [n_q, h_q, d_v], lse [n_q, h_q])``."""
+        return (out, lse) if self.rows is None else (out[self.rows], lse[self.rows])
+
+
+def check_rows(n_q: int, most: int) -> np.ndarray | None:
+    """At most ``most`` of ``n_q`` rows, evenly spread, first and last included; None: all of them."""
+    if n_q <= most:
+        return None
+    return np.unique(np.linspace(0, n_q - 1, most).round().astype(np.int64))
 
 
 @dataclass
@@ -57,11 +83,12 @@ class _State:
 
 
 def answers64(source: Source, asked: Sequence[Expected]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``(out [n_q, h_q, d_v], lse [n_q, h_q])`` in float64 for each request of ``asked``.
+    """``(out [r, h_q, d_v], lse [r, h_q])`` in float64 for the ``r`` checked rows of each request of ``asked``.
 
     One pass over each distinct segment for all the requests that read it (their rows
     stacked), then each request merges the states of its segments.
     """
+    asked = [a.checked() for a in asked]
     s = source.shape
     g = s.h_q // s.h_kv
     states = [_State.empty(s.h_kv, a.q.shape[0] * g, s.d_v) for a in asked]

@@ -87,8 +87,8 @@ class _Checked:
 class _Point:
     """Sends the requests of one point and records them."""
 
-    def __init__(self, workload: Workload, config: SweepConfig, live: LiveLine | None) -> None:
-        self.workload, self.config, self.live = workload, config, live
+    def __init__(self, workload: Workload, config: SweepConfig, live: LiveLine | None, first: int) -> None:
+        self.workload, self.config, self.live, self.first = workload, config, live, first
         self.t0 = time.perf_counter()
         self.checked: list[_Checked] = []
         self.failures: dict[str, str] = {}
@@ -106,7 +106,7 @@ class _Point:
             with self.lock:
                 self.failures.setdefault(f"{status} {code}", f"{status} {code}: {exc}")
         sample = Sample(i, due - self.t0, time.perf_counter() - due, status, code, stages, call.keys, call.n_q)
-        if sample.ok and i % self.config.verify_every == 0:
+        if sample.ok and (i - self.first) % self.config.verify_every == 0:  # the point's first request too
             sample.verified = True
             with self.lock:
                 self.checked.append(_Checked(sample, call.expected(), out, lse))
@@ -178,20 +178,53 @@ def run_sweep(config: SweepConfig, *, stream: TextIO | None = None, stop: thread
 def _run_points(workload: Workload, config: SweepConfig, result: SweepResult, failures: dict[str, str],
                 stream: TextIO, stop: threading.Event) -> None:
     """Warm-up, each arrival point, then the check of the sampled answers; points appended to ``result``."""
+    runs: list[tuple[str, float, list[Sample], float, _Point]] = []
+    rng = np.random.default_rng([config.seed, len(result.points)])
+    interrupted = False
+    try:
+        _send_points(workload, config, runs, rng, stream, stop)
+    except KeyboardInterrupt:  # the finished points are still summarised, unchecked
+        stop.set()
+        interrupted = True
+    # One pass over the keys for every sampled answer of the mode (reference.answers64).
+    checked = [] if interrupted else [c for *_, point in runs for c in point.checked]
+    for c, (out64, lse64) in zip(checked, answers64(workload.source, [c.asked for c in checked])):
+        c.sample.error = error(*c.asked.select(c.out, c.lse), out64, lse64)
+    for arrival, load, samples, wall, point in runs:
+        if interrupted:
+            for s in samples:
+                s.verified = False
+            point.checked.clear()
+        m = summarize(samples, wall, mode=workload.mode, n_k=workload.n_k, arrival=arrival, load=load,
+                      key_bytes=config.shape.key_bytes, slo_ms=config.slo_ms)
+        errs = [c.sample.error for c in point.checked if c.sample.error is not None]
+        m.wrong = sum(1 for e in errs if not e <= config.tolerance)
+        if m.wrong:
+            failures.setdefault(f"wrong {m.label}", f"{m.label}: {m.wrong} of {len(errs)} checked answers differ from "
+                                f"the float64 reference by more than {config.tolerance:g} (largest {max(errs):.3g})")
+        failures.update(point.failures)
+        result.points.append(m)
+        if config.per_request:
+            result.requests[m.label] = samples
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def _send_points(workload: Workload, config: SweepConfig, runs: list[tuple[str, float, list[Sample], float, _Point]],
+                 rng: np.random.Generator, stream: TextIO, stop: threading.Event) -> None:
+    """Each arrival point after its warm-up, appended to ``runs`` as it finishes."""
     def make_client() -> Client:
         return Client(config.url, api_key=config.api_key)
 
     index = 0
-    runs: list[tuple[str, float, list[Sample], float, _Point]] = []
-    rng = np.random.default_rng([config.seed, len(result.points)])
     for arrival, load in config.points():
-        warm = _Point(workload, config, None)
+        warm = _Point(workload, config, None, index)
         with make_client() as client:
             for _ in range(config.warmup):
                 warm.request(client, index, time.perf_counter())
                 index += 1
         label = f"{workload.mode} n_k={workload.n_k} " + (f"c={int(load)}" if arrival == "concurrency" else f"rate={load:g}/s")
-        point = _Point(workload, config, LiveLine(label, stream))
+        point = _Point(workload, config, LiveLine(label, stream), index)
         if arrival == "concurrency":
             samples, wall = closed_loop(make_client, point.request, int(load), config.requests, config.duration_s,
                                         first=index, stop=stop)
@@ -202,22 +235,6 @@ def _run_points(workload: Workload, config: SweepConfig, result: SweepResult, fa
         if point.live is not None:
             point.live.close()
         index += len(samples)
-        failures.update(point.failures)
         runs.append((arrival, load, samples, wall, point))
         if stop.is_set():
             break
-    # One pass over the keys for every sampled answer of the mode (reference.answers64).
-    checked = [c for *_, point in runs for c in point.checked]
-    for c, (out64, lse64) in zip(checked, answers64(workload.source, [c.asked for c in checked])):
-        c.sample.error = error(c.out, c.lse, out64, lse64)
-    for arrival, load, samples, wall, point in runs:
-        m = summarize(samples, wall, mode=workload.mode, n_k=workload.n_k, arrival=arrival, load=load,
-                      key_bytes=config.shape.key_bytes, slo_ms=config.slo_ms)
-        errs = [c.sample.error for c in point.checked if c.sample.error is not None]
-        m.wrong = sum(1 for e in errs if not e <= config.tolerance)
-        if m.wrong:
-            failures.setdefault(f"wrong {m.label}", f"{m.label}: {m.wrong} of {len(errs)} checked answers differ from "
-                                f"the float64 reference by more than {config.tolerance:g} (largest {max(errs):.3g})")
-        result.points.append(m)
-        if config.per_request:
-            result.requests[m.label] = samples

@@ -20,7 +20,7 @@ import numpy as np
 
 from service.client.loadtest.config import SweepConfig
 from service.client.loadtest.data import TURN_STREAM, Segment, Source
-from service.client.loadtest.reference import Expected
+from service.client.loadtest.reference import CHECK_ROWS, Expected, check_rows
 from service.client.sync import Client
 from service.client.upload import HEADER_ROOM, Progress
 
@@ -213,9 +213,10 @@ class Conversation:
     def next_turn(self, keys: int, pos0: int) -> Segment:
         return Segment(TURN_STREAM + self.number * TURNS + len(self.turns), 0, keys, pos0 + self.length)
 
-    def store(self, client: Client, source: Source, seg: Segment, replicas: int, created: list[str]) -> str:
-        """Append the turn ``seg`` (create the conversation's context at its first turn); the context's id."""
-        k, v = source.kv(seg.stream, seg.lo, seg.hi)
+    def store(self, client: Client, seg: Segment, k: np.ndarray, v: np.ndarray, replicas: int,
+              created: list[str]) -> str:
+        """Append the turn ``seg`` (its keys ``k``, ``v``; the conversation's context is created at its
+        first turn); the context's id."""
         if self.ctx is None:
             self.ctx = str(client.create_context(k, v, seg.pos0 + np.arange(seg.n), replicas=replicas)["id"])
             created.append(self.ctx)
@@ -277,7 +278,8 @@ class MultiTurn(Turns):
 
     def turn(self, client: Client, chat: Conversation, i: int) -> tuple[tuple[np.ndarray, np.ndarray], Expected]:
         cfg = self.config
-        ctx = chat.store(client, self.source, chat.next_turn(cfg.turn_keys, self.n_k), cfg.replicas, self.created)
+        seg = chat.next_turn(cfg.turn_keys, self.n_k)
+        ctx = chat.store(client, seg, *self.source.kv(seg.stream, seg.lo, seg.hi), cfg.replicas, self.created)
         q = self.source.query(i, cfg.n_q)
         out = client.attention(q, contexts=[self.ctx, ctx])
         chat.timing = client.last_server_timing
@@ -304,8 +306,9 @@ class Prefill(Turns):
         # Default positions: the inline keys continue after the contexts, the queries are the last n.
         out = client.attention(q, k, v, contexts=names, causal=True)
         chat.timing = client.last_server_timing  # before the append's answer replaces it
-        asked = Expected(q, seg.pos0 + np.arange(n), (self.base, *chat.turns, seg), causal=True)
-        chat.store(client, self.source, seg, cfg.replicas, self.created)
+        asked = Expected(q, seg.pos0 + np.arange(n), (self.base, *chat.turns, seg), causal=True,
+                         rows=check_rows(n, CHECK_ROWS))
+        chat.store(client, seg, k, v, cfg.replicas, self.created)
         return out, asked
 
 
