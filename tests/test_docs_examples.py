@@ -85,7 +85,7 @@ def test_the_quickstart_and_loadtest_doc_commands_are_valid_sweeps():
 def test_loadtest_doc_library_example_runs(server):
     [code] = [b for b in blocks("docs/LOADTEST.md", "python") if "run_sweep" in b]
     run = subprocess.run([sys.executable, "-c", code.replace(DOC_URL, server.url)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert len(lines) == 2 * 2 * 2 and all(line.endswith(" 0") for line in lines)  # 8 points, none wrong
