@@ -27,6 +27,7 @@ from service.errors import InvalidOption, ServiceError, WorkersUnavailable, rend
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.routes import attention, contexts, kserve, ops
+from service.contexts.repair import Repairer
 from service.runtime import AppState, Runtime
 from service.settings import ServiceSettings
 
@@ -43,11 +44,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     directory = await Directory.connect(settings, [s.name for s in pool.slots], detached=detached)
     context_service = ContextService(settings, pool, directory)
     orchestrator = Orchestrator(pool, fanin=settings.merge_fanin, remote_merge_bytes=settings.remote_merge_bytes)
+    repair = Repairer(pool, directory, context_service)
     state.runtime = Runtime(pool=pool, attention=AttentionService(settings, pool, orchestrator, context_service),
-                            contexts=context_service)
+                            contexts=context_service, repair=repair)
     state.metrics.workers.labels(state="alive").set(pool.size)
     log.info("splitkey ready: %d %s workers", pool.size, pool.device)
-    healer = asyncio.create_task(pool.heal_forever(settings.heal_interval_s))
+    healer = asyncio.create_task(repair.run_forever(settings.heal_interval_s))
     try:
         yield
     finally:

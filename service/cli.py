@@ -21,6 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device, "api_key_file": args.api_key_file, "max_body_bytes": args.max_body_bytes,
         "max_inflight": args.max_inflight, "request_timeout_s": args.request_timeout,
         "worker_memory_bytes": args.worker_memory_bytes, "batch_rows": args.batch_rows,
+        "worker_cpus": args.worker_cpus,
     }.items() if v is not None}
     try:
         settings = ServiceSettings(**given)
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 2 GiB)")
     s.add_argument("--max-inflight", type=int, default=None, help="requests admitted at once (default 64)")
     s.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds (default 120)")
+    s.add_argument("--worker-cpus", type=float, default=None,
+                   help="CPUs Ray reserves for each worker (default 1; e.g. 0.5 for two workers per core)")
     s.add_argument("--worker-memory-bytes", type=int, default=None, help="resident context bytes per worker (default 4 GiB)")
     s.add_argument("--batch-rows", type=int, default=None,
                    help="query rows one pass over resident keys serves together (default 1024; 1: no batching)")

@@ -57,6 +57,9 @@ class Metrics:
         self.workers = Gauge("splitkey_workers", "Shard workers by state.", ["state"], registry=r)
         self.worker_bytes = Gauge("splitkey_worker_bytes_held", "Resident context bytes per worker.", ["worker"], registry=r)
         self.contexts = Gauge("splitkey_contexts", "Resident contexts in the directory.", registry=r)
+        self.shards = Gauge("splitkey_context_shards", "Context shards below their replica count (under_replicated) "
+                            "or with no live replica (lost).", ["state"], registry=r)
+        self.repairs = Gauge("splitkey_replicas_rebuilt", "Replicas the repair loop rebuilt since start.", registry=r)
 
     def observe_stages(self, route: str, timings: Timings) -> None:
         for stage, sec in timings.stages.items():

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from service.attention import AttentionService
 from service.cluster.pool import WorkerPool
+from service.contexts.repair import Repairer
 from service.contexts.service import ContextService
 from service.metrics import Metrics
 from service.settings import ServiceSettings
@@ -24,6 +25,7 @@ class Runtime:
     pool: WorkerPool
     attention: AttentionService
     contexts: ContextService
+    repair: Repairer
 
 
 @dataclass

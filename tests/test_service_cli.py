@@ -39,3 +39,28 @@ def test_serve_with_device_gpu_on_a_cluster_without_gpus_fails_fast(tmp_path):
                          capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0
     assert "the Ray cluster has no GPU" in run.stdout + run.stderr
+
+
+@pytest.mark.ray
+def test_more_workers_than_the_cpus_hold_fail_at_once_naming_what_is_missing(tmp_path):
+    cpus = os.cpu_count() or 1
+    env = {**os.environ, "HOME": str(tmp_path)}
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--workers", str(cpus + 1)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)  # not Ray's minute-long wait
+    assert run.returncode != 0
+    assert (f"workers must fit the cluster: {cpus + 1} new worker(s) x 1 CPU each need {cpus + 1} CPU, the cluster "
+            f"has {cpus} free of {cpus}") in run.stdout + run.stderr
+    assert "--worker-cpus" in run.stdout + run.stderr
+
+
+@pytest.mark.ray
+def test_a_smaller_cpu_share_fits_more_workers(tmp_path):
+    from server import Server
+
+    cpus = os.cpu_count() or 1
+    srv = Server(tmp_path, args=("--workers", str(2 * cpus), "--worker-cpus", "0.5")).start()
+    try:
+        with Client(srv.url) as c:
+            assert len([w for w in c.cluster()["workers"] if w["alive"]]) == 2 * cpus
+    finally:
+        srv.stop()

@@ -44,3 +44,27 @@ def test_records_are_listed_in_id_order_and_removed_with_their_lease():
     assert d.acquire("c", "owner", 60)
     assert d.remove("c")["id"] == "c" and d.get("c") is None and [r["id"] for r in d.all()] == ["a"]
     assert d.acquire("c", "another", 60)  # the lease went with the record
+
+
+def test_a_forgotten_worker_leaves_every_shard_and_each_record_is_versioned_again():
+    d = DirectoryActor([], "ns")
+    d.commit(record("c"))
+    d.commit({"id": "e", "version": 4, "shards": [{"index": 0, "length": 5, "workers": ["w1"]},
+                                                  {"index": 1, "length": 2, "workers": ["w2"]}]})
+    assert d.forget_worker("w1") == 2
+    assert d.get("c")["shards"][0]["workers"] == ["w0"] and d.get("c")["version"] == 2
+    assert [s["workers"] for s in d.get("e")["shards"]] == [[], ["w2"]] and d.get("e")["version"] == 5
+    assert d.forget_worker("w1") == 0 and d.get("c")["version"] == 2  # nothing left to forget: untouched
+
+
+def test_health_says_ready_degraded_or_lost_from_the_live_workers():
+    from service.contexts.records import health
+
+    rec = {"id": "c", "replicas": 2, "shards": [{"index": 0, "length": 5, "workers": ["w0", "w1"]},
+                                                {"index": 1, "length": 5, "workers": ["w1", "w2"]}]}
+    assert health(rec, {"w0", "w1", "w2"}) == {"state": "ready", "live_replicas": [2, 2], "degraded_shards": [],
+                                               "lost_shards": []}
+    assert health(rec, {"w0", "w2"})["state"] == "degraded"
+    assert health(rec, {"w0", "w2"})["degraded_shards"] == [0, 1]
+    lost = health(rec, {"w0"})
+    assert lost["state"] == "lost" and lost["lost_shards"] == [1] and lost["degraded_shards"] == [0]

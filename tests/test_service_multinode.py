@@ -183,3 +183,71 @@ def test_inline_request_retries_a_dead_worker_and_fails_503_when_none_is_left(cl
             assert "could not be computed" in err.value.detail
     finally:
         srv.stop()
+
+
+def wait_for(predicate, timeout_s=60.0, poll_s=0.25):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"not true within {timeout_s} s")
+
+
+def test_a_killed_replica_is_forgotten_and_rebuilt_while_the_context_keeps_answering(cluster, tmp_path_factory):
+    rng = np.random.default_rng(7)
+    k, v = kv(rng, 900)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    srv = front_end(cluster, tmp_path_factory, "fe-repair")
+    try:
+        with Client(srv.url) as c:
+            ctx = c.create_context(k[:600], v[:600], replicas=2, shards=3)
+            assert ctx["state"] == "ready" and ctx["live_replicas"] == [2, 2, 2]
+            record = ray.get(ray.get_actor("splitkey-directory", namespace=NAMESPACE).get.remote(ctx["id"]))
+            victim = record["shards"][0]["workers"][0]
+            ray.kill(ray.get_actor(victim, namespace=NAMESPACE))
+            # Queries keep answering from the replica left, exactly.
+            out, lse = c.attention(q, contexts=[ctx["id"]])
+            assert_close_to_reference(out, lse, q, k[:600], v[:600])
+            # The loop forgets the dead replica, replaces the worker and copies the shards back to 2 replicas.
+            desc = wait_for(lambda: (d := c.get_context(ctx["id"]))["state"] == "ready" and d)
+            assert desc["live_replicas"] == [2, 2, 2] and desc["degraded_shards"] == [] and desc["lost_shards"] == []
+            repair = c.cluster()["repair"]
+            assert repair["workers_replaced"] >= 1 and repair["replicas_rebuilt"] >= 1
+            assert repair["under_replicated_shards"] == 0 and repair["lost_shards"] == 0
+            metrics = httpx.get(srv.url + "/metrics").text
+            assert 'splitkey_context_shards{state="lost"} 0.0' in metrics
+            # Appends reach every replica again, the rebuilt ones included, and answers stay exact.
+            c.append(ctx["id"], k[600:], v[600:])
+            out, lse = c.attention(q, contexts=[ctx["id"]])
+            assert_close_to_reference(out, lse, q, k, v)
+            c.delete_context(ctx["id"])
+    finally:
+        srv.stop()
+
+
+def test_a_context_whose_only_replica_died_reports_lost_and_refuses_appends(cluster, tmp_path_factory):
+    rng = np.random.default_rng(8)
+    k, v = kv(rng, 300)
+    srv = front_end(cluster, tmp_path_factory, "fe-lost-state")
+    try:
+        with Client(srv.url) as c:
+            ctx = c.create_context(k[:200], v[:200], replicas=1, shards=2)
+            record = ray.get(ray.get_actor("splitkey-directory", namespace=NAMESPACE).get.remote(ctx["id"]))
+            holder = record["shards"][1]["workers"][0]
+            ray.kill(ray.get_actor(holder, namespace=NAMESPACE))
+            desc = wait_for(lambda: (d := c.get_context(ctx["id"]))["state"] == "lost" and d)
+            assert desc["lost_shards"] == [1] and desc["live_replicas"][1] == 0 and desc["length"] == 200
+            time.sleep(1.5)  # the replacement is up: it must not count as a replica
+            assert c.get_context(ctx["id"])["state"] == "lost"
+            with pytest.raises(SplitkeyError) as err:
+                c.append(ctx["id"], k[200:], v[200:])
+            assert err.value.status == 503 and err.value.code == "context_lost" and "[1]" in err.value.detail
+            with pytest.raises(SplitkeyError) as err:
+                c.attention(rng.standard_normal((1, 4, 16)).astype(np.float32), contexts=[ctx["id"]])
+            assert err.value.status == 503 and err.value.code == "context_lost"
+            assert c.get_context(ctx["id"])["length"] == 200  # nothing was half-written
+            c.delete_context(ctx["id"])
+    finally:
+        srv.stop()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import secrets
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from workers.api import partial_attention_resident_many, partial_attention_shard
 from workers.batch import Batcher
 from workers.config import WorkerConfig
 from workers.store import ShardStore
-from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite, arrive
+from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite, arrive, carry
 
 
 def _host_state(st: State) -> State:
@@ -87,6 +88,8 @@ class ShardWorker:
     def __init__(self, config: WorkerConfig, name: str) -> None:
         self.config = config
         self.name = name
+        #: Tells this worker from an earlier one of the same name (a replacement starts empty).
+        self.incarnation = secrets.token_hex(8)
         self.xp: Any = np
         if config.device == "gpu":
             from workers.gpu.backend import array_module
@@ -111,6 +114,7 @@ class ShardWorker:
             node_id = ""
         return {
             "name": self.name,
+            "incarnation": self.incarnation,
             "device": self.config.device,
             "node_id": node_id,
             "pid": os.getpid(),
@@ -195,6 +199,12 @@ class ShardWorker:
         k, v = write.keys_of(arrive(k)), write.keys_of(arrive(v))
         info = self.writes.call(functools.partial(self.store.append, write, k, v, committed=committed))
         return info.to_dict()
+
+    def export_shard(self, context_id: str, index: int, length: int) -> tuple[Any, Any, Any]:
+        """The first ``length`` keys of a shard as ``(k, v, k_pos)`` in the contract layout (bfloat16 as
+        its bits, ``workers.tasks.Carried``): the source of a replica rebuilt on another worker."""
+        k, v, k_pos = self.writes.call(functools.partial(self.store.export, context_id, index, length))
+        return carry(k), carry(v), k_pos
 
     def truncate_shard(self, context_id: str, index: int, length: int) -> None:
         self.store.truncate(context_id, index, length)

@@ -185,6 +185,16 @@ class ShardStore:
         full = kv.snapshot()
         return StreamingView(kt=full.kt[:, :, :length], v=full.v[:, :length], k_pos=full.k_pos[:length])
 
+    def export(self, context_id: str, index: int, length: int) -> tuple[Any, Any, Any]:
+        """``(k [n, h_kv, d], v [n, h_kv, d_v], k_pos [n])``: copies of the first ``length`` keys in the
+        contract layout, as host arrays (to rebuild a replica elsewhere)."""
+        view = self.view(context_id, index, length)
+        k = view.kt.transpose(2, 0, 1)  # [n, h_kv, d]
+        v = view.v.transpose(1, 0, 2)  # [n, h_kv, d_v]
+        to_host = getattr(self.xp, "asnumpy", np.asarray)
+        return (np.ascontiguousarray(to_host(k)), np.ascontiguousarray(to_host(v)),
+                np.ascontiguousarray(to_host(view.k_pos)))
+
     def info(self, context_id: str, index: int) -> ShardInfo:
         kv = self._get(context_id, index)
         with self._index:

@@ -5,8 +5,8 @@ a restarted front end, or a second one on the same cluster, finds the same
 workers and the contexts they hold. When the front end joined an existing
 cluster the workers are detached (they outlive it); with an embedded Ray they
 end with the process. A worker that dies is replaced under the same name by
-:meth:`WorkerPool.heal`; what it held is gone, which the contexts layer handles
-through replicas.
+:meth:`WorkerPool.replace` (``service.contexts.repair`` decides when, after the
+directory has forgotten what the dead one held, and rebuilds its replicas elsewhere).
 
 This is the only module that calls ``workers.actor.ShardWorker``'s methods: the
 typed methods below are its remote API. A worker that dies mid-call is marked
@@ -48,6 +48,7 @@ class Slot:
     outstanding: int = 0
     alive: bool = True
     info: dict = field(default_factory=dict)
+    incarnation: str = ""  #: the ShardWorker instance behind the name, from its last ping
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,6 +95,32 @@ def default_worker_count(settings: ServiceSettings, device: str) -> int:
     return max(1, int(res.get("CPU", 1) // settings.worker_cpus))
 
 
+def check_fits(settings: ServiceSettings, device: str, names: Sequence[str]) -> None:
+    """Fail at once, naming what is missing, when the workers still to start cannot be placed.
+
+    Workers that already exist under these names (a joined cluster's detached ones) hold
+    their resources already; the others need ``worker_cpus`` CPUs (or one GPU) each from
+    what the cluster has free. Without this check Ray would queue them and the start
+    would time out a minute later with no reason given.
+    """
+    new = 0
+    for name in names:
+        try:
+            ray.get_actor(name, namespace=settings.ray_namespace)
+        except ValueError:
+            new += 1
+    if not new:
+        return
+    resource, each = ("GPU", 1.0) if device == "gpu" else ("CPU", settings.worker_cpus)
+    free = float(ray.available_resources().get(resource, 0.0))
+    total = float(ray.cluster_resources().get(resource, 0.0))
+    if new * each > free + 1e-9:
+        raise WorkersUnavailable(
+            f"workers must fit the cluster: {new} new worker(s) x {each:g} {resource} each need "
+            f"{new * each:g} {resource}, the cluster has {free:g} free of {total:g}; ask for fewer workers "
+            f"(--workers) or a smaller share each (--worker-cpus), or add nodes")
+
+
 async def _await(ref: Any) -> Any:
     """An ObjectRef as a coroutine (for ``asyncio.wait_for``)."""
     return await ref
@@ -106,12 +133,15 @@ class WorkerPool:
         self.device = device
         self.detached = detached
         self._config = worker_config(settings, device)
+        #: Names found behind a new worker by :meth:`refresh` and not yet taken by the repair loop.
+        self.replaced_elsewhere: set[str] = set()
 
     # -- lifecycle --------------------------------------------------------------
     @classmethod
     async def start(cls, settings: ServiceSettings, detached: bool) -> WorkerPool:
         device = resolve_device(settings)
         n = settings.workers or default_worker_count(settings, device)
+        check_fits(settings, device, [f"{WORKER_PREFIX}{i}" for i in range(n)])
         pool = cls(settings, [], device, detached)
         pool.slots = [Slot(i, f"{WORKER_PREFIX}{i}", pool._spawn(f"{WORKER_PREFIX}{i}")) for i in range(n)]
         await pool.refresh()
@@ -139,42 +169,31 @@ class WorkerPool:
         return ray.remote(ShardWorker).options(**opts).remote(self._config, name)
 
     async def refresh(self, timeout_s: float = 60.0) -> None:
-        """Ping every worker; record node, bytes held and whether it answered."""
+        """Ping every worker; record node, bytes held and whether it answered.
 
+        A name whose worker is not the one seen before (another front end replaced
+        it: alive, but holding nothing of what the name held) goes into
+        :attr:`replaced_elsewhere`, for the repair loop to take.
+        """
         async def one(slot: Slot) -> None:
             try:
                 slot.info = await asyncio.wait_for(_await(slot.handle.ping.remote()), timeout_s)
                 slot.node_id = slot.info.get("node_id", "")
                 slot.alive = True
+                seen = str(slot.info.get("incarnation", ""))
+                if slot.incarnation and seen != slot.incarnation:
+                    self.replaced_elsewhere.add(slot.name)
+                slot.incarnation = seen
             except (TimeoutError, ray.exceptions.RayError) as exc:
                 log.warning("worker %s did not answer: %s", slot.name, exc)
                 slot.alive = False
 
         await asyncio.gather(*(one(s) for s in self.slots))
 
-    async def heal(self) -> list[str]:
-        """Replace dead workers under their names; returns the names replaced."""
-        await self.refresh(timeout_s=10.0)
-        replaced = []
-        for slot in self.slots:
-            if not slot.alive:
-                slot.handle = self._spawn(slot.name)
-                replaced.append(slot.name)
-        if replaced:
-            await self.refresh()
-        return replaced
-
-    async def heal_forever(self, interval_s: float) -> None:
-        """Replace workers found dead, every ``interval_s`` (their resident shards are gone; replicas cover them)."""
-        while True:
-            await asyncio.sleep(interval_s)
-            if any(not s.alive for s in self.slots):
-                try:
-                    replaced = await self.heal()
-                    if replaced:
-                        log.warning("replaced dead workers: %s", ", ".join(replaced))
-                except Exception:  # the loop must outlive one failed attempt
-                    log.exception("healing the worker pool failed")
+    def replace(self, slot: Slot) -> None:
+        """Start a new, empty worker under a dead one's name (the caller first forgets what it held)."""
+        slot.handle = self._spawn(slot.name)
+        slot.incarnation = ""  # the next refresh learns the new one
 
     def shutdown(self) -> None:
         if self.detached:
@@ -281,6 +300,15 @@ class WorkerPool:
 
     def append_shard(self, index: int, write: ShardWrite, k: Any, v: Any, committed: int) -> Awaitable[Any]:
         return self._call(index, lambda h: h.append_shard.remote(write, k, v, committed))
+
+    def export_shard(self, index: int, context_id: str, shard: int, length: int) -> Awaitable[Any]:
+        """The first ``length`` keys of a shard, ``(k, v, k_pos)``: k and v stay in the object store
+        (their ObjectRefs go on to the worker that rebuilds the replica), k_pos comes back."""
+        async def run() -> tuple[Any, Any, Any]:
+            k, v, k_pos = self._submit(index, lambda h: h.export_shard.options(num_returns=3).remote(
+                context_id, shard, length))
+            return k, v, await self._result(index, k_pos)
+        return run()
 
     def truncate_shard(self, index: int, context_id: str, shard: int, length: int) -> Awaitable[Any]:
         return self._call(index, lambda h: h.truncate_shard.remote(context_id, shard, length))

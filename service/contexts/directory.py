@@ -84,6 +84,22 @@ class DirectoryActor:
         self.leases.pop(ctx_id, None)
         return self.records.pop(ctx_id, None)
 
+    def forget_worker(self, name: str) -> int:
+        """A worker of this name died or was replaced: it holds none of its replicas any more.
+
+        Removes the name from every shard (each record's version is bumped), so that no
+        read or write goes to an empty replacement; returns the number of replicas forgotten.
+        """
+        forgotten = 0
+        for ctx_id, record in self.records.items():
+            hit = [s for s in record["shards"] if name in s["workers"]]
+            if not hit:
+                continue
+            shards = [{**s, "workers": [w for w in s["workers"] if w != name]} for s in record["shards"]]
+            self.records[ctx_id] = cast(ContextRecord, {**record, "shards": shards, "version": record["version"] + 1})
+            forgotten += len(hit)
+        return forgotten
+
     # -- leases -------------------------------------------------------------------
     def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
         now = time.monotonic()
@@ -159,6 +175,9 @@ class Directory:
     async def remove(self, ctx_id: str) -> ContextRecord | None:
         result: ContextRecord | None = await self._call(lambda h: h.remove.remote(ctx_id))
         return result
+
+    async def forget_worker(self, name: str) -> int:
+        return int(await self._call(lambda h: h.forget_worker.remote(name)))
 
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
         result: bool = await self._call(lambda h: h.acquire.remote(ctx_id, owner, ttl_s))

@@ -70,3 +70,18 @@ def describe(record: ContextRecord) -> dict:
         "shard_lengths": [s["length"] for s in record["shards"]],
         "expected_length": record.get("expected_length"),
     }
+
+
+#: A context's states (docs/CONTEXTS.md, "Health"): every shard at its replica count; some below
+#: it but every shard held; some shard held by no live worker.
+READY, DEGRADED, LOST = "ready", "degraded", "lost"
+
+
+def health(record: ContextRecord, live: set[str]) -> dict:
+    """The context's state given the names of the live workers: ``state``, ``live_replicas`` per
+    shard, and the shards below their replica count (``degraded_shards``) or with none (``lost_shards``)."""
+    counts = [sum(1 for w in s["workers"] if w in live) for s in record["shards"]]
+    lost = [s["index"] for s, n in zip(record["shards"], counts) if n == 0]
+    degraded = [s["index"] for s, n in zip(record["shards"], counts) if 0 < n < record["replicas"]]
+    return {"state": LOST if lost else DEGRADED if degraded else READY, "live_replicas": counts,
+            "degraded_shards": degraded, "lost_shards": lost}

@@ -24,7 +24,16 @@ from service.cluster.orchestrator import Job, shard_bounds
 from service.cluster.pool import ResidentWork, WorkerPool
 from service.contexts.directory import Directory
 from service.contexts.placement import WorkerLoad, place
-from service.contexts.records import ContextRecord, ShardEntry, describe, key_bytes, length, new_context_id
+from service.contexts.records import (
+    LOST,
+    ContextRecord,
+    ShardEntry,
+    describe,
+    health,
+    key_bytes,
+    length,
+    new_context_id,
+)
 from service.errors import (
     ContextLost,
     ContextNotFound,
@@ -178,10 +187,17 @@ class ContextService:
 
     # -- reads ----------------------------------------------------------------
     async def get(self, ctx_id: str) -> dict:
-        return describe(await self._record(ctx_id))
+        return self.describe(await self._record(ctx_id))
 
     async def describe_all(self) -> list[dict]:
-        return [describe(r) for r in await self.directory.all()]
+        return [self.describe(r) for r in await self.directory.all()]
+
+    def describe(self, record: ContextRecord) -> dict:
+        """The public description with the context's health as this front end's pool sees it."""
+        return {**describe(record), **self.health(record)}
+
+    def health(self, record: ContextRecord) -> dict:
+        return health(record, {s.name for s in self.pool.alive})
 
     async def count(self) -> int:
         return int((await self.directory.ping())["contexts"])
@@ -221,7 +237,7 @@ class ContextService:
             raise
         with timings.measure("commit"):
             await self.directory.commit(record, None)
-        return describe(record)
+        return self.describe(record)
 
     async def append(self, ctx_id: str, write: ContextWrite, timings: Timings) -> dict:
         """The write's keys after the context's; ``timings`` as for :meth:`create` (commit includes the lease)."""
@@ -229,6 +245,10 @@ class ContextService:
             refs = Refs(*await self.pool.put(write.kv.k, write.kv.v))
         async with self._lease(ctx_id, timings) as owner:
             old = await self._record(ctx_id)
+            state = self.health(old)
+            if state["state"] == LOST:  # keys after a hole would answer wrongly: refuse, as queries do
+                raise ContextLost(f"context {ctx_id} has lost shards {state['lost_shards']}: no live worker holds "
+                                  "them; delete the context and create it again")
             if write.after is not None and write.after != length(old):
                 raise LengthMismatch(f"after must be the context's length {length(old)}, got {write.after}")
             kv = write.kv
@@ -255,7 +275,7 @@ class ContextService:
                 await self.directory.commit(new, owner)
         with timings.measure("commit"):
             await self._note(new)  # outside the lease: a holder keeps the newest version it is told
-        return describe(new)
+        return self.describe(new)
 
     async def delete(self, ctx_id: str) -> dict:
         async with self._lease(ctx_id, Timings()):
@@ -377,6 +397,25 @@ class ContextService:
             await call
         except (WorkersUnavailable, ShardMissing, ValueError):
             pass
+
+    # -- for the repair loop (service.contexts.repair) ---------------------------------
+    def lease(self, ctx_id: str) -> contextlib.AbstractAsyncContextManager[str]:
+        """The context's write lease, as appends take it (see :meth:`_lease`)."""
+        return self._lease(ctx_id, Timings())
+
+    async def record(self, ctx_id: str) -> ContextRecord:
+        """The committed record; ContextNotFound if there is none."""
+        return await self._record(ctx_id)
+
+    async def note(self, record: ContextRecord) -> None:
+        await self._note(record)
+
+    async def commit(self, record: ContextRecord, owner: str) -> None:
+        await self.directory.commit(record, owner)
+
+    async def drop_quietly(self, worker: int, ctx_id: str, shard: int) -> None:
+        """Drop a shard from a worker if it holds one."""
+        await self._quietly(self.pool.drop(worker, ctx_id, shard))
 
     @contextlib.asynccontextmanager
     async def _lease(self, ctx_id: str, timings: Timings) -> AsyncIterator[str]:

@@ -43,6 +43,10 @@ async def metrics(request: Request) -> Response:
         for s in rt.pool.slots:
             state.metrics.worker_bytes.labels(worker=s.name).set(s.info.get("bytes_held", 0))
         state.metrics.contexts.set(await rt.contexts.count())
+        stats = rt.repair.stats
+        state.metrics.shards.labels(state="under_replicated").set(stats.under_replicated_shards)
+        state.metrics.shards.labels(state="lost").set(stats.lost_shards)
+        state.metrics.repairs.set(stats.replicas_rebuilt)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -64,6 +68,7 @@ async def cluster(request: Request) -> JSONResponse:
         "nodes": nodes,
         "bytes_held": sum(w["bytes_held"] for w in workers),
         "contexts": await rt.contexts.count(),
+        "repair": rt.repair.stats.to_json(),
     })
 
 

@@ -1,0 +1,146 @@
+"""Self-healing replicas (docs/CONTEXTS.md, "Health and repair").
+
+Every ``heal_interval_s`` the loop pings the workers. A worker that died, or whose
+name now stands for a new worker (another front end replaced it), first loses its
+replicas in the directory (``forget_worker``: nothing is read from or written to an
+empty replacement), then is replaced under its name. Then every shard below its
+context's replica count that still has a live replica is copied from one to other
+live workers (another node first, then the one holding the fewest bytes), under
+the context's write lease: an append waits for the copy instead of racing it, and
+queries go on reading the replicas that are left. A copy that does not fit a
+worker's budget is tried on the next one, and again at the next round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from dataclasses import dataclass, field
+
+from service.cluster.pool import WorkerPool
+from service.contexts.directory import Directory
+from service.contexts.records import ContextRecord, ShardEntry
+from service.contexts.service import ContextService
+from service.errors import ContextNotFound, WorkersUnavailable
+from workers.store import CapacityError, ShardMissing
+from workers.tasks import ShardWrite
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RepairStats:
+    """What the loop did and what it sees now: ``/v1/cluster`` ("repair") and ``/metrics``."""
+
+    rounds: int = 0
+    workers_replaced: int = 0
+    replicas_forgotten: int = 0
+    replicas_rebuilt: int = 0
+    failures: int = 0
+    under_replicated_shards: int = 0  # below their replica count, at least one live replica
+    lost_shards: int = 0  # no live replica
+    last_error: str = ""
+    recent: list[str] = field(default_factory=list)  # the last few repairs, newest last
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+class Repairer:
+    def __init__(self, pool: WorkerPool, directory: Directory, contexts: ContextService) -> None:
+        self.pool, self.directory, self.contexts = pool, directory, contexts
+        self.stats = RepairStats()
+
+    async def run_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.step()
+            except Exception as exc:  # the loop must outlive one failed round
+                self.stats.failures += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("the repair round failed")
+
+    async def step(self) -> None:
+        """One round: forget and replace dead workers, then rebuild what is below its replica count."""
+        self.stats.rounds += 1
+        await self.pool.refresh(timeout_s=10.0)
+        gone = [s for s in self.pool.slots if not s.alive or s.name in self.pool.replaced_elsewhere]
+        for slot in gone:
+            self.stats.replicas_forgotten += await self.directory.forget_worker(slot.name)  # before any replacement
+            self.pool.replaced_elsewhere.discard(slot.name)
+            if not slot.alive:
+                self.pool.replace(slot)
+                self.stats.workers_replaced += 1
+                log.warning("worker %s died: its replicas are forgotten and it is replaced", slot.name)
+        if gone:
+            await self.pool.refresh()
+        records = await self.directory.all()
+        await self._count(records)
+        for record in records:
+            if self.contexts.health(record)["degraded_shards"]:
+                await self.rebuild(record["id"])
+        if self.stats.replicas_rebuilt:
+            await self._count(await self.directory.all())
+
+    async def _count(self, records: list[ContextRecord]) -> None:
+        states = [self.contexts.health(r) for r in records]
+        self.stats.under_replicated_shards = sum(len(h["degraded_shards"]) for h in states)
+        self.stats.lost_shards = sum(len(h["lost_shards"]) for h in states)
+
+    async def rebuild(self, ctx_id: str) -> int:
+        """Copy the context's under-replicated shards to other live workers; replicas made."""
+        try:
+            async with self.contexts.lease(ctx_id) as owner:
+                old = await self.contexts.record(ctx_id)
+                new: ContextRecord = copy.deepcopy(old)
+                made = 0
+                for entry in new["shards"]:
+                    made += await self._copy(new, entry)
+                if made:
+                    new["version"] += 1
+                    await self.contexts.commit(new, owner)
+        except ContextNotFound:
+            return 0  # deleted meanwhile
+        if made:
+            await self.contexts.note(new)
+        return made
+
+    async def _copy(self, record: ContextRecord, entry: ShardEntry) -> int:
+        """Replicas of shard ``entry`` made on other workers (``entry["workers"]`` updated)."""
+        holders = self.pool.indexes(entry["workers"], alive=True)
+        need = record["replicas"] - len(holders)
+        if need <= 0 or not holders:
+            return 0
+        entry["workers"] = self.pool.names(holders)  # dead names out
+        ctx_id, index, n = record["id"], entry["index"], entry["length"]
+        k, v, k_pos = await self.pool.export_shard(holders[0], ctx_id, index, n)
+        capacity = record["shard_capacity"]
+        write = ShardWrite(ctx_id, index, record["dtype"], capacity, k_pos,
+                           reserve=max(n, capacity))  # an open shard keeps its room for appends
+        made = 0
+        for target in self._targets(holders):
+            if made == need:
+                break
+            name = self.pool.slots[target].name
+            try:
+                await self.contexts.drop_quietly(target, ctx_id, index)  # a stale copy of a worker thought dead
+                await self.pool.create_shard(target, write, k, v, record)
+            except (CapacityError, WorkersUnavailable, ShardMissing, ValueError) as exc:  # the next target or round
+                self.stats.failures += 1
+                self.stats.last_error = f"shard {index} of {ctx_id} on {name}: {type(exc).__name__}: {exc}"
+                log.warning("rebuilding a replica failed: %s", self.stats.last_error)
+                continue
+            entry["workers"].append(name)
+            made += 1
+            self.stats.replicas_rebuilt += 1
+            self.stats.recent = [*self.stats.recent[-9:], f"shard {index} of {ctx_id} ({n} keys) -> {name}"]
+        return made
+
+    def _targets(self, holders: list[int]) -> list[int]:
+        """Live workers holding no replica of the shard: other nodes than the holders' first, then fewest bytes."""
+        nodes = {self.pool.slots[i].node_id for i in holders}
+        free = [s for s in self.pool.alive if s.index not in holders]
+        free.sort(key=lambda s: (s.node_id in nodes, int(s.info.get("bytes_held", 0)), s.index))
+        return [s.index for s in free]
