@@ -18,16 +18,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
 from service.attention import AttentionService
-from service.cluster.connect import connect, disconnect
+from service.cluster.connect import connect, disconnect, start_reaper
 from service.cluster.orchestrator import Orchestrator
 from service.cluster.pool import WorkerPool
 from service.contexts.directory import Directory
+from service.contexts.repair import Repairer
 from service.contexts.service import ContextService
+from service.drain import Drain
 from service.errors import InvalidOption, ServiceError, WorkersUnavailable, render
 from service.metrics import Metrics
 from service.middleware import ServiceMiddleware
 from service.routes import attention, contexts, kserve, ops
-from service.contexts.repair import Repairer
 from service.runtime import AppState, Runtime
 from service.settings import ServiceSettings
 
@@ -38,7 +39,10 @@ log = logging.getLogger(__name__)
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.splitkey
     settings = state.settings
+    uvicorn_handlers = state.drain.saved_handlers()  # ray.init replaces them (service.drain)
     started = connect(settings)
+    reaper = start_reaper(started)  # the embedded Ray follows this process even after a SIGKILL
+    state.drain.install(uvicorn_handlers)
     detached = settings.ray_address is not None
     pool = await WorkerPool.start(settings, detached=detached)
     directory = await Directory.connect(settings, [s.name for s in pool.slots], detached=detached)
@@ -57,6 +61,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.runtime = None
         pool.shutdown()
         disconnect(started)
+        if reaper is not None:
+            reaper.close()
 
 
 def _respond(err: ServiceError, request: Request) -> Response:
@@ -74,7 +80,8 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         description="See README.md and docs/API.md. Errors are JSON {detail, code}.",
         lifespan=lifespan,
     )
-    app.state.splitkey = AppState(settings=settings, limits=settings.limits(), metrics=metrics)
+    drain = Drain(settings.shutdown_grace_s)
+    app.state.splitkey = AppState(settings=settings, limits=settings.limits(), metrics=metrics, drain=drain)
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:
@@ -97,6 +104,6 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.include_router(attention.router)
     app.include_router(contexts.router)
     app.include_router(kserve.router)
-    app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), max_inflight=settings.max_inflight,
+    app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), max_inflight=settings.max_inflight, drain=drain,
                        retry_after_s=settings.retry_after_s, metrics=metrics)
     return app

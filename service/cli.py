@@ -21,7 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device, "api_key_file": args.api_key_file, "max_body_bytes": args.max_body_bytes,
         "max_inflight": args.max_inflight, "request_timeout_s": args.request_timeout,
         "worker_memory_bytes": args.worker_memory_bytes, "batch_rows": args.batch_rows,
-        "worker_cpus": args.worker_cpus,
+        "worker_cpus": args.worker_cpus, "shutdown_grace_s": args.shutdown_grace,
     }.items() if v is not None}
     try:
         settings = ServiceSettings(**given)
@@ -30,9 +30,16 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"splitkey serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                timeout_keep_alive=30)
-    return 0
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                                           timeout_keep_alive=30))
+
+    def stop() -> None:  # after the drain (service.drain): exit without re-raising the signal, status 0
+        server.should_exit = True
+
+    app.state.splitkey.drain.stop = stop
+    server.run()
+    return 0 if server.started else 1
 
 
 def _loadtest(args: argparse.Namespace) -> int:
@@ -54,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 2 GiB)")
     s.add_argument("--max-inflight", type=int, default=None, help="requests admitted at once (default 64)")
     s.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds (default 120)")
+    s.add_argument("--shutdown-grace", type=float, default=None,
+                   help="on SIGTERM/SIGINT, seconds requests in flight may run before they are cut (default 30)")
     s.add_argument("--worker-cpus", type=float, default=None,
                    help="CPUs Ray reserves for each worker (default 1; e.g. 0.5 for two workers per core)")
     s.add_argument("--worker-memory-bytes", type=int, default=None, help="resident context bytes per worker (default 4 GiB)")

@@ -89,6 +89,13 @@ class ContextLost(ServiceError):
     """A shard of a needed context has no live replica left."""
 
 
+class ShuttingDown(ServiceError):
+    """The service is draining before it stops (SIGTERM): no new work; work cut by the grace period."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, {"Retry-After": "1", "Connection": "close"})
+
+
 class DeadlineExceeded(ServiceError):
     """The request ran past its deadline."""
 
@@ -116,6 +123,7 @@ ERRORS: Mapping[type[ServiceError], ErrorKind] = {
     Overloaded: ErrorKind("overloaded", 429),
     WorkersUnavailable: ErrorKind("workers_unavailable", 503),
     ContextLost: ErrorKind("context_lost", 503),
+    ShuttingDown: ErrorKind("shutting_down", 503),
     DeadlineExceeded: ErrorKind("deadline_exceeded", 504),
     InsufficientCapacity: ErrorKind("insufficient_capacity", 507),
 }

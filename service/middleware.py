@@ -7,14 +7,18 @@ Pure ASGI (not BaseHTTPMiddleware) so request bodies stream through untouched.
 * Admission: at most ``max_inflight`` requests on the work routes at once; one
   more gets 429 with ``Retry-After`` immediately instead of queueing without bound.
 * Accounting: requests by route and status code, in-flight gauge, bytes out.
+* Shutdown: while the service drains (``service.drain``) new work is refused with 503
+  ``shutting_down``, and work cut by the grace period is answered the same way.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Any
 
-from service.errors import Overloaded, ServiceError, Unauthorized, render
+from service.drain import Drain
+from service.errors import Overloaded, ServiceError, ShuttingDown, Unauthorized, render
 from service.metrics import Metrics
 
 #: Paths that answer without a key (orchestrators probe them unauthenticated).
@@ -34,8 +38,9 @@ def route_label(path: str) -> str:
 
 class ServiceMiddleware:
     def __init__(self, app: Any, *, api_key: str | None, max_inflight: int, retry_after_s: int,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, drain: Drain) -> None:
         self.app = app
+        self.drain = drain
         self.api_key = api_key.encode() if api_key else None
         self.max_inflight = max_inflight
         self.retry_after_s = retry_after_s
@@ -52,6 +57,10 @@ class ServiceMiddleware:
             await self._error(send, path, route, Unauthorized())
             return
         work = path.startswith(WORK_PREFIXES)
+        if work and self.drain.draining:
+            await self._error(send, path, route, ShuttingDown("the service must be running to take work, got a "
+                                                              "request while it drains before it stops"))
+            return
         if work and self.inflight >= self.max_inflight:
             self.metrics.rejected.labels(reason="inflight").inc()
             await self._error(send, path, route, Overloaded(
@@ -59,24 +68,37 @@ class ServiceMiddleware:
             return
         status = {"code": 500}
         sent = {"bytes": 0}
+        started = {"response": False}
 
         async def send_wrapper(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                started["response"] = True
             elif message["type"] == "http.response.body":
                 sent["bytes"] += len(message.get("body", b""))
             await send(message)
 
+        task = None
         if work:
             self.inflight += 1
             self.metrics.inflight.inc()
+            task = self.drain.track()
         try:
             await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            if not (self.drain.cutting and not started["response"]):
+                raise
+            # Cut by the end of the grace period (service.drain): answered, not dropped.
+            await self._error(send, path, route, ShuttingDown(
+                f"the request must finish within the {self.drain.grace_s:g} s shutdown grace period, got cut"))
+            status["code"] = 0  # counted by _error
         finally:
             if work:
                 self.inflight -= 1
                 self.metrics.inflight.dec()
-            self.metrics.requests.labels(route=route, code=str(status["code"])).inc()
+                self.drain.done(task)
+            if status["code"]:
+                self.metrics.requests.labels(route=route, code=str(status["code"])).inc()
             self.metrics.bytes_out.labels(route=route).inc(sent["bytes"])
 
     def _authorized(self, scope: dict) -> bool:

@@ -13,6 +13,7 @@ from service.attention import AttentionService
 from service.cluster.pool import WorkerPool
 from service.contexts.repair import Repairer
 from service.contexts.service import ContextService
+from service.drain import Drain
 from service.metrics import Metrics
 from service.settings import ServiceSettings
 from service.wire.rules import Limits
@@ -35,4 +36,5 @@ class AppState:
     settings: ServiceSettings
     limits: Limits
     metrics: Metrics
+    drain: Drain
     runtime: Runtime | None = None

@@ -32,6 +32,8 @@ class ServiceSettings(BaseSettings):
     max_inflight: int = Field(64, ge=1, description="Requests admitted at once; more get 429.")
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request deadline (504 past it).")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429, in seconds.")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long requests in flight may "
+                                                            "run before they are cut with 503 (service.drain).")
 
     # Sharding and merge
     shards: int | None = Field(None, ge=1, description="Shards per inline request; default: the number of workers.")

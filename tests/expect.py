@@ -18,7 +18,8 @@ CONTRACT_STATUS = {
     "invalid_body": 400, "unauthorized": 401, "context_not_found": 404, "length_mismatch": 409,
     "body_too_large": 413,
     "unsupported_media_type": 415, "invalid_tensor": 422, "invalid_option": 422, "overloaded": 429,
-    "workers_unavailable": 503, "context_lost": 503, "deadline_exceeded": 504, "insufficient_capacity": 507,
+    "workers_unavailable": 503, "context_lost": 503, "shutting_down": 503, "deadline_exceeded": 504,
+    "insufficient_capacity": 507,
 }
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import ray
 
@@ -30,3 +33,30 @@ def disconnect(started: bool) -> None:
     """Shut down the embedded Ray this process started (a joined cluster stays up)."""
     if started:
         ray.shutdown()
+
+
+class Reaper:
+    """The watcher that ends the embedded Ray's leftovers once this process ends (``service.cluster.reaper``).
+
+    This process holds the write end of a pipe whose read end is the watcher's stdin;
+    the pipe closes when this process ends, however it ends.
+    """
+
+    def __init__(self) -> None:
+        read, self._write = os.pipe()  # both non-inheritable: Ray's processes do not keep the pipe open
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cluster.reaper", str(os.getpid())],
+                                     stdin=read, close_fds=True)
+        os.close(read)
+
+    def close(self) -> None:
+        """Let the watcher end what is left now (after ``ray.shutdown``)."""
+        if self._write >= 0:
+            os.close(self._write)
+            self._write = -1
+
+
+def start_reaper(started: bool) -> Reaper | None:
+    """A :class:`Reaper` for an embedded Ray on Linux; None otherwise (a joined cluster is not ours to end)."""
+    if not started or not sys.platform.startswith("linux"):
+        return None
+    return Reaper()

@@ -28,8 +28,10 @@ async def healthz() -> JSONResponse:
 @router.get("/readyz", summary="Ray is connected and every worker answers")
 async def readyz(request: Request) -> JSONResponse:
     alive, total = await workers_ready(request)
-    ready = total > 0 and alive == total
-    return JSONResponse({"ready": ready, "workers": total, "alive": alive}, status_code=200 if ready else 503)
+    draining = app_state(request).drain.draining
+    ready = total > 0 and alive == total and not draining
+    body = {"ready": ready, "workers": total, "alive": alive, **({"draining": True} if draining else {})}
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics", summary="Prometheus metrics (text format)")

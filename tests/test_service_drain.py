@@ -1,0 +1,113 @@
+"""Stopping the service: SIGTERM and SIGINT drain, the grace period cuts with the JSON error,
+exit status 0, and the embedded Ray does not outlive the front end, not even after a SIGKILL."""
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from server import Server
+
+from service.client import Client, SplitkeyError
+from service.cluster.reaper import descendants
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+
+def slow_setup(srv: Server) -> tuple[str, np.ndarray]:
+    """A context and a query that takes about a second and a half on two workers here."""
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((16384, 8, 64), dtype=np.float32)
+    with Client(srv.url) as c:
+        ctx = c.create_context(k, k)["id"]
+    return ctx, rng.standard_normal((4096, 8, 64), dtype=np.float32)
+
+
+def in_flight(srv: Server, ctx: str, q: np.ndarray, n: int) -> tuple[list[threading.Thread], list]:
+    answers: list = []
+
+    def go() -> None:
+        with Client(srv.url) as c:
+            try:
+                out, _ = c.attention(q, contexts=[ctx])
+                answers.append(("ok", out.shape))
+            except SplitkeyError as exc:
+                answers.append((exc.status, exc.code, exc.detail))
+
+    threads = [threading.Thread(target=go) for _ in range(n)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # they are in the service now
+    return threads, answers
+
+
+def gone_within(procs: set, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid, _ in procs):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_drains_the_requests_in_flight_then_exits_0_and_leaves_no_process(tmp_path):
+    srv = Server(tmp_path).start()
+    ctx, q = slow_setup(srv)
+    ray_procs = descendants(srv.proc.pid)
+    assert len(ray_procs) >= 4  # gcs, raylet, the workers, the watcher
+    threads, answers = in_flight(srv, ctx, q, 3)
+    os.kill(srv.proc.pid, signal.SIGTERM)  # the front end alone, as Kubernetes and `kill` do
+    time.sleep(0.3)
+    ready = httpx.get(srv.url + "/readyz", timeout=10)
+    assert ready.status_code == 503 and ready.json()["draining"] is True
+    refused = httpx.post(srv.url + f"/v1/attention?contexts={ctx}", json={"q": q[:1].tolist()}, timeout=10)
+    assert refused.status_code == 503 and refused.json()["code"] == "shutting_down"
+    assert refused.headers["connection"] == "close"
+    for t in threads:
+        t.join()
+    assert answers == [("ok", (4096, 8, 64))] * 3  # every request in flight finished
+    assert srv.proc.wait(timeout=60) == 0
+    assert gone_within(ray_procs, 10), "the embedded Ray must not outlive the front end"
+    assert "Traceback" not in srv.log()
+
+
+def test_requests_past_the_grace_period_are_answered_503_shutting_down(tmp_path):
+    srv = Server(tmp_path, env={"SPLITKEY_SHUTDOWN_GRACE_S": "0.3"}).start()
+    ctx, q = slow_setup(srv)
+    threads, answers = in_flight(srv, ctx, q, 2)
+    os.kill(srv.proc.pid, signal.SIGTERM)
+    for t in threads:
+        t.join()
+    assert [a[:2] for a in answers] == [(503, "shutting_down")] * 2
+    assert "shutdown grace period" in answers[0][2]
+    assert srv.proc.wait(timeout=60) == 0
+
+
+def test_sigint_stops_an_idle_service_at_once_with_status_0(tmp_path):
+    srv = Server(tmp_path).start()
+    t0 = time.monotonic()
+    os.kill(srv.proc.pid, signal.SIGINT)
+    assert srv.proc.wait(timeout=60) == 0
+    assert time.monotonic() - t0 < 20
+
+
+def test_after_a_sigkill_of_the_front_end_its_embedded_ray_ends_within_seconds(tmp_path):
+    srv = Server(tmp_path).start()
+    time.sleep(2)  # Ray's agents are up
+    ray_procs = descendants(srv.proc.pid)
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    srv.proc.wait(timeout=10)
+    t0 = time.monotonic()
+    assert gone_within(ray_procs, 10)  # Ray alone leaves its agents for about 60 s
+    assert time.monotonic() - t0 < 5
