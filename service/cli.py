@@ -21,7 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device, "api_key_file": args.api_key_file, "max_body_bytes": args.max_body_bytes,
         "max_inflight": args.max_inflight, "request_timeout_s": args.request_timeout,
         "worker_memory_bytes": args.worker_memory_bytes, "batch_rows": args.batch_rows,
-        "worker_cpus": args.worker_cpus, "shutdown_grace_s": args.shutdown_grace,
+        "worker_cpus": args.worker_cpus, "shutdown_grace_s": args.shutdown_grace, "persist_dir": args.persist_dir,
     }.items() if v is not None}
     try:
         settings = ServiceSettings(**given)
@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 2 GiB)")
     s.add_argument("--max-inflight", type=int, default=None, help="requests admitted at once (default 64)")
     s.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds (default 120)")
+    s.add_argument("--persist-dir", default=None,
+                   help="keep resident contexts on disk here and load them when the service starts again")
     s.add_argument("--shutdown-grace", type=float, default=None,
                    help="on SIGTERM/SIGINT, seconds requests in flight may run before they are cut (default 30)")
     s.add_argument("--worker-cpus", type=float, default=None,

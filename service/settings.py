@@ -59,6 +59,8 @@ class ServiceSettings(BaseSettings):
     context_shard_keys: int = Field(4096, ge=1, description="Keys a context shard holds at least before a new one "
                                                             "opens; a create uses one shard per worker down to this size.")
     max_replicas: int = Field(8, ge=1)
+    persist_dir: pathlib.Path | None = Field(None, description="Keep resident contexts on disk here and load them "
+                                                              "at start (workers.persist); unset: memory only.")
 
     @field_validator("ray_address")
     @classmethod

@@ -25,6 +25,7 @@ import secrets
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from merge import State, merge_all, merge_group
 from workers.api import partial_attention_resident_many, partial_attention_shard
 from workers.batch import Batcher
 from workers.config import WorkerConfig
+from workers.persist import ShardFiles
 from workers.store import ShardStore
 from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite, arrive, carry
 
@@ -95,7 +97,9 @@ class ShardWorker:
             from workers.gpu.backend import array_module
 
             self.xp = array_module()
-        self.store = ShardStore(config.memory_budget_bytes, self.xp)
+        files = ShardFiles(Path(config.persist_dir) / name) if config.persist_dir else None
+        self.store = ShardStore(config.memory_budget_bytes, self.xp, files)
+        self.store.restore()  # a restart with --persist-dir: what this worker held before
         self.calls = 0
         self.compute = Batcher(self._run, max_rows=config.batch_rows, name=f"{name}-compute",
                                joins=_share_a_shard)

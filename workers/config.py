@@ -19,12 +19,15 @@ class WorkerConfig:
     * ``memory_budget_bytes``: bytes of resident context shards this worker may hold.
     * ``batch_rows``: query rows (``n_q * h_q``) one pass over resident keys may serve
       together (``workers.batch``); 1 serves every request alone.
+    * ``persist_dir``: where the worker keeps its shards on disk (``<persist_dir>/<name>``,
+      ``workers.persist``) and loads them from when it starts; None: memory only.
     """
 
     device: str = "cpu"
     kernel: KernelOptions = field(default_factory=KernelOptions)
     memory_budget_bytes: int = 4 * 2**30
     batch_rows: int = MAX_BATCH_ROWS
+    persist_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -28,6 +28,7 @@ from workers.batch import lower_priority
 from workers.copies import prefault
 from workers.dtypes import dtype_name, dtype_of
 from workers.layout import StreamingKV, StreamingView, bytes_per_key, padded_capacity
+from workers.persist import ShardFiles
 from workers.tasks import ShardWrite
 
 #: Keys a shard's prefault thread faults in per step, ahead of the appends.
@@ -79,9 +80,10 @@ class ShardInfo:
 
 
 class ShardStore:
-    def __init__(self, budget_bytes: int, xp: Any = np) -> None:
+    def __init__(self, budget_bytes: int, xp: Any = np, files: ShardFiles | None = None) -> None:
         self.budget = budget_bytes
         self.xp = xp
+        self.files = files  # every write also on disk, durable before it returns (workers.persist)
         self._shards: dict[tuple[str, int], StreamingKV] = {}
         self._info: dict[str, dict] = {}  # context_id -> the newest committed context record seen
         self._writing = threading.Lock()  # one write at a time (module doc)
@@ -109,7 +111,7 @@ class ShardStore:
         with self._writing:
             return self._create(write, k, v, context)
 
-    def _create(self, write: ShardWrite, k: Any, v: Any, context: dict) -> ShardInfo:
+    def _create(self, write: ShardWrite, k: Any, v: Any, context: dict, persist: bool = True) -> ShardInfo:
         context_id, index = write.context_id, write.index
         key = (context_id, index)
         if key in self._shards:
@@ -122,6 +124,9 @@ class ShardStore:
                       f"shard {index} of context {context_id}")
         kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity)
         kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos), max_capacity=write.max_capacity)
+        if self.files is not None and persist:
+            self.files.create(context_id, index, write.dtype, capacity, write.max_capacity)
+            self.files.write(context_id, index, 0, self._host(k, dt), self._host(v, dt), np.asarray(write.k_pos))
         if capacity > n and self.xp is np:
             # Reserved for the appends to come: fault its memory in now, beside the
             # upload's next chunks, instead of in each append (workers.copies.prefault).
@@ -147,6 +152,8 @@ class ShardStore:
         if committed > kv.n_k:
             raise ShardMissing(f"shard {index} of context {context_id} holds {kv.n_k} keys, fewer than the {committed} committed")
         kv.truncate(committed)
+        if self.files is not None:
+            self.files.truncate(context_id, index, committed)
         n = int(k.shape[0])
         grown = kv.growth(n, write.max_capacity)
         if grown != kv.capacity:
@@ -154,11 +161,16 @@ class ShardStore:
             self._reserve(grown * kv.bytes_per_key(), f"append to shard {index} of context {context_id}")
         kv.append(self._to(k, kv.dtype), self._to(v, kv.dtype), self._to_pos(write.k_pos),
                   max_capacity=write.max_capacity)
+        if self.files is not None:
+            self.files.write(context_id, index, committed, self._host(k, kv.dtype), self._host(v, kv.dtype),
+                             np.asarray(write.k_pos))
         return self.info(context_id, index)
 
     def truncate(self, context_id: str, index: int, length: int) -> None:
         with self._writing:
             self._get(context_id, index).truncate(length)
+            if self.files is not None:
+                self.files.truncate(context_id, index, length)
 
     def drop(self, context_id: str, index: int | None = None) -> int:
         """Free one shard or every shard of a context; returns the number freed."""
@@ -168,14 +180,20 @@ class ShardStore:
                 del self._shards[key]
             if not any(key[0] == context_id for key in self._shards):
                 self._info.pop(context_id, None)
+            if self.files is not None:
+                for _, i in keys:
+                    self.files.drop(context_id, i)
             return len(keys)
 
     def note_context(self, context_id: str, record: dict) -> None:
         """Remember the context's committed record (kept if its version is the newest seen)."""
         with self._index:
             old = self._info.get(context_id)
-            if old is None or record.get("version", 0) >= old.get("version", 0):
+            newest = old is None or record.get("version", 0) >= old.get("version", 0)
+            if newest:
                 self._info[context_id] = dict(record)
+        if newest and self.files is not None:
+            self.files.save_record(context_id, dict(record))
 
     def view(self, context_id: str, index: int, length: int) -> StreamingView:
         """The first ``length`` keys of a shard (the committed prefix)."""
@@ -219,6 +237,31 @@ class ShardStore:
         if kv is None:
             raise ShardMissing(f"this worker does not hold shard {index} of context {context_id}")
         return kv
+
+    def restore(self) -> int:
+        """Load what ``files`` holds (a restart): every shard and record found; the shards loaded.
+
+        A shard that no longer fits the budget is left on disk and not loaded.
+        """
+        if self.files is None:
+            return 0
+        shards, records = self.files.load()
+        loaded = 0
+        for s in shards:
+            write = ShardWrite(s.context_id, s.index, s.dtype, s.max_capacity, s.k_pos, reserve=s.reserve)
+            try:
+                with self._writing:
+                    self._create(write, s.k, s.v, records.get(s.context_id, {}), persist=False)
+                loaded += 1
+            except (CapacityError, ValueError):
+                continue
+        return loaded
+
+    def _host(self, x: Any, dt: np.dtype) -> np.ndarray:
+        """``x`` as a host array in ``dt`` (what goes to disk)."""
+        to_host = getattr(self.xp, "asnumpy", np.asarray)
+        arr = np.asarray(to_host(x))
+        return arr if arr.dtype == dt else arr.astype(dt)
 
     def _to(self, x: Any, dt: np.dtype) -> Any:
         arr = self.xp.asarray(x)

@@ -75,6 +75,7 @@ def worker_config(settings: ServiceSettings, device: str) -> WorkerConfig:
                              gpu_kernels=settings.gpu_kernels),
         memory_budget_bytes=settings.worker_memory_bytes,
         batch_rows=settings.batch_rows,
+        persist_dir=str(settings.persist_dir.resolve()) if settings.persist_dir else None,
     )
 
 
@@ -185,7 +186,8 @@ class WorkerPool:
                     self.replaced_elsewhere.add(slot.name)
                 slot.incarnation = seen
             except (TimeoutError, ray.exceptions.RayError) as exc:
-                log.warning("worker %s did not answer: %s", slot.name, exc)
+                if slot.alive or slot.incarnation:
+                    log.warning("worker %s did not answer: %s", slot.name, exc)
                 slot.alive = False
 
         await asyncio.gather(*(one(s) for s in self.slots))

@@ -54,7 +54,11 @@ class DirectoryActor:
             for info in held:
                 reports.setdefault(info["context_id"], []).append({**info, "worker": name})
         for ctx_id, infos in reports.items():
-            newest = max((i["context"] for i in infos if i["context"]), key=lambda r: r.get("version", 0), default=None)
+            # The newest version; at equal versions the fullest (an older front end sent partial
+            # records with a create's first shards).
+            newest = max((i["context"] for i in infos if i["context"]), default=None,
+                         key=lambda r: (r.get("version", 0), len(r.get("shards", ())),
+                                        sum(s["length"] for s in r.get("shards", ()))))
             if newest is None:
                 continue
             shards = [{**shard, "workers": [i["worker"] for i in infos

@@ -28,6 +28,10 @@ from workers.tasks import ShardWrite
 
 log = logging.getLogger(__name__)
 
+#: How long a round waits for a worker's ping. A replacement that cannot be placed (its node
+#: is gone) stays pending: the round must not wait a minute for it before repairing the rest.
+PING_TIMEOUT_S = 5.0
+
 
 @dataclass
 class RepairStats:
@@ -65,8 +69,11 @@ class Repairer:
     async def step(self) -> None:
         """One round: forget and replace dead workers, then rebuild what is below its replica count."""
         self.stats.rounds += 1
-        await self.pool.refresh(timeout_s=10.0)
-        gone = [s for s in self.pool.slots if not s.alive or s.name in self.pool.replaced_elsewhere]
+        await self.pool.refresh(timeout_s=PING_TIMEOUT_S)
+        # Dead workers that had answered (a replacement that never came up, its node gone, is
+        # not replaced again each round), and names another front end replaced.
+        gone = [s for s in self.pool.slots
+                if (not s.alive and s.incarnation) or s.name in self.pool.replaced_elsewhere]
         for slot in gone:
             self.stats.replicas_forgotten += await self.directory.forget_worker(slot.name)  # before any replacement
             self.pool.replaced_elsewhere.discard(slot.name)
@@ -75,7 +82,7 @@ class Repairer:
                 self.stats.workers_replaced += 1
                 log.warning("worker %s died: its replicas are forgotten and it is replaced", slot.name)
         if gone:
-            await self.pool.refresh()
+            await self.pool.refresh(timeout_s=PING_TIMEOUT_S)
         records = await self.directory.all()
         await self._count(records)
         for record in records:

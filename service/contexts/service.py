@@ -223,9 +223,12 @@ class ContextService:
             placement = await self._place(plan.sizes, record)
         with timings.measure("put"):
             refs = Refs(*await self.pool.put(kv.k, kv.v))
+        # The whole record first: each holder keeps the record it is sent (a call's arguments are
+        # taken when it is submitted), and a directory rebuild trusts it to list every shard.
+        record["shards"] = [{"index": i, "length": hi - lo, "workers": self.pool.names(placement[i])}
+                            for i, (lo, hi) in enumerate(bounds)]
         writes: list[Awaitable[Any]] = []
         for i, (lo, hi) in enumerate(bounds):
-            record["shards"].append({"index": i, "length": hi - lo, "workers": self.pool.names(placement[i])})
             shard = ShardWrite(record["id"], i, record["dtype"], plan.capacity, k_pos[lo:hi], reserve=plan.reserve,
                                span=(lo, hi))
             writes += [self.pool.create_shard(w, shard, refs.k, refs.v, record) for w in placement[i]]

@@ -9,12 +9,14 @@ are deleted at the end, also when the sweep is interrupted (Ctrl-C) or fails.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import numpy as np
@@ -150,6 +152,14 @@ def run_sweep(config: SweepConfig, *, stream: TextIO | None = None, stop: thread
 
     contexts = Contexts(admin, source, config, progress_for)
     failures: dict[str, str] = {}
+
+    def cleanly(what: str, step: Callable[[], object]) -> None:
+        """A clean-up step; one that fails (the service went away) is reported, not raised."""
+        try:
+            step()
+        except ATTEMPT_ERRORS as exc:
+            failures.setdefault(f"cleanup {what}", f"could not delete {what}: {exc}")
+
     try:
         for n_k in config.n_k:
             for mode in config.modes:
@@ -158,10 +168,10 @@ def run_sweep(config: SweepConfig, *, stream: TextIO | None = None, stop: thread
                     workload.setup(admin, contexts)
                     _run_points(workload, config, result, failures, stream, stop)
                 finally:
-                    workload.teardown(admin)
+                    cleanly(f"the contexts of {mode}", functools.partial(workload.teardown, admin))
                 if stop.is_set():
                     break
-            contexts.drop(n_k)
+            cleanly(f"the context of {n_k} keys", functools.partial(contexts.drop, n_k))
             if stop.is_set():
                 break
     except KeyboardInterrupt:
@@ -169,7 +179,7 @@ def run_sweep(config: SweepConfig, *, stream: TextIO | None = None, stop: thread
         stop.set()
     finally:
         for n_k in list(contexts.ids):
-            contexts.drop(n_k)
+            cleanly(f"the context of {n_k} keys", functools.partial(contexts.drop, n_k))
         admin.close()
     result.failures = sorted(failures.values())
     return result
