@@ -12,8 +12,9 @@ Each round, side by side on the same machine:
 2. the same with ``--persist-dir`` on a fresh folder: the same upload (every chunk
    durable on disk before it is acknowledged);
 3. stop that server and start it again on the same folder: seconds from the start of
-   ``splitkey serve`` until ``/readyz`` answers and the context is listed and answers
-   a query, per GiB stored.
+   ``splitkey serve`` until the context answers a query; and, beside it, the same start
+   on an empty folder until ``/readyz`` answers. Their difference per GiB is the cost of
+   loading what is stored.
 
 Medians over rounds; the folder is under ``--dir`` (default the system's temporary
 folder, which is the local disk here).
@@ -62,8 +63,8 @@ def upload_gbps(url: str, k: np.ndarray, v: np.ndarray) -> tuple[float, str]:
     return (k.nbytes + v.nbytes) / seconds / 1e9, ctx
 
 
-def restart_seconds(workdir: Path, store: Path, ctx: str, q: np.ndarray) -> float:
-    """From starting ``splitkey serve`` on ``store`` to the context answering a query."""
+def restart_seconds(workdir: Path, store: Path, ctx: str | None, q: np.ndarray) -> float:
+    """From starting ``splitkey serve`` on ``store`` to the context answering a query (None: to ``/readyz``)."""
     port = common.free_port()
     home = workdir / f"home-{port}"
     home.mkdir()
@@ -72,8 +73,9 @@ def restart_seconds(workdir: Path, store: Path, ctx: str, q: np.ndarray) -> floa
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     with common.served(cmd, {**os.environ, "HOME": str(home)}, url + "/readyz", workdir / f"serve-{port}.log"):
-        with Client(url) as c:
-            c.attention(q, contexts=[ctx])
+        if ctx is not None:
+            with Client(url) as c:
+                c.attention(q, contexts=[ctx])
         return time.perf_counter() - t0
 
 
@@ -94,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     k, v = context(n, args.dtype, 0)
     q = np.random.default_rng(1).standard_normal((1, 32, HEADS["d"]), dtype=np.float32).astype(DTYPES[args.dtype])
     gib = (k.nbytes + v.nbytes) / 2**30
-    plain, durable, restart = [], [], []
+    plain, durable, restart, empty = [], [], [], []
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp)
@@ -106,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rate, ctx = upload_gbps(url, k, v)
                 durable.append(rate)
             restart.append(restart_seconds(work, store, ctx, q))
+            empty.append(restart_seconds(work, work / f"empty-{r}", None, q))  # the same start, nothing to load
             disk = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
             shutil.rmtree(store)
     med = statistics.median
@@ -118,12 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
          f"{disk / 2**30:.2f} GiB on disk); {rounds} round(s); 2 workers"),
         notes[0], f"- whole run: {time.monotonic() - t_start:.0f} s", "",
         common.markdown_table(["round", "upload GB/s, memory only", "upload GB/s, --persist-dir", "ratio",
-                               "restart s", "restart s per GiB"],
-                              [[r + 1, f"{a:.3f}", f"{b:.3f}", f"{b / a:.2f}", f"{s:.1f}", f"{s / gib:.1f}"]
-                               for r, (a, b, s) in enumerate(zip(plain, durable, restart))]
+                               "restart s", "start s, empty folder", "load s per GiB"],
+                              [[r + 1, f"{a:.3f}", f"{b:.3f}", f"{b / a:.2f}", f"{s:.1f}", f"{e:.1f}",
+                                f"{(s - e) / gib:.1f}"]
+                               for r, (a, b, s, e) in enumerate(zip(plain, durable, restart, empty))]
                               + [["median", f"{med(plain):.3f}", f"{med(durable):.3f}",
-                                  f"{med(durable) / med(plain):.2f}", f"{med(restart):.1f}",
-                                  f"{med(restart) / gib:.1f}"]]),
+                                  f"{med(durable) / med(plain):.2f}", f"{med(restart):.1f}", f"{med(empty):.1f}",
+                                  f"{(med(restart) - med(empty)) / gib:.1f}"]]),
     ]
     common.emit_report("\n".join(lines), args.out)
     return 0
