@@ -16,6 +16,7 @@ import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.requests import ClientDisconnect
 
 from service.attention import AttentionService
 from service.cluster.connect import connect, disconnect, start_reaper
@@ -33,6 +34,9 @@ from service.runtime import AppState, Runtime
 from service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
+
+#: What /metrics counts for a request whose client disconnected before its answer.
+CLIENT_CLOSED = 499
 
 
 @asynccontextmanager
@@ -93,6 +97,13 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         # cluster is at fault, not the client, so 503 rather than 500.
         log.warning("Ray error reached the route: %s", exc)
         return _respond(WorkersUnavailable(f"the cluster must answer, got {type(exc).__name__}"), request)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_closed(request: Request, exc: ClientDisconnect) -> Response:
+        # The client went away mid-request: not the service's fault, nobody to answer. Status
+        # 499 (nginx's "client closed request") is what /metrics counts; the log says it at INFO.
+        log.info("client closed the connection during %s %s", request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:

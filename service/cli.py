@@ -26,10 +26,13 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = ServiceSettings(**given)
         settings.api_key()  # fail now, not at the first request, if the key file is unreadable
+        warning = settings.check_exposure(args.insecure)
     except (ValidationError, ValueError, OSError) as exc:
         print(f"splitkey serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if warning:
+        logging.getLogger("splitkey").warning(warning)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_keep_alive=30))
@@ -52,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitkey", description="Exact split-key attention service.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="start the HTTP service (embedded Ray unless --ray-address)")
-    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    s.add_argument("--host", default=None, help="bind address (default 127.0.0.1; another needs --api-key-file "
+                   "or --insecure)")
+    s.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --host without --api-key-file (anyone who reaches it can use it)")
     s.add_argument("--port", type=int, default=None, help="port (default 8000)")
     s.add_argument("--ray-address", default=None, help="'auto' or HOST:PORT to join a cluster; omit for embedded Ray")
     s.add_argument("--workers", type=int, default=None, help="shard workers (default one per CPU, or per GPU)")

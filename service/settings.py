@@ -6,6 +6,7 @@ orchestrator, each worker's constructor); nothing reads them from globals later.
 
 from __future__ import annotations
 
+import ipaddress
 import pathlib
 from typing import Literal
 
@@ -74,6 +75,28 @@ class ServiceSettings(BaseSettings):
         return Limits(max_body_bytes=self.max_body_bytes,
                       max_json_body_bytes=min(self.max_body_bytes, Limits().max_json_body_bytes),
                       max_replicas=self.max_replicas)
+
+    def loopback(self) -> bool:
+        """Whether ``host`` is a loopback address (only this machine can connect)."""
+        if self.host in ("localhost", "ip6-localhost"):
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:  # a host name: it may resolve to anything
+            return False
+
+    def check_exposure(self, insecure: bool) -> str | None:
+        """Refuse a service reachable from other machines without a key; the warning to log, if any.
+
+        Raises ValueError for a non-loopback ``host`` with no ``api_key_file`` unless ``insecure``.
+        """
+        if self.loopback() or self.api_key_file is not None:
+            return None
+        if not insecure:
+            raise ValueError(f"host {self.host!r} is not loopback and no --api-key-file is set: anyone who reaches "
+                             "the port could use the service; give --api-key-file, or --insecure to run it open")
+        return (f"INSECURE: listening on {self.host} without an API key (--insecure): anyone who reaches port "
+                f"{self.port} can use the service and read its contexts")
 
     def api_key(self) -> str | None:
         """The bearer token, read from ``api_key_file`` (stripped), or None."""

@@ -46,7 +46,7 @@ def test_more_workers_than_the_cpus_hold_fail_at_once_naming_what_is_missing(tmp
     cpus = os.cpu_count() or 1
     env = {**os.environ, "HOME": str(tmp_path)}
     cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--workers", str(cpus + 1)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)  # not Ray's minute-long wait
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)  # not Ray's minute-long wait
     assert run.returncode != 0
     assert (f"workers must fit the cluster: {cpus + 1} new worker(s) x 1 CPU each need {cpus + 1} CPU, the cluster "
             f"has {cpus} free of {cpus}") in run.stdout + run.stderr
@@ -64,3 +64,9 @@ def test_a_smaller_cpu_share_fits_more_workers(tmp_path):
             assert len([w for w in c.cluster()["workers"] if w["alive"]]) == 2 * cpus
     finally:
         srv.stop()
+
+
+def test_serve_on_all_interfaces_without_a_key_exits_2_before_starting_anything(capsys):
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "host '0.0.0.0' is not loopback and no --api-key-file is set" in err and "--insecure" in err

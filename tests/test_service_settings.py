@@ -35,3 +35,18 @@ def test_api_key_is_read_from_its_file(tmp_path):
     f.write_text("\n")
     with pytest.raises(ValueError, match="api_key_file must hold a non-empty token"):
         ServiceSettings(api_key_file=f).api_key()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.53", "::1", "[::1]", "localhost"])
+def test_loopback_hosts_need_no_key(host):
+    assert ServiceSettings(host=host).check_exposure(insecure=False) is None
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "example.org"])
+def test_a_reachable_host_without_a_key_is_refused_unless_insecure(host, tmp_path):
+    with pytest.raises(ValueError, match=f"host {host!r} is not loopback and no --api-key-file is set"):
+        ServiceSettings(host=host).check_exposure(insecure=False)
+    assert "INSECURE: listening on" in ServiceSettings(host=host, port=9).check_exposure(insecure=True)
+    key = tmp_path / "key"
+    key.write_text("secret")
+    assert ServiceSettings(host=host, api_key_file=key).check_exposure(insecure=False) is None

@@ -15,8 +15,8 @@ import platform
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
 import numpy as np
