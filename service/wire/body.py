@@ -1,14 +1,17 @@
 """Reading a request body into one preallocated buffer, within a byte limit.
 
 With a Content-Length the buffer is allocated once at that size (after checking
-it against the limit) and filled in place, which is what a bare ASGI app does
-at its fastest; a chunked body grows geometrically and is refused (413) as soon
+it against the limit), without writing it, and filled in place, which is what a
+bare ASGI app does at its fastest; memory is then spent as bytes arrive, not as
+they are declared; a chunked body grows geometrically and is refused (413) as soon
 as it passes the limit, before the rest is read.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+
+import numpy as np
 
 from service.errors import BodyTooLarge, InvalidBody
 
@@ -34,8 +37,10 @@ def declared_length(content_length: str | None, limit: int) -> int | None:
 async def read_into_buffer(chunks: AsyncIterator[bytes], length: int | None, limit: int) -> memoryview:
     """Read every chunk into one buffer; returns a view of exactly the bytes read."""
     if length is not None:
-        buf = bytearray(length)
-        view = memoryview(buf)
+        # np.empty, not bytearray(length): it does not write the buffer, so the pages of a large
+        # body are only touched (and count in the process's memory) as its bytes arrive. A
+        # client that declares a GiB and sends 16 bytes costs 16 bytes, not a GiB.
+        view = np.empty(length, dtype=np.uint8).data  # [length] bytes, untouched
         pos = 0
         async for chunk in chunks:
             n = len(chunk)
