@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import pathlib
+import stat
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -102,6 +103,10 @@ class ServiceSettings(BaseSettings):
         """The bearer token, read from ``api_key_file`` (stripped), or None."""
         if self.api_key_file is None:
             return None
+        mode = self.api_key_file.stat().st_mode
+        if mode & stat.S_IROTH:
+            raise ValueError(f"api_key_file must not be readable by every user, got mode {stat.S_IMODE(mode):04o} for "
+                             f"{self.api_key_file}: chmod 600 it")
         key = self.api_key_file.read_text().strip()
         if not key:
             raise ValueError(f"api_key_file must hold a non-empty token, got an empty file {self.api_key_file}")

@@ -18,6 +18,7 @@ def test_bad_settings_exit_2_with_a_message(capsys, tmp_path):
     assert "max_inflight" in capsys.readouterr().err
     empty = tmp_path / "key"
     empty.write_text("")
+    empty.chmod(0o600)
     assert main(["serve", "--api-key-file", str(empty)]) == 2
     assert "api_key_file must hold a non-empty token" in capsys.readouterr().err
 

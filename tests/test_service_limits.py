@@ -23,6 +23,7 @@ def tight(tmp_path_factory):
     key_file = home / "key"
     home.mkdir(exist_ok=True)
     key_file.write_text(KEY + "\n")
+    key_file.chmod(0o600)
     srv = Server(home, args=("--workers", "4", "--api-key-file", str(key_file), "--max-inflight", "1",
                              "--request-timeout", "0.5", "--worker-memory-bytes", str(2**20)),
                  env={"SPLITKEY_WORKER_CPUS": "0.5", "SPLITKEY_MIN_SHARD_KEYS": "16", "SPLITKEY_REMOTE_MERGE_BYTES": "0",

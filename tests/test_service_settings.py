@@ -31,6 +31,7 @@ def test_bad_values_are_refused_naming_the_field():
 def test_api_key_is_read_from_its_file(tmp_path):
     f = tmp_path / "key"
     f.write_text("  abc123\n")
+    f.chmod(0o600)
     assert ServiceSettings(api_key_file=f).api_key() == "abc123"
     f.write_text("\n")
     with pytest.raises(ValueError, match="api_key_file must hold a non-empty token"):
@@ -50,3 +51,13 @@ def test_a_reachable_host_without_a_key_is_refused_unless_insecure(host, tmp_pat
     key = tmp_path / "key"
     key.write_text("secret")
     assert ServiceSettings(host=host, api_key_file=key).check_exposure(insecure=False) is None
+
+
+def test_a_key_file_every_user_can_read_is_refused(tmp_path):
+    f = tmp_path / "key"
+    f.write_text("abc123")
+    f.chmod(0o644)
+    with pytest.raises(ValueError, match=r"api_key_file must not be readable by every user, got mode 0644 .*chmod 600"):
+        ServiceSettings(api_key_file=f).api_key()
+    f.chmod(0o640)  # the group may read it: a deployment's choice
+    assert ServiceSettings(api_key_file=f).api_key() == "abc123"
