@@ -7,6 +7,7 @@ through ``SPLITKEY_*`` environment variables and CLI flags, and is waited for on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import signal
@@ -14,10 +15,31 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def three_nodes(namespace: str = "splitkey") -> Iterator:
+    """Three one-CPU Ray nodes on loopback (``ray.cluster_utils.Cluster``; conftest turns Ray's
+    token auth on), this process connected to them in ``namespace``; yields the Cluster."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
+    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=namespace, log_to_driver=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
 
 
 def free_port() -> int:

@@ -14,8 +14,7 @@ import httpx
 import numpy as np
 import pytest
 import ray
-from ray.cluster_utils import Cluster
-from server import Server
+from server import Server, three_nodes
 
 from service.client import Client, SplitkeyError
 from service.client.loadtest import Shape, SweepConfig, run_sweep
@@ -30,15 +29,8 @@ LOAD_S = 10.0
 @pytest.fixture(scope="module")
 def cluster():
     """Three nodes on loopback (token auth on), one CPU each: one worker per node."""
-    assert os.environ["RAY_AUTH_MODE"] == "token"
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
-    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with three_nodes(NAMESPACE) as c:
+        yield c
 
 
 def front_end(cluster, home, workers: int = 3) -> Server:

@@ -4,16 +4,14 @@ Placement across nodes, a restarted or second front end, a restarted directory,
 and killed workers, all with exact answers or the contract's error.
 """
 
-import os
 import time
 
 import httpx
 import numpy as np
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 from reference import assert_close_to_reference
-from server import Server
+from server import Server, three_nodes
 
 from service.client import Client, SplitkeyError
 
@@ -25,15 +23,8 @@ NAMESPACE = "splitkey"
 @pytest.fixture(scope="module")
 def cluster():
     """Three one-CPU nodes on loopback, with Ray's token auth on (conftest sets the token)."""
-    assert os.environ["RAY_AUTH_MODE"] == "token"
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1"})
-    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-    c.wait_for_nodes()
-    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    with three_nodes(NAMESPACE) as c:
+        yield c
 
 
 def front_end(cluster, tmp_path_factory, name):
@@ -41,6 +32,11 @@ def front_end(cluster, tmp_path_factory, name):
     srv = Server(tmp_path_factory.mktemp(name), args=("--ray-address", cluster.address, "--workers", "3"),
                  env={"SPLITKEY_CONTEXT_SHARD_KEYS": "128", "SPLITKEY_HEAL_INTERVAL_S": "0.5"})
     return srv.start()
+
+
+def directory_record(ctx_id: str) -> dict:
+    """The context's record as the directory actor holds it."""
+    return ray.get(ray.get_actor("splitkey-directory", namespace=NAMESPACE).get.remote(ctx_id))
 
 
 def kv(rng, n):
@@ -57,7 +53,7 @@ def test_replicas_land_on_distinct_nodes(cluster, tmp_path_factory):
             rng = np.random.default_rng(1)
             k, v = kv(rng, 600)
             ctx = c.create_context(k, v, replicas=2, shards=3)
-            record = ray.get(ray.get_actor("splitkey-directory", namespace=NAMESPACE).get.remote(ctx["id"]))
+            record = directory_record(ctx["id"])
             for shard in record["shards"]:
                 nodes = [node_of[w] for w in shard["workers"]]
                 assert len(set(nodes)) == 2, shard
@@ -152,7 +148,7 @@ def test_a_context_whose_only_replica_died_answers_503_context_lost(cluster, tmp
     try:
         with Client(srv.url) as c:
             ctx = c.create_context(k, v, replicas=1, shards=1)
-            record = ray.get(ray.get_actor("splitkey-directory", namespace=NAMESPACE).get.remote(ctx["id"]))
+            record = directory_record(ctx["id"])
             holder = record["shards"][0]["workers"][0]
             ray.kill(ray.get_actor(holder, namespace=NAMESPACE))
             with pytest.raises(SplitkeyError) as err:
@@ -204,7 +200,7 @@ def test_a_killed_replica_is_forgotten_and_rebuilt_while_the_context_keeps_answe
         with Client(srv.url) as c:
             ctx = c.create_context(k[:600], v[:600], replicas=2, shards=3)
             assert ctx["state"] == "ready" and ctx["live_replicas"] == [2, 2, 2]
-            record = ray.get(ray.get_actor("splitkey-directory", namespace=NAMESPACE).get.remote(ctx["id"]))
+            record = directory_record(ctx["id"])
             victim = record["shards"][0]["workers"][0]
             ray.kill(ray.get_actor(victim, namespace=NAMESPACE))
             # Queries keep answering from the replica left, exactly.
@@ -234,7 +230,7 @@ def test_a_context_whose_only_replica_died_reports_lost_and_refuses_appends(clus
     try:
         with Client(srv.url) as c:
             ctx = c.create_context(k[:200], v[:200], replicas=1, shards=2)
-            record = ray.get(ray.get_actor("splitkey-directory", namespace=NAMESPACE).get.remote(ctx["id"]))
+            record = directory_record(ctx["id"])
             holder = record["shards"][1]["workers"][0]
             ray.kill(ray.get_actor(holder, namespace=NAMESPACE))
             desc = wait_for(lambda: (d := c.get_context(ctx["id"]))["state"] == "lost" and d)
