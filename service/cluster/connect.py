@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import ray
+from ray._private import ray_constants
 
 from service.settings import ServiceSettings
 
@@ -20,13 +23,33 @@ def connect(settings: ServiceSettings) -> bool:
         # address="local" always starts a new instance: without it ray.init() connects to
         # whatever /tmp/ray/ray_current_cluster or RAY_ADDRESS names (a user's `ray start`
         # cluster, or a dead one a killed process left behind), and embedded would not be.
-        ray.init(address="local", namespace=settings.ray_namespace, include_dashboard=False,
-                 _node_ip_address="127.0.0.1",
-                 logging_level=logging.WARNING, log_to_driver=False, configure_logging=False)
+        with _loopback_node():
+            ray.init(address="local", namespace=settings.ray_namespace, include_dashboard=False,
+                     _node_ip_address="127.0.0.1",
+                     logging_level=logging.WARNING, log_to_driver=False, configure_logging=False)
         return True
     ray.init(address=settings.ray_address, namespace=settings.ray_namespace, logging_level=logging.WARNING,
              log_to_driver=False, configure_logging=False)
     return False
+
+
+@contextlib.contextmanager
+def _loopback_node() -> Iterator[None]:
+    """Keep an embedded Ray on loopback while it starts.
+
+    ``ray.init`` rewrites a loopback ``_node_ip_address`` to the machine's own IP, and
+    Ray's servers (GCS, raylet, workers, agents) then listen on every interface, unless
+    cluster mode is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, what Ray does on macOS
+    and Windows). Ray reads that variable once, at import, into this constant; it is
+    consulted only to choose the node's IP. tests/test_service_exposure.py lists the
+    listening sockets of an embedded instance, so a Ray that changes this shows up there.
+    """
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 def disconnect(started: bool) -> None:
