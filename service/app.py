@@ -18,6 +18,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
+from service import request_id
+from service.admission import Admission
 from service.attention import AttentionService
 from service.cluster.connect import connect, disconnect, start_reaper
 from service.cluster.orchestrator import Orchestrator
@@ -32,6 +34,7 @@ from service.middleware import ServiceMiddleware
 from service.routes import attention, contexts, kserve, ops
 from service.runtime import AppState, Runtime
 from service.settings import ServiceSettings
+from service.wire.body import ClientClosed
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +88,8 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     drain = Drain(settings.shutdown_grace_s)
-    app.state.splitkey = AppState(settings=settings, limits=settings.limits(), metrics=metrics, drain=drain)
+    app.state.splitkey = AppState(settings=settings, limits=settings.limits(), pace=settings.pace(), metrics=metrics,
+                                  drain=drain)
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:
@@ -95,15 +99,18 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     async def _ray_error(request: Request, exc: ray.exceptions.RayError) -> Response:
         # A worker or actor failure no layer below turned into a service error: the
         # cluster is at fault, not the client, so 503 rather than 500.
-        log.warning("Ray error reached the route: %s", exc)
+        log.warning("request %s: Ray error reached the route: %s", request_id.current(), exc)
         return _respond(WorkersUnavailable(f"the cluster must answer, got {type(exc).__name__}"), request)
 
-    @app.exception_handler(ClientDisconnect)
-    async def _client_closed(request: Request, exc: ClientDisconnect) -> Response:
+    async def _client_closed(request: Request, exc: Exception) -> Response:
         # The client went away mid-request: not the service's fault, nobody to answer. Status
         # 499 (nginx's "client closed request") is what /metrics counts; the log says it at INFO.
-        log.info("client closed the connection during %s %s", request.method, request.url.path)
+        log.info("request %s: client closed the connection during %s %s", request_id.current(), request.method,
+                 request.url.path)
         return Response(status_code=CLIENT_CLOSED)
+
+    app.add_exception_handler(ClientDisconnect, _client_closed)
+    app.add_exception_handler(ClientClosed, _client_closed)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
@@ -115,6 +122,8 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     app.include_router(attention.router)
     app.include_router(contexts.router)
     app.include_router(kserve.router)
-    app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), max_inflight=settings.max_inflight, drain=drain,
-                       retry_after_s=settings.retry_after_s, metrics=metrics)
+    admission = Admission(max_inflight=settings.max_inflight, max_inflight_bytes=settings.max_inflight_bytes,
+                          retry_after_s=settings.retry_after_s, metrics=metrics)
+    app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), admission=admission, drain=drain,
+                       metrics=metrics)
     return app

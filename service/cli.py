@@ -20,6 +20,8 @@ def _serve(args: argparse.Namespace) -> int:
         "host": args.host, "port": args.port, "ray_address": args.ray_address, "workers": args.workers,
         "device": args.device, "api_key_file": args.api_key_file, "max_body_bytes": args.max_body_bytes,
         "max_inflight": args.max_inflight, "request_timeout_s": args.request_timeout,
+        "max_inflight_bytes": args.max_inflight_bytes, "body_timeout_s": args.body_timeout,
+        "min_body_rate": args.min_body_rate, "body_grace_s": args.body_grace,
         "worker_memory_bytes": args.worker_memory_bytes, "batch_rows": args.batch_rows,
         "worker_cpus": args.worker_cpus, "shutdown_grace_s": args.shutdown_grace, "persist_dir": args.persist_dir,
     }.items() if v is not None}
@@ -66,7 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key-file", default=None, help="file with the bearer token; unset: no auth")
     s.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (default 2 GiB)")
     s.add_argument("--max-inflight", type=int, default=None, help="requests admitted at once (default 64)")
+    s.add_argument("--max-inflight-bytes", type=int, default=None,
+                   help="request body bytes held at once by all requests together (default 4 GiB; 429 past it)")
     s.add_argument("--request-timeout", type=float, default=None, help="per-request deadline in seconds (default 120)")
+    s.add_argument("--body-timeout", type=float, default=None,
+                   help="seconds a request body may take to arrive (default 120; 408 past it)")
+    s.add_argument("--min-body-rate", type=float, default=None,
+                   help="bytes/s a body must average once --body-grace is over (default 65536; 0: none)")
+    s.add_argument("--body-grace", type=float, default=None,
+                   help="seconds a body may start slowly or pause before --min-body-rate applies (default 10)")
     s.add_argument("--persist-dir", default=None,
                    help="keep resident contexts on disk here and load them when the service starts again")
     s.add_argument("--shutdown-grace", type=float, default=None,

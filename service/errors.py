@@ -6,14 +6,25 @@ detail that names the field and the bad value ("q must be ..., got ...");
 (docs/API.md section 7), and :func:`render` writes the one body format for
 every route, the KServe ones included. No layer matches messages or builds a
 status of its own.
+
+A detail says what the client needs in the service's words and nothing about the
+machine: :func:`render` withholds one that carries a traceback, a file path, an
+address, a process or Ray id or a terminal escape (:func:`internals`), logs it under
+the request id, and sends a generic detail naming that id instead (docs/SECURITY.md).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from service import request_id
+
+log = logging.getLogger(__name__)
 
 
 class ServiceError(Exception):
@@ -34,6 +45,13 @@ class ServiceError(Exception):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.detail!r})"
+
+
+class RequestTimeout(ServiceError):
+    """The body did not arrive in time (too slow, or stalled); the connection is closed."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, {"Connection": "close"})
 
 
 class InvalidBody(ServiceError):
@@ -104,6 +122,10 @@ class InsufficientCapacity(ServiceError):
     """No room on the workers for a context."""
 
 
+class Internal(ServiceError):
+    """A fault of the service itself (a bug): the client gets the request id, the log the traceback."""
+
+
 @dataclass(frozen=True)
 class ErrorKind:
     code: str  #: stable snake_case name, part of the public contract: add, never rename
@@ -115,12 +137,14 @@ ERRORS: Mapping[type[ServiceError], ErrorKind] = {
     InvalidBody: ErrorKind("invalid_body", 400),
     Unauthorized: ErrorKind("unauthorized", 401),
     ContextNotFound: ErrorKind("context_not_found", 404),
+    RequestTimeout: ErrorKind("request_timeout", 408),
     LengthMismatch: ErrorKind("length_mismatch", 409),
     BodyTooLarge: ErrorKind("body_too_large", 413),
     UnsupportedMediaType: ErrorKind("unsupported_media_type", 415),
     InvalidTensor: ErrorKind("invalid_tensor", 422),
     InvalidOption: ErrorKind("invalid_option", 422),
     Overloaded: ErrorKind("overloaded", 429),
+    Internal: ErrorKind("internal_error", 500),
     WorkersUnavailable: ErrorKind("workers_unavailable", 503),
     ContextLost: ErrorKind("context_lost", 503),
     ShuttingDown: ErrorKind("shutting_down", 503),
@@ -132,16 +156,50 @@ ERRORS: Mapping[type[ServiceError], ErrorKind] = {
 KSERVE_PREFIX = "/v2"
 
 
-def error_body(err: ServiceError, *, kserve: bool = False) -> bytes:
-    """``{"detail", "code"}`` as UTF-8 JSON; KServe routes add the protocol's ``error`` (the same message)."""
-    doc = {"error": err.detail} if kserve else {}
-    doc.update(detail=err.detail, code=err.code)
+#: What must never reach a client in a detail, by name (each matched on its own).
+INTERNALS: Mapping[str, re.Pattern[str]] = {
+    "a traceback": re.compile(r"Traceback \(most recent call last\)|\bFile \"[^\"]*\", line \d+"),
+    "a terminal escape": re.compile(r"\x1b\["),
+    "a file path": re.compile(r"(?<![\w.])/(?:home|root|tmp|usr|opt|var|etc|srv|mnt|proc|run|dev|lib|lib64|work|nix)"
+                              r"/|site-packages|dist-packages|\.py\b"),
+    "an address": re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w.])"),
+    "a process id": re.compile(r"\bpid\s*[=:]?\s*\d+", re.IGNORECASE),
+    # Ray's ids are 16 to 56 bytes of hex (actors 32 digits, tasks 48, objects/nodes/workers 56).
+    "a Ray id": re.compile(r"(?<![0-9a-fA-F])[0-9a-f]{28,}(?![0-9a-fA-F])|\b(?:Actor|Node|Worker|Task|Job|Object)ID\b"),
+}
+
+
+def internals(detail: str) -> str | None:
+    """The name of the first kind of machine detail in ``detail`` (:data:`INTERNALS`), or None."""
+    return next((name for name, pattern in INTERNALS.items() if pattern.search(detail)), None)
+
+
+def error_body(err: ServiceError, *, kserve: bool = False, rid: str | None = None,
+               detail: str | None = None) -> bytes:
+    """``{"detail", "code", "request_id"}`` as UTF-8 JSON; KServe routes add the protocol's ``error`` (the
+    same message). ``detail`` replaces the error's own; ``request_id`` is left out when ``rid`` is None."""
+    detail = err.detail if detail is None else detail
+    doc = {"error": detail} if kserve else {}
+    doc.update(detail=detail, code=err.code)
+    if rid is not None:
+        doc["request_id"] = rid
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def render(err: ServiceError, path: str) -> tuple[int, bytes, dict[str, str]]:
-    """``(status, body, headers)`` of the response to ``err`` on ``path``: the one place errors are written."""
-    return err.status, error_body(err, kserve=path.startswith(KSERVE_PREFIX)), dict(err.headers)
+    """``(status, body, headers)`` of the response to ``err`` on ``path``: the one place errors are written.
+
+    The body carries the current request id; a detail with machine internals in it is
+    logged and replaced by one that names the request id (module docstring).
+    """
+    rid = request_id.current()
+    detail = err.detail
+    leak = internals(detail)
+    if leak is not None:
+        log.warning("request %s: %s detail withheld from the client (it held %s): %s", rid, err.code, leak, detail)
+        detail = f"{err.code.replace('_', ' ')}: the server log has the details under request id {rid}"
+    body = error_body(err, kserve=path.startswith(KSERVE_PREFIX), rid=rid, detail=detail)
+    return err.status, body, dict(err.headers)
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict]:
@@ -149,8 +207,9 @@ def error_responses(*statuses: int) -> dict[int | str, dict]:
     codes = [kind.code for kind in ERRORS.values()]
     schema = {
         "type": "object",
-        "required": ["detail", "code"],
-        "properties": {"detail": {"type": "string"}, "code": {"type": "string", "enum": codes}},
+        "required": ["detail", "code", "request_id"],
+        "properties": {"detail": {"type": "string"}, "code": {"type": "string", "enum": codes},
+                       "request_id": {"type": "string"}},
     }
     out: dict[int | str, dict] = {}
     for status in statuses:

@@ -53,7 +53,10 @@ class Metrics:
         self.bytes_in = Counter("splitkey_request_body_bytes", "Request body bytes read.", ["route"], registry=r)
         self.bytes_out = Counter("splitkey_response_body_bytes", "Response body bytes written.", ["route"], registry=r)
         self.inflight = Gauge("splitkey_inflight_requests", "Requests admitted and not finished.", registry=r)
-        self.rejected = Counter("splitkey_rejected_requests", "Requests refused by admission control.", ["reason"], registry=r)
+        self.inflight_body_bytes = Gauge("splitkey_inflight_body_bytes", "Request body bytes received and held "
+                                         "(service.admission).", registry=r)
+        self.rejected = Counter("splitkey_rejected_requests", "Requests refused by admission control (inflight, "
+                                "body_bytes) or closed for a slow body (slow_body).", ["reason"], registry=r)
         self.workers = Gauge("splitkey_workers", "Shard workers by state.", ["state"], registry=r)
         self.worker_bytes = Gauge("splitkey_worker_bytes_held", "Resident context bytes per worker.", ["worker"], registry=r)
         self.contexts = Gauge("splitkey_contexts", "Resident contexts in the directory.", registry=r)

@@ -1,30 +1,43 @@
-"""Pure ASGI middleware: bearer auth, admission control and request accounting.
+"""Pure ASGI middleware: request ids, bearer auth, admission control, request accounting.
 
 Pure ASGI (not BaseHTTPMiddleware) so request bodies stream through untouched.
 
+* Request id: every response carries ``X-Request-Id`` (``service.request_id``); error
+  bodies carry it too, and the log lines about the request name it.
 * Auth: when an API key is set, every path except the health probes needs
   ``Authorization: Bearer <key>`` (compared in constant time), else 401.
-* Admission: at most ``max_inflight`` requests on the work routes at once; one
-  more gets 429 with ``Retry-After`` immediately instead of queueing without bound.
+* Admission (``service.admission``): each work request gets a ticket in its scope; one
+  without a body is admitted here, one with a body once the body has arrived. Past
+  ``max_inflight`` (or the in-flight body budget) it gets 429 with ``Retry-After``
+  immediately instead of queueing without bound.
 * Accounting: requests by route and status code, in-flight gauge, bytes out.
 * Shutdown: while the service drains (``service.drain``) new work is refused with 503
   ``shutting_down``, and work cut by the grace period is answered the same way.
+* Faults: an exception no handler turned into an answer is logged with its traceback
+  under the request id and answered 500 ``internal_error`` naming the id, nothing more.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from typing import Any
 
+from service import request_id
+from service.admission import TICKET, Admission
 from service.drain import Drain
-from service.errors import Overloaded, ServiceError, ShuttingDown, Unauthorized, render
+from service.errors import Internal, ServiceError, ShuttingDown, Unauthorized, render
 from service.metrics import Metrics
+
+log = logging.getLogger(__name__)
 
 #: Paths that answer without a key (orchestrators probe them unauthenticated).
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 #: Path prefixes that do work and count against admission control.
 WORK_PREFIXES = ("/v1/attention", "/v1/contexts", "/v2/models/")
+#: Methods whose requests carry no body: admitted as they come (the others once their body is in).
+BODILESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 
 
 def route_label(path: str) -> str:
@@ -37,15 +50,13 @@ def route_label(path: str) -> str:
 
 
 class ServiceMiddleware:
-    def __init__(self, app: Any, *, api_key: str | None, max_inflight: int, retry_after_s: int,
-                 metrics: Metrics, drain: Drain) -> None:
+    def __init__(self, app: Any, *, api_key: str | None, admission: Admission, metrics: Metrics,
+                 drain: Drain) -> None:
         self.app = app
         self.drain = drain
         self.api_key = api_key.encode() if api_key else None
-        self.max_inflight = max_inflight
-        self.retry_after_s = retry_after_s
+        self.admission = admission
         self.metrics = metrics
-        self.inflight = 0
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -53,19 +64,7 @@ class ServiceMiddleware:
             return
         path = scope["path"]
         route = route_label(path)
-        if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
-            await self._error(send, path, route, Unauthorized())
-            return
-        work = path.startswith(WORK_PREFIXES)
-        if work and self.drain.draining:
-            await self._error(send, path, route, ShuttingDown("the service must be running to take work, got a "
-                                                              "request while it drains before it stops"))
-            return
-        if work and self.inflight >= self.max_inflight:
-            self.metrics.rejected.labels(reason="inflight").inc()
-            await self._error(send, path, route, Overloaded(
-                f"in-flight requests must stay below {self.max_inflight}, got one more; retry later", self.retry_after_s))
-            return
+        rid = request_id.assign(scope.get("headers", []))
         status = {"code": 500}
         sent = {"bytes": 0}
         started = {"response": False}
@@ -74,28 +73,49 @@ class ServiceMiddleware:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 started["response"] = True
+                message = {**message, "headers": [*message.get("headers", []), (request_id.HEADER, rid.encode())]}
             elif message["type"] == "http.response.body":
                 sent["bytes"] += len(message.get("body", b""))
             await send(message)
 
-        task = None
+        if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+            await self._error(send_wrapper, path, route, Unauthorized())
+            return
+        work = path.startswith(WORK_PREFIXES)
+        if work and self.drain.draining:
+            await self._error(send_wrapper, path, route, ShuttingDown(
+                "the service must be running to take work, got a request while it drains before it stops"))
+            return
+        ticket = None
         if work:
-            self.inflight += 1
-            self.metrics.inflight.inc()
-            task = self.drain.track()
+            ticket = scope[TICKET] = self.admission.ticket()
+            if scope["method"] in BODILESS:
+                try:
+                    ticket.admit()
+                except ServiceError as err:
+                    await self._error(send_wrapper, path, route, err)
+                    return
+        task = self.drain.track() if work else None
         try:
             await self.app(scope, receive, send_wrapper)
         except asyncio.CancelledError:
             if not (self.drain.cutting and not started["response"]):
                 raise
             # Cut by the end of the grace period (service.drain): answered, not dropped.
-            await self._error(send, path, route, ShuttingDown(
+            await self._error(send_wrapper, path, route, ShuttingDown(
                 f"the request must finish within the {self.drain.grace_s:g} s shutdown grace period, got cut"))
             status["code"] = 0  # counted by _error
+        except Exception:
+            log.exception("request %s: %s %s failed inside the service", rid, scope["method"], path)
+            if started["response"]:
+                raise
+            await self._error(send_wrapper, path, route, Internal(
+                f"the service failed on this request; the server log has the details under request id {rid}"))
+            status["code"] = 0
         finally:
-            if work:
-                self.inflight -= 1
-                self.metrics.inflight.dec()
+            if ticket is not None:
+                ticket.release()
+            if task is not None:
                 self.drain.done(task)
             if status["code"]:
                 self.metrics.requests.labels(route=route, code=str(status["code"])).inc()
@@ -109,6 +129,7 @@ class ServiceMiddleware:
         return False
 
     async def _error(self, send: Any, path: str, route: str, err: ServiceError) -> None:
+        """Answer ``err`` (through ``send``, which adds the request id header)."""
         status, body, extra = render(err, path)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]

@@ -16,6 +16,7 @@ from service.contexts.service import ContextService
 from service.drain import Drain
 from service.metrics import Metrics
 from service.settings import ServiceSettings
+from service.wire.body import Pace
 from service.wire.rules import Limits
 
 
@@ -31,10 +32,11 @@ class Runtime:
 
 @dataclass
 class AppState:
-    """One app's settings, limits and metrics, and its runtime once the lifespan has started it."""
+    """One app's settings, limits, body pace and metrics, and its runtime once the lifespan has started it."""
 
     settings: ServiceSettings
     limits: Limits
+    pace: Pace
     metrics: Metrics
     drain: Drain
     runtime: Runtime | None = None

@@ -11,9 +11,10 @@ import pathlib
 import stat
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.wire.body import Pace
 from service.wire.rules import Limits
 from workers.options import GpuKernels
 
@@ -31,7 +32,16 @@ class ServiceSettings(BaseSettings):
 
     # Request bounds
     max_body_bytes: int = Field(2 * 2**30, ge=1024, description="Largest request body (413 above).")
-    max_inflight: int = Field(64, ge=1, description="Requests admitted at once; more get 429.")
+    max_inflight: int = Field(64, ge=1, description="Requests working at once (a body counts once it has arrived); "
+                                                    "more get 429.")
+    max_inflight_bytes: int = Field(4 * 2**30, ge=1024, description="Request body bytes held at once, by all "
+                                                                   "requests together; past it 429. At least "
+                                                                   "max_body_bytes.")
+    body_timeout_s: float = Field(120.0, gt=0, description="A request body must arrive within this (408 past it).")
+    min_body_rate: float = Field(65536.0, ge=0, description="Bytes/s a body must average after body_grace_s "
+                                                            "(408 below it); 0: no minimum.")
+    body_grace_s: float = Field(10.0, ge=0, description="Seconds a body may start slowly or pause before "
+                                                        "min_body_rate applies.")
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request deadline (504 past it).")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429, in seconds.")
     shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long requests in flight may "
@@ -70,6 +80,17 @@ class ServiceSettings(BaseSettings):
         if v is not None and not v.strip():
             raise ValueError("ray_address must be 'auto' or HOST:PORT, got an empty string")
         return v
+
+    @model_validator(mode="after")
+    def _budget_holds_a_body(self) -> ServiceSettings:
+        if self.max_inflight_bytes < self.max_body_bytes:
+            raise ValueError(f"max_inflight_bytes must be at least max_body_bytes ({self.max_body_bytes}), "
+                             f"got {self.max_inflight_bytes}")
+        return self
+
+    def pace(self) -> Pace:
+        """How fast a request body must arrive (service.wire.body.Pace)."""
+        return Pace(timeout_s=self.body_timeout_s, min_rate=self.min_body_rate, grace_s=self.body_grace_s)
 
     def limits(self) -> Limits:
         """The request limits these settings imply (built once, when the app is)."""

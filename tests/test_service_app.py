@@ -27,9 +27,34 @@ def test_a_ray_error_reaching_a_route_is_503_with_the_protocol_key_on_kserve_rou
     app.add_api_route("/v2/models/attention/boom", failing)
     detail = "the cluster must answer, got RaySystemError"
     r = request(app, "GET", "/v1/boom")
-    assert r.status_code == 503 and r.json() == {"detail": detail, "code": "workers_unavailable"}
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 503 and r.json() == {"detail": detail, "code": "workers_unavailable", "request_id": rid}
     r = request(app, "GET", "/v2/models/attention/boom")
-    assert r.status_code == 503 and r.json() == {"error": detail, "detail": detail, "code": "workers_unavailable"}
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 503 and r.json() == {"error": detail, "detail": detail, "code": "workers_unavailable",
+                                                 "request_id": rid}
+
+
+def test_a_fault_of_the_service_is_500_naming_the_request_id_and_the_log_has_the_traceback(caplog):
+    app = create_app(ServiceSettings())
+
+    async def buggy() -> None:
+        raise KeyError("/work/main/service/secret.py pid=1234")
+
+    app.add_api_route("/v1/attention/buggy", buggy)
+    with caplog.at_level("ERROR", logger="service.middleware"):
+        r = request(app, "GET", "/v1/attention/buggy", headers={"X-Request-Id": "client-chose-7"})
+    assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+    assert r.headers["x-request-id"] == "client-chose-7"
+    assert r.json() == {"detail": "the service failed on this request; the server log has the details under request "
+                                  "id client-chose-7", "code": "internal_error", "request_id": "client-chose-7"}
+    assert "client-chose-7" in caplog.text and "Traceback" in caplog.text and "secret.py" in caplog.text
+
+
+def test_every_response_carries_a_request_id_fresh_per_request():
+    app = create_app(ServiceSettings())
+    ids = {request(app, "GET", "/healthz").headers["x-request-id"] for _ in range(3)}
+    assert len(ids) == 3 and all(len(i) == 16 for i in ids)
 
 
 def test_requests_before_the_workers_start_are_503_and_probes_say_not_ready():
@@ -46,7 +71,7 @@ def test_admission_control_answers_429_with_a_retry_after_of_at_least_a_second()
     app = create_app(ServiceSettings(max_inflight=1, retry_after_s=1))
     started = asyncio.Event()
 
-    async def slow() -> dict:
+    async def slow() -> dict:  # a route without a body is admitted as it comes
         started.set()
         await asyncio.sleep(0.5)
         return {}

@@ -7,7 +7,7 @@ import json
 import pytest
 from expect import CONTRACT_STATUS
 
-from service import errors
+from service import errors, request_id
 from service.errors import ERRORS, Overloaded, ServiceError, Unauthorized, error_body, error_responses, render
 
 
@@ -34,8 +34,67 @@ def test_kserve_routes_get_the_protocol_error_key_too():
     err = errors.InvalidTensor("q must be 3-d, got 2")
     status, body, headers = render(err, "/v2/models/attention/infer")
     assert status == 422 and headers == {}
-    assert json.loads(body) == {"error": err.detail, "detail": err.detail, "code": "invalid_tensor"}
-    assert json.loads(render(err, "/v1/attention")[1]) == {"detail": err.detail, "code": "invalid_tensor"}
+    assert json.loads(body) == {"error": err.detail, "detail": err.detail, "code": "invalid_tensor", "request_id": "-"}
+    assert json.loads(render(err, "/v1/attention")[1]) == {"detail": err.detail, "code": "invalid_tensor",
+                                                           "request_id": "-"}
+
+
+def test_render_names_the_current_request_id():
+    rid = request_id.assign([(b"x-request-id", b"abc-123")])
+    assert json.loads(render(errors.ContextNotFound("id must name an existing context, got 'x'"), "/v1/x")[1])[
+        "request_id"] == rid == "abc-123"
+
+
+@pytest.mark.parametrize("value", [b"", b"a" * 65, b"evil\r\nx: y", b"caf\xc3\xa9", b"a b"])
+def test_an_unsafe_client_request_id_is_replaced_by_a_fresh_one(value):
+    rid = request_id.assign([(b"x-request-id", value)])
+    assert rid != value.decode(errors="replace") and len(rid) == 16 and int(rid, 16) >= 0
+
+
+RAY_TRACEBACK = (
+    "ray::ShardWorker.create_shard() (pid=48213, ip=192.0.2.2, actor_id=6f1c0b3a9e2d4f5a8b7c6d5e01000000, "
+    "repr=<workers.actor.ShardWorker object at 0x7f3a>)\n"
+    "  File \"/work/main/.venv/lib/python3.11/site-packages/ray/_private/worker.py\", line 912, in main_loop\n"
+    "\x1b[36mCapacityError\x1b[0m: shard needs 1048576 bytes")
+
+
+@pytest.mark.parametrize("detail, kind", [
+    (RAY_TRACEBACK, "a traceback"),
+    ("Traceback (most recent call last):\n  boom", "a traceback"),
+    ("worker died \x1b[31mred\x1b[0m", "a terminal escape"),
+    ("could not open /tmp/ray/session_latest/logs", "a file path"),
+    ("see /home/user/splitkey/workers/actor.py", "a file path"),
+    ("node 10.1.2.3:6379 is gone", "an address"),
+    ("worker (pid=4242) died", "a process id"),
+    ("actor 6f1c0b3a9e2d4f5a8b7c6d5e01000000 died", "a Ray id"),
+    ("The ActorID is unknown", "a Ray id"),
+])
+def test_internals_are_found_in_a_detail(detail, kind):
+    assert errors.internals(detail) == kind
+
+
+@pytest.mark.parametrize("detail", [
+    "q must be 3-d [n_q, h_q, d], got shape [2, 3]",
+    "scale must be a finite number, got 1e400",
+    "id must name an existing context, got 'ctx_Zm9vYmFyYmF6cXV4cXV1eA'",
+    "window must be [left, right] with each >= 0 or null, got [-1, 0.5]",
+    "request body must be at most 67108864 bytes, got Content-Length 67108865",
+    "POST /v1/contexts/{id}/append must name the context length as after, got 12",
+])
+def test_a_detail_in_the_services_words_is_kept(detail):
+    assert errors.internals(detail) is None
+    assert json.loads(render(errors.InvalidOption(detail), "/v1/attention")[1])["detail"] == detail
+
+
+def test_a_detail_with_internals_is_withheld_and_logged_under_the_request_id(caplog):
+    rid = request_id.assign([])
+    with caplog.at_level("WARNING", logger="service.errors"):
+        status, body, _ = render(errors.InsufficientCapacity(RAY_TRACEBACK), "/v2/models/attention/infer")
+    doc = json.loads(body)
+    assert status == 507 and doc["code"] == "insufficient_capacity" and doc["request_id"] == rid
+    assert doc["detail"] == doc["error"] == f"insufficient capacity: the server log has the details under request id {rid}"
+    assert errors.internals(body.decode()) is None
+    assert rid in caplog.text and "pid=48213" in caplog.text  # the log keeps what the client does not see
 
 
 @pytest.mark.parametrize("seconds, header", [(0.2, "1"), (1, "1"), (2.5, "3"), (0, "1")])

@@ -10,6 +10,7 @@ from reference import assert_close_to_reference
 from server import Server
 
 from service.client import Client, SplitkeyError
+from service.errors import internals
 from service.wire.safetensors import encode_safetensors, to_bytes
 
 pytestmark = pytest.mark.ray
@@ -85,7 +86,39 @@ def test_capacity_error_is_507_and_leaves_nothing_behind(tight):
         assert c.cluster()["bytes_held"] < held and c.list_contexts() == []
 
 
-def test_a_second_request_in_flight_gets_429_with_retry_after(tight):
+def inflight(srv) -> float:
+    """The server's ``splitkey_inflight_requests`` gauge."""
+    text = httpx.get(srv.url + "/metrics", headers=auth()).text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("splitkey_inflight_requests ")))
+
+
+def test_a_second_request_while_one_works_gets_429_with_retry_after(tight):
+    rng = np.random.default_rng(5)
+    q, k = rng.standard_normal((1, 2, 8)).astype(np.float32), rng.standard_normal((50, 2, 8)).astype(np.float32)
+    heavy = {"q": rng.standard_normal((512, 8, 64)).astype(np.float32),
+             "k": rng.standard_normal((60000, 2, 64)).astype(np.float32)}
+    heavy["v"] = heavy["k"]
+    results = {}
+
+    def first():  # works until the 0.5 s deadline cuts it (504), holding the one slot meanwhile
+        results["first"] = httpx.post(tight.url + "/v1/attention", content=to_bytes(encode_safetensors(heavy)),
+                                      timeout=30, headers={**auth(), "Content-Type": "application/octet-stream"})
+
+    t = threading.Thread(target=first)
+    t.start()
+    deadline = time.monotonic() + 20
+    while inflight(tight) < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    r = httpx.post(tight.url + "/v1/attention", content=to_bytes(encode_safetensors({"q": q, "k": k, "v": k})),
+                   timeout=30, headers={**auth(), "Content-Type": "application/octet-stream"})
+    t.join()
+    assert r.status_code == 429 and r.json()["code"] == "overloaded", r.text
+    assert int(r.headers["retry-after"]) >= 1 and r.headers["x-request-id"] == r.json()["request_id"]
+    assert internals(r.text) is None and internals(results["first"].text) is None  # the 504 too
+    assert results["first"].status_code == 504
+
+
+def test_a_request_still_sending_its_body_holds_no_slot(tight):
     rng = np.random.default_rng(5)
     q, k = rng.standard_normal((1, 2, 8)).astype(np.float32), rng.standard_normal((50, 2, 8)).astype(np.float32)
     body = to_bytes(encode_safetensors({"q": q, "k": k, "v": k}))
@@ -94,7 +127,7 @@ def test_a_second_request_in_flight_gets_429_with_retry_after(tight):
     def slow_body():
         yield body[:10]
         started.set()
-        time.sleep(1.0)  # the first request stays in flight while its body trickles in
+        time.sleep(1.0)  # the first request's body trickles in meanwhile
         yield body[10:]
 
     results = {}
@@ -110,9 +143,8 @@ def test_a_second_request_in_flight_gets_429_with_retry_after(tight):
     r = httpx.post(tight.url + "/v1/attention", content=body, timeout=30,
                    headers={**auth(), "Content-Type": "application/octet-stream"})
     t.join()
-    assert r.status_code == 429 and r.json()["code"] == "overloaded"
-    assert int(r.headers["retry-after"]) >= 1
-    assert results["first"].status_code == 200
+    assert r.status_code == 200 and results["first"].status_code == 200  # the one slot was free for the second
+    assert results["first"].content == r.content
 
 
 def test_work_past_the_deadline_gets_504_and_the_server_stays_up(tight):

@@ -61,3 +61,11 @@ def test_a_key_file_every_user_can_read_is_refused(tmp_path):
         ServiceSettings(api_key_file=f).api_key()
     f.chmod(0o640)  # the group may read it: a deployment's choice
     assert ServiceSettings(api_key_file=f).api_key() == "abc123"
+
+
+def test_the_body_budget_must_hold_at_least_one_largest_body():
+    with pytest.raises(ValueError, match="max_inflight_bytes must be at least max_body_bytes"):
+        ServiceSettings(max_body_bytes=2**20, max_inflight_bytes=2**19)
+    s = ServiceSettings(max_body_bytes=2**20, max_inflight_bytes=2**20, body_timeout_s=5, min_body_rate=0,
+                        body_grace_s=1)
+    assert (s.pace().timeout_s, s.pace().min_rate, s.pace().grace_s) == (5, 0, 1)

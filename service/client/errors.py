@@ -6,13 +6,16 @@ from __future__ import annotations
 class SplitkeyError(Exception):
     """An error answer of the service: HTTP ``status``, contract ``code`` and ``detail`` (docs/API.md section 7).
 
-    ``retry_after`` is the answer's ``Retry-After`` in seconds (a 429), else None.
+    ``retry_after`` is the answer's ``Retry-After`` in seconds (a 429), else None;
+    ``request_id`` the id the server's log files the request under (quote it in a report).
     """
 
-    def __init__(self, status: int, code: str, detail: str, retry_after: float | None = None) -> None:
-        super().__init__(f"{status} {code}: {detail}")
+    def __init__(self, status: int, code: str, detail: str, retry_after: float | None = None, *,
+                 request_id: str | None = None) -> None:
+        super().__init__(f"{status} {code}: {detail}" + (f" (request id {request_id})" if request_id else ""))
         self.status, self.code, self.detail = status, code, detail
         self.retry_after = retry_after
+        self.request_id = request_id
 
 
 class UploadError(SplitkeyError):

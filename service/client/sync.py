@@ -339,7 +339,9 @@ def _error(status: int, data: bytes, retry_after: str | None) -> SplitkeyError:
     wait = float(retry_after) if retry_after is not None and retry_after.strip().isdigit() else None
     try:
         err = json.loads(data)
-        return SplitkeyError(status, str(err.get("code", "")), str(err.get("detail", "")), wait)
+        rid = err.get("request_id")
+        return SplitkeyError(status, str(err.get("code", "")), str(err.get("detail", "")), wait,
+                             request_id=str(rid) if rid is not None else None)
     except (ValueError, AttributeError):
         return SplitkeyError(status, "", data[:200].decode(errors="replace"), wait)
 

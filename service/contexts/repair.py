@@ -22,7 +22,7 @@ from service.cluster.pool import WorkerPool
 from service.contexts.directory import Directory
 from service.contexts.records import ContextRecord, ShardEntry
 from service.contexts.service import ContextService
-from service.errors import ContextNotFound, WorkersUnavailable
+from service.errors import ContextNotFound, WorkersUnavailable, internals
 from workers.store import CapacityError, ShardMissing
 from workers.tasks import ShardWrite
 
@@ -51,6 +51,13 @@ class RepairStats:
         return {k: v for k, v in self.__dict__.items()}
 
 
+def shown(exc: BaseException) -> str:
+    """``exc`` as ``/v1/cluster`` shows it: its class, and its message unless that holds machine
+    internals (service.errors.internals), which stay in the log."""
+    message = str(exc)
+    return type(exc).__name__ if internals(message) else f"{type(exc).__name__}: {message}"
+
+
 class Repairer:
     def __init__(self, pool: WorkerPool, directory: Directory, contexts: ContextService) -> None:
         self.pool, self.directory, self.contexts = pool, directory, contexts
@@ -63,7 +70,7 @@ class Repairer:
                 await self.step()
             except Exception as exc:  # the loop must outlive one failed round
                 self.stats.failures += 1
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                self.stats.last_error = shown(exc)
                 log.exception("the repair round failed")
 
     async def step(self) -> None:
@@ -136,8 +143,8 @@ class Repairer:
                 await self.pool.create_shard(target, write, k, v, record)
             except (CapacityError, WorkersUnavailable, ShardMissing, ValueError) as exc:  # the next target or round
                 self.stats.failures += 1
-                self.stats.last_error = f"shard {index} of {ctx_id} on {name}: {type(exc).__name__}: {exc}"
-                log.warning("rebuilding a replica failed: %s", self.stats.last_error)
+                self.stats.last_error = f"shard {index} of {ctx_id} on {name}: {shown(exc)}"
+                log.warning("rebuilding shard %d of %s on %s failed: %r", index, ctx_id, name, exc)
                 continue
             entry["workers"].append(name)
             made += 1

@@ -11,10 +11,11 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 from fastapi import Request, Response
 
-from service.errors import DeadlineExceeded, WorkersUnavailable
+from service.admission import TICKET, Ticket
+from service.errors import DeadlineExceeded, RequestTimeout, WorkersUnavailable
 from service.metrics import Timings
 from service.runtime import AppState, Runtime
-from service.wire.body import declared_length, read_into_buffer
+from service.wire.body import declared_length, paced, read_into_buffer
 from service.wire.json_codec import decode_json_request, encode_json_result
 from service.wire.negotiation import Format, content_type, response_format
 from service.wire.request import Decoded
@@ -47,15 +48,26 @@ def body_limit(limits: Limits, fmt: Format) -> int:
 
 async def read_body(request: Request, limit: int, route: str,
                     before_read: Callable[[int], None] | None = None) -> memoryview:
-    """The whole body, within ``limit`` bytes (checked from Content-Length before reading).
+    """The whole body, within ``limit`` bytes (checked from Content-Length before reading), at the
+    settings' pace (408 when slower), charged to the in-flight body budget as it arrives; then
+    the request takes its admission slot (429 if none is free): service.admission.
 
     ``before_read`` sees the declared length first, to refuse a body by its headers alone.
     """
+    state = app_state(request)
+    ticket: Ticket = request.scope[TICKET]
     length = declared_length(request.headers.get("content-length"), limit)
-    if length is not None and before_read is not None:
-        before_read(length)
-    body = await read_into_buffer(request.stream(), length, limit)
-    app_state(request).metrics.bytes_in.labels(route=route).inc(len(body))
+    if length is not None:
+        if before_read is not None:
+            before_read(length)
+        ticket.expect(length)
+    try:
+        body = await read_into_buffer(paced(request.receive, state.pace), length, limit, ticket.charge)
+    except RequestTimeout:
+        state.metrics.rejected.labels(reason="slow_body").inc()
+        raise
+    state.metrics.bytes_in.labels(route=route).inc(len(body))
+    ticket.admit()
     return body
 
 

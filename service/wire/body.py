@@ -1,21 +1,93 @@
-"""Reading a request body into one preallocated buffer, within a byte limit.
+"""Reading a request body into one preallocated buffer, within a byte limit and a pace.
 
 With a Content-Length the buffer is allocated once at that size (after checking
 it against the limit), without writing it, and filled in place, which is what a
 bare ASGI app does at its fastest; memory is then spent as bytes arrive, not as
 they are declared; a chunked body grows geometrically and is refused (413) as soon
 as it passes the limit, before the rest is read.
+
+A body must also arrive in time (:class:`Pace`): within a deadline, and at a minimum
+average rate once a grace period is over; a slower one is cut with 408 and its
+connection closed, so a client that trickles bytes holds nothing for long.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from service.errors import BodyTooLarge, InvalidBody
+from service.errors import BodyTooLarge, InvalidBody, RequestTimeout
 
 FIRST_CHUNKED_ALLOCATION = 1 << 20
+
+
+class ClientClosed(Exception):
+    """The client closed the connection before its body had arrived (nobody is left to answer)."""
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How fast a body must arrive (docs/SECURITY.md).
+
+    All of it within ``timeout_s`` of the request's head; and at every moment ``t``
+    seconds after the head, at least ``min_rate * (t - grace_s)`` bytes (``min_rate``
+    in bytes/s; 0 turns the rate off), which allows a slow start and pauses but not a
+    trickle.
+    """
+
+    timeout_s: float
+    min_rate: float
+    grace_s: float
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        if not (self.min_rate >= 0 and self.grace_s >= 0):
+            raise ValueError(f"min_rate and grace_s must be >= 0, got {self.min_rate!r} and {self.grace_s!r}")
+
+    def deadline(self, started: float, received: int) -> float:
+        """When the next bytes must have come, ``received`` bytes having come since ``started``."""
+        end = started + self.timeout_s
+        if self.min_rate > 0:
+            end = min(end, started + self.grace_s + received / self.min_rate)
+        return end
+
+    def too_slow(self, received: int, elapsed: float) -> RequestTimeout:
+        if elapsed >= self.timeout_s:
+            return RequestTimeout(f"the request body must arrive within {self.timeout_s:g} s, got {received} "
+                                  f"bytes in {elapsed:.1f} s")
+        return RequestTimeout(f"the request body must arrive at {self.min_rate:g} bytes/s or more after the first "
+                              f"{self.grace_s:g} s, got {received} bytes in {elapsed:.1f} s")
+
+
+async def paced(receive: Callable[[], Awaitable[MutableMapping[str, Any]]], pace: Pace,
+                clock: Callable[[], float] = time.monotonic) -> AsyncIterator[bytes]:
+    """The body's chunks from an ASGI ``receive``, each awaited no longer than ``pace`` allows.
+
+    Raises RequestTimeout when the pace is missed, ClientClosed when the client goes away.
+    """
+    started, received = clock(), 0
+    while True:
+        left = pace.deadline(started, received) - clock()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            message = await asyncio.wait_for(receive(), left)
+        except TimeoutError:
+            raise pace.too_slow(received, clock() - started) from None
+        if message["type"] == "http.disconnect":
+            raise ClientClosed
+        chunk = message.get("body", b"")
+        received += len(chunk)
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return
 
 
 def _too_large(limit: int, got: str) -> BodyTooLarge:
@@ -34,8 +106,12 @@ def declared_length(content_length: str | None, limit: int) -> int | None:
     return n
 
 
-async def read_into_buffer(chunks: AsyncIterator[bytes], length: int | None, limit: int) -> memoryview:
-    """Read every chunk into one buffer; returns a view of exactly the bytes read."""
+async def read_into_buffer(chunks: AsyncIterator[bytes], length: int | None, limit: int,
+                           charge: Callable[[int], None] = lambda n: None) -> memoryview:
+    """Read every chunk into one buffer; returns a view of exactly the bytes read.
+
+    ``charge(n)`` is told of every chunk before it is kept (it may refuse it by raising).
+    """
     if length is not None:
         # np.empty, not bytearray(length): it does not write the buffer, so the pages of a large
         # body are only touched (and count in the process's memory) as its bytes arrive. A
@@ -46,6 +122,7 @@ async def read_into_buffer(chunks: AsyncIterator[bytes], length: int | None, lim
             n = len(chunk)
             if pos + n > length:
                 raise InvalidBody(f"request body must be Content-Length = {length} bytes, got more")
+            charge(n)
             view[pos:pos + n] = chunk
             pos += n
         if pos != length:
@@ -57,6 +134,7 @@ async def read_into_buffer(chunks: AsyncIterator[bytes], length: int | None, lim
         n = len(chunk)
         if pos + n > limit:
             raise _too_large(limit, f"more than {limit} bytes (chunked)")
+        charge(n)
         if pos + n > len(buf):
             buf.extend(bytes(min(max(len(buf), pos + n - len(buf)), limit - len(buf))))
         buf[pos:pos + n] = chunk
