@@ -200,7 +200,8 @@ BODY = 256 * 2**10
 def small(tmp_path_factory):
     srv = Server(tmp_path_factory.mktemp("small-home"),
                  args=("--workers", "2", "--max-inflight", "1", "--worker-memory-bytes", str(2**20)),
-                 env={"SPLITKEY_MAX_BODY_BYTES": str(BODY), "SPLITKEY_CONTEXT_SHARD_KEYS": "64",
+                 env={"SPLITKEY_MAX_BODY_BYTES": str(BODY), "SPLITKEY_MAX_INFLIGHT_BYTES": str(BODY),
+                      "SPLITKEY_CONTEXT_SHARD_KEYS": "64",
                       "SPLITKEY_MAX_REPLICAS": "3", "SPLITKEY_MIN_SHARD_KEYS": "64"})
     srv.start()
     yield srv
@@ -256,17 +257,18 @@ def test_a_chunk_that_fails_midway_raises_upload_error_and_the_prefix_stays_exac
     assert_close_to_reference(out, lse, q, k[:n], v[:n], causal=True)
 
 
-def hold_the_only_slot(url: str, seconds: float) -> threading.Thread:
-    """A request that stays in flight ``seconds`` (its body trickles in); returns once the server admitted it."""
+def hold_the_body_budget(url: str, seconds: float) -> threading.Thread:
+    """A request whose body, nearly the whole in-flight body budget, stops 10 bytes short of its end
+    for ``seconds``: until then any other body gets 429. Returns once the server holds those bytes."""
     rng = np.random.default_rng(0)
-    q, k = rng.standard_normal((1, 2, 8)).astype(np.float32), rng.standard_normal((50, 2, 8)).astype(np.float32)
-    body = to_bytes(encode_safetensors({"q": q, "k": k, "v": k}))
+    q, k = rng.standard_normal((1, 2, 8)).astype(np.float32), rng.standard_normal((2000, 2, 8)).astype(np.float32)
+    body = to_bytes(encode_safetensors({"q": q, "k": k, "v": k}))  # 256 KB of the 256 KiB budget
     result = {}
 
     def trickle():
-        yield body[:10]
+        yield body[:-10]
         time.sleep(seconds)
-        yield body[10:]
+        yield body[-10:]
 
     def send():
         result["status"] = httpx.post(url + "/v1/attention", content=trickle(), timeout=30,
@@ -276,8 +278,9 @@ def hold_the_only_slot(url: str, seconds: float) -> threading.Thread:
     thread.result = result
     thread.start()
     deadline = time.monotonic() + 10
-    while not re.search(r"^splitkey_inflight_requests 1\.0$", httpx.get(url + "/metrics").text, re.MULTILINE):
-        assert time.monotonic() < deadline, "the slow request was never admitted"
+    held = rf"^splitkey_inflight_body_bytes {len(body) - 10}\.0$"
+    while not re.search(held, httpx.get(url + "/metrics").text, re.MULTILINE):
+        assert time.monotonic() < deadline, "the slow body was never held"
         time.sleep(0.02)
     return thread
 
@@ -296,9 +299,9 @@ def test_a_retried_chunk_that_an_earlier_attempt_stored_counts_once_and_the_uplo
                        content=to_bytes(encode_safetensors({"k": k[100:200], "v": v[100:200]})),
                        headers={"Content-Type": "application/octet-stream"})
         assert r.status_code == 200, r.text
-        # ...and the client's first attempt of it is refused (429: the one slot is taken), so it
+        # ...and the client's first attempt of it is refused (429: the body budget is held), so it
         # sends it again after Retry-After, gets 409 length_mismatch, and finds the chunk stored.
-        slow.append(hold_the_only_slot(small.url, 0.5))
+        slow.append(hold_the_body_budget(small.url, 0.5))
         assert httpx.get(small.url + "/v1/limits").status_code == 200  # not admission-controlled
 
     t0 = time.monotonic()

@@ -276,7 +276,8 @@ def test_an_append_after_the_wrong_length_is_409_naming_the_length_and_changes_n
     for wrong in (0, 9, 11, 20):
         r = post_kv(server.url, path, k[10:20], v[10:20], after=wrong)
         assert r.status_code == 409, r.text
-        assert r.json() == {"code": "length_mismatch", "detail": f"after must be the context's length 10, got {wrong}"}
+        assert r.json() == {"code": "length_mismatch", "detail": f"after must be the context's length 10, got {wrong}",
+                            "request_id": r.headers["x-request-id"]}
     assert post_kv(server.url, path, k[10:20], v[10:20], after=10).json()["length"] == 20
     # The same chunk sent again (a retry whose first attempt was stored) is refused: stored once.
     assert post_kv(server.url, path, k[10:20], v[10:20], after=10).status_code == 409
