@@ -20,14 +20,19 @@ from workers.options import GpuKernels
 
 
 class ServiceSettings(BaseSettings):
+    """Every setting of ``splitkey serve``: each is a flag and a ``SPLITKEY_<NAME>`` variable
+    (``service.cli_settings`` makes the flags and the table in docs/API.md section 9)."""
+
     model_config = SettingsConfigDict(env_prefix="SPLITKEY_", extra="forbid", frozen=True)
 
     host: str = Field("127.0.0.1", description="Address to bind; loopback unless told otherwise.")
-    port: int = Field(8000, ge=0, le=65535)
-    ray_address: str | None = Field(None, description="None: embedded local Ray; 'auto' or HOST:PORT: join a cluster.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    ray_address: str | None = Field(None, description="Unset: embedded local Ray; 'auto' or HOST:PORT: join a "
+                                                          "cluster.")
     ray_namespace: str = Field("splitkey", description="Ray namespace of the named actors (workers, directory).")
     workers: int | None = Field(None, ge=1, description="Shard workers; default one per CPU (GPU) in the cluster.")
-    device: Literal["auto", "cpu", "gpu"] = "cpu"
+    device: Literal["auto", "cpu", "gpu"] = Field("cpu", description="Kernel device: cpu, gpu, or auto (gpu "
+                                                                      "when the cluster has one).")
     api_key_file: pathlib.Path | None = Field(None, description="File holding the bearer token; unset: no auth.")
 
     # Request bounds
@@ -50,11 +55,12 @@ class ServiceSettings(BaseSettings):
     # Sharding and merge
     shards: int | None = Field(None, ge=1, description="Shards per inline request; default: the number of workers.")
     min_shard_keys: int = Field(4096, ge=1, description="Do not cut inline keys into shards smaller than this.")
-    merge_fanin: int = Field(2, ge=2)
+    merge_fanin: int = Field(2, ge=2, description="Fan-in of the merge tree.")
     remote_merge_bytes: int = Field(8 * 2**20, ge=0, description="States larger than this merge on the workers.")
 
     # Kernel and workers
-    block_size: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, ge=1, description="Keys per kernel block; default: from the scratch "
+                                                           "budget.")
     kernel_threads: int = Field(1, ge=1, description="Threads per worker's kernel (one CPU each by default).")
     worker_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker.")
     worker_memory_bytes: int = Field(4 * 2**30, ge=0, description="Resident context bytes per worker (a 1M-key "
@@ -70,7 +76,7 @@ class ServiceSettings(BaseSettings):
     # Resident contexts
     context_shard_keys: int = Field(4096, ge=1, description="Keys a context shard holds at least before a new one "
                                                             "opens; a create uses one shard per worker down to this size.")
-    max_replicas: int = Field(8, ge=1)
+    max_replicas: int = Field(8, ge=1, description="Most replicas a context may ask for.")
     persist_dir: pathlib.Path | None = Field(None, description="Keep resident contexts on disk here and load them "
                                                               "at start (workers.persist); unset: memory only.")
 
@@ -132,3 +138,15 @@ class ServiceSettings(BaseSettings):
         if not key:
             raise ValueError(f"api_key_file must hold a non-empty token, got an empty file {self.api_key_file}")
         return key
+
+
+#: The settings by topic, in the order ``splitkey serve --help`` and docs/API.md list them.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "network and cluster": ("host", "port", "ray_address", "ray_namespace", "api_key_file"),
+    "request bounds": ("max_body_bytes", "max_inflight", "max_inflight_bytes", "body_timeout_s", "min_body_rate",
+                       "body_grace_s", "request_timeout_s", "retry_after_s", "shutdown_grace_s"),
+    "workers and kernels": ("workers", "device", "worker_cpus", "worker_memory_bytes", "worker_concurrency",
+                            "kernel_threads", "block_size", "batch_rows", "gpu_kernels", "heal_interval_s"),
+    "sharding and merge": ("shards", "min_shard_keys", "merge_fanin", "remote_merge_bytes"),
+    "resident contexts": ("context_shard_keys", "max_replicas", "persist_dir"),
+}

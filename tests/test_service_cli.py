@@ -4,18 +4,20 @@ import sys
 
 import pytest
 
+from service import cli_settings
 from service.cli import build_parser, main
 from service.client import Client
 
 
 def test_serve_flags_parse():
     args = build_parser().parse_args(["serve", "--workers", "3", "--device", "cpu", "--port", "9000"])
-    assert args.workers == 3 and args.device == "cpu" and args.port == 9000 and args.host is None
+    assert cli_settings.given(args) == {"workers": "3", "device": "cpu", "port": "9000"}  # the model parses them
 
 
 def test_bad_settings_exit_2_with_a_message(capsys, tmp_path):
     assert main(["serve", "--max-inflight", "0"]) == 2
-    assert "max_inflight" in capsys.readouterr().err
+    assert "--max-inflight (SPLITKEY_MAX_INFLIGHT): Input should be greater than or equal to 1, got '0'" in \
+        capsys.readouterr().err
     empty = tmp_path / "key"
     empty.write_text("")
     empty.chmod(0o600)

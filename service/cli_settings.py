@@ -1,0 +1,123 @@
+"""The settings as command-line flags, one per field of :class:`ServiceSettings`, and as the
+table of docs/API.md section 9: both made from the settings object, so they cannot drift.
+
+A field ``name`` is the flag ``--name`` with ``_`` as ``-`` and a trailing ``_s`` (seconds)
+dropped, and the variable ``SPLITKEY_NAME``. A flag given wins over the variable. Values are
+parsed by the settings model alone, so a bad one fails the same way from either source,
+naming the flag, the variable and the value (:func:`explain`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import pathlib
+import typing
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from service.settings import GROUPS, ServiceSettings
+
+ENV_PREFIX = "SPLITKEY_"
+
+
+def flag(name: str) -> str:
+    """``request_timeout_s`` -> ``--request-timeout``."""
+    return "--" + (name[:-2] if name.endswith("_s") else name).replace("_", "-")
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def choices(info: FieldInfo) -> list[str] | None:
+    """The values a Literal or Enum field takes, else None."""
+    for t in (info.annotation, *typing.get_args(info.annotation)):
+        if typing.get_origin(t) is typing.Literal:
+            return [str(v) for v in typing.get_args(t)]
+        if isinstance(t, type) and issubclass(t, enum.Enum):
+            return [str(m.value) for m in t]
+    return None
+
+
+def metavar(name: str, info: FieldInfo) -> str | None:
+    """What the flag takes, by the field's unit or type (None for a field with choices)."""
+    if choices(info):
+        return None
+    kinds = {t for t in (info.annotation, *typing.get_args(info.annotation)) if isinstance(t, type)}
+    if name.endswith("_s"):
+        return "SECONDS"
+    if pathlib.Path in kinds:
+        return "PATH"
+    if name.endswith("_rate"):
+        return "BYTES_PER_S"
+    if int in kinds:
+        return "N"
+    if float in kinds:
+        return "X"
+    return name.removeprefix("ray_").upper()
+
+
+def default_text(info: FieldInfo) -> str:
+    default = info.default
+    if default is None or default is PydanticUndefined:
+        return "unset"
+    if isinstance(default, enum.Enum):
+        return str(default.value)
+    if isinstance(default, bool):
+        return str(default).lower()
+    if isinstance(default, int) and default >= 2**20 and default % 2**20 == 0:
+        return f"{default} ({default // 2**30} GiB)" if default % 2**30 == 0 else f"{default} ({default // 2**20} MiB)"
+    if isinstance(default, float) and default.is_integer():
+        return str(int(default))
+    return str(default)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting, in :data:`GROUPS` order, each under its group's heading."""
+    fields = ServiceSettings.model_fields
+    for group, names in GROUPS.items():
+        g = parser.add_argument_group(group)
+        for name in names:
+            info = fields[name]
+            g.add_argument(flag(name), dest=name, default=None, choices=choices(info), metavar=metavar(name, info),
+                           help=f"{info.description} (default {default_text(info)}; {env_var(name)})".replace("%", "%%"))
+
+
+def given(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the command line gave (as strings, for the model to parse)."""
+    return {name: getattr(args, name) for name in ServiceSettings.model_fields if getattr(args, name, None) is not None}
+
+
+def explain(exc: ValidationError) -> str:
+    """One line per bad setting: its flag and variable, what it must be, and the value given."""
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        if loc and loc[0] in ServiceSettings.model_fields:
+            name = loc[0]
+            lines.append(f"{flag(name)} ({env_var(name)}): {err['msg']}, got {err['input']!r}")
+        else:  # a rule over several settings (a model validator): its message names them
+            lines.append(err["msg"].removeprefix("Value error, "))
+    return "; ".join(lines)
+
+
+def markdown_table() -> str:
+    """The table of docs/API.md section 9: every setting, its flag, variable, default and meaning."""
+    rows = ["| flag | environment variable | default | meaning |", "| --- | --- | --- | --- |"]
+    fields = ServiceSettings.model_fields
+    for group, names in GROUPS.items():
+        rows.append(f"| **{group}** | | | |")
+        for name in names:
+            info = fields[name]
+            options = choices(info)
+            meaning = (info.description or "") + (f" One of: {', '.join(options)}." if options else "")
+            rows.append(f"| `{flag(name)}` | `{env_var(name)}` | {default_text(info)} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m service.cli_settings: print the table for docs/API.md
+    print(markdown_table(), end="")
