@@ -26,7 +26,7 @@ ENV_PREFIX = "SPLITKEY_"
 
 def flag(name: str) -> str:
     """``request_timeout_s`` -> ``--request-timeout``."""
-    return "--" + (name[:-2] if name.endswith("_s") else name).replace("_", "-")
+    return "--" + name.removesuffix("_s").replace("_", "-")
 
 
 def env_var(name: str) -> str:

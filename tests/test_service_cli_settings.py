@@ -56,8 +56,8 @@ def test_flag_names_drop_the_seconds_suffix_and_variables_keep_the_field_name():
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--max-inflight", "0"], "--max-inflight (SPLITKEY_MAX_INFLIGHT): Input should be greater than or equal to 1, "
-                              "got '0'"),
+    (["--max-inflight", "0"], ("--max-inflight (SPLITKEY_MAX_INFLIGHT): Input should be greater than or equal to 1, "
+                               "got '0'")),
     (["--body-timeout", "soon"], "--body-timeout (SPLITKEY_BODY_TIMEOUT_S): Input should be a valid number"),
     (["--port", "70000"], "--port (SPLITKEY_PORT): Input should be less than or equal to 65535, got '70000'"),
     (["--max-body-bytes", "4096", "--max-inflight-bytes", "2048"],
