@@ -16,6 +16,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn  # imported here to keep `splitkey --help` fast
 
     from service.app import create_app
+    from service.http_protocol import JsonErrorsProtocol
     from service.settings import ServiceSettings
 
     try:
@@ -33,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
         logging.getLogger("splitkey").warning(warning)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                                           timeout_keep_alive=30))
+                                           timeout_keep_alive=30, http=JsonErrorsProtocol))
 
     def stop() -> None:  # after the drain (service.drain): exit without re-raising the signal, status 0
         server.should_exit = True

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Sequence
 
 from ray import serve
+from ray.serve import Deployment
 
 from service.app import create_app
 from service.settings import ServiceSettings
@@ -44,10 +45,13 @@ def replica_settings() -> ServiceSettings:
 fastapi_app = create_app(replica_settings())
 
 
-@serve.deployment(name=DEPLOYMENT, num_replicas=2, max_ongoing_requests=MAX_ONGOING_REQUESTS)
 @serve.ingress(fastapi_app)
-class SplitkeyIngress:
+class Replica:
     """One replica: the FastAPI app of service.app does all the work."""
+
+
+SplitkeyIngress: Deployment = serve.deployment(name=DEPLOYMENT, num_replicas=2,
+                                               max_ongoing_requests=MAX_ONGOING_REQUESTS)(Replica)
 
 
 app = SplitkeyIngress.bind()

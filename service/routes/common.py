@@ -12,7 +12,7 @@ import numpy as np
 from fastapi import Request, Response
 
 from service.admission import TICKET, Ticket
-from service.errors import DeadlineExceeded, RequestTimeout, WorkersUnavailable
+from service.errors import DeadlineExceeded, RequestTimeout, UnsupportedMediaType, WorkersUnavailable
 from service.metrics import Timings
 from service.runtime import AppState, Runtime
 from service.wire.body import declared_length, paced, read_into_buffer
@@ -56,6 +56,9 @@ async def read_body(request: Request, limit: int, route: str,
     """
     state = app_state(request)
     ticket: Ticket = request.scope[TICKET]
+    encoding = request.headers.get("content-encoding")
+    if encoding is not None and encoding.strip().lower() != "identity":  # nothing here decompresses
+        raise UnsupportedMediaType(f"Content-Encoding must be identity (send the body uncompressed), got {encoding!r}")
     length = declared_length(request.headers.get("content-length"), limit)
     if length is not None:
         if before_read is not None:

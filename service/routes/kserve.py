@@ -13,7 +13,7 @@ import time
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from service.errors import UnsupportedMediaType, error_responses
+from service.errors import error_responses
 from service.metrics import Timings
 from service.routes.common import app_state, off_loop, read_body, runtime, with_deadline
 from service.routes.ops import workers_ready
@@ -94,10 +94,6 @@ async def infer(request: Request) -> Response:
     state, rt = app_state(request), runtime(request)
     t0 = time.perf_counter()
     timings = Timings()
-    encoding = request.headers.get("content-encoding")
-    if encoding is not None and encoding.strip().lower() != "identity":
-        raise UnsupportedMediaType(f"Content-Encoding must be identity (send the request uncompressed), "
-                                   f"got {encoding!r}")
     declared_header = request.headers.get(HEADER)
     limit = state.limits.max_json_body_bytes if declared_header is None else state.limits.max_body_bytes
 

@@ -35,6 +35,7 @@ from service.wire.rules import (
     TENSOR_RULES,
     Limits,
     RequestOptions,
+    check_extent,
     check_options,
     check_present,
     query_value,
@@ -56,6 +57,9 @@ OUTPUTS: Mapping[str, str] = {"out": "[n_q, h_q, d_v]", "lse": "[n_q, h_q]"}
 #: ``binary_data_output`` sets the default output format, ``timeout`` (microseconds)
 #: can shorten the deadline, ``priority`` is accepted and ignored.
 PROTOCOL_PARAMETERS = frozenset({"binary_data_output", "timeout", "priority"})
+#: The largest ``timeout`` taken (a year in microseconds); a deadline only shortens
+#: ``--request-timeout`` anyway, and larger ints need not convert to a float.
+MAX_TIMEOUT_US = 365 * 24 * 3600 * 10**6
 #: Request parameters given as strings in the query-string syntax (``window=LEFT,RIGHT``, ``contexts=ID1,ID2``).
 _STRING_OPTIONS = frozenset({"window", "contexts"})
 _REQUEST_KEYS = frozenset({"id", "inputs", "outputs", "parameters"})
@@ -141,9 +145,7 @@ def _check_input(i: int, entry: Any, limits: Limits) -> _Input:
         raise InvalidTensor(f"{name} datatype must be {', '.join(wanted)}, got {show(datatype)}")
     if len(shape) != rule.rank:
         raise InvalidTensor(f"{name} must be {rule.layout} ({rule.rank} dims), got shape {show(shape)}")
-    count = math.prod(shape)
-    if count > limits.max_elements:
-        raise BodyTooLarge(f"{name} must have at most {limits.max_elements} elements, got {count}")
+    count = check_extent(name, shape, limits)
     size = _only_parameter(name, entry.get("parameters", {}), "binary_data_size", "shared memory is not supported")
     if size is not None and (type(size) is not int or size < 0):
         raise InvalidBody(f"{name} parameters.binary_data_size must be an int >= 0, got {show(size)}")
@@ -207,8 +209,8 @@ def _parameters(value: Any, limits: Limits, alibi_slopes: Any) -> tuple[RequestO
     if type(binary) is not bool:
         raise InvalidOption(f"binary_data_output must be true or false, got {show(binary)}")
     timeout = value.get("timeout")
-    if timeout is not None and (type(timeout) is not int or timeout < 0):
-        raise InvalidOption(f"timeout must be an int >= 0 (microseconds), got {show(timeout)}")
+    if timeout is not None and (type(timeout) is not int or not 0 <= timeout <= MAX_TIMEOUT_US):
+        raise InvalidOption(f"timeout must be an int from 0 to {MAX_TIMEOUT_US} (microseconds), got {show(timeout)}")
     priority = value.get("priority")
     if priority is not None and (type(priority) is not int or priority < 0):
         raise InvalidOption(f"priority must be an int >= 0, got {show(priority)}")

@@ -16,12 +16,13 @@ place a request builds it).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from service.errors import InvalidOption, InvalidTensor
+from service.errors import BodyTooLarge, InvalidOption, InvalidTensor
 from workers.options import AttentionOptions
 
 
@@ -123,7 +124,21 @@ def show(value: Any, limit: int = 60) -> str:
         text = json.dumps(value, allow_nan=True)
     except (TypeError, ValueError):  # not JSON, or an int too long to print
         text = f"a {type(value).__name__}"
+    except RecursionError:  # nested nearly as deep as the parser allows: deeper than printing goes
+        text = f"a {type(value).__name__} nested too deeply to show"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_extent(name: str, shape: list[int] | tuple[int, ...], limits: Limits) -> int:
+    """The element count of ``shape``, refused (413) past ``max_elements``; so is any one dimension
+    past it when another is 0 (an empty tensor may not declare an absurd shape either)."""
+    count = math.prod(shape)
+    if count > limits.max_elements:
+        raise BodyTooLarge(f"{name} must have at most {limits.max_elements} elements, got {count}")
+    if any(n > limits.max_elements for n in shape):
+        raise BodyTooLarge(f"{name} must have every dimension at most {limits.max_elements}, got shape "
+                           f"{show(list(shape))}")
+    return count
 
 
 def sorted_names(names: Iterable[str]) -> str:

@@ -32,6 +32,7 @@ from service.wire.rules import (
     TENSOR_RULES,
     BodyKind,
     Limits,
+    check_extent,
     check_present,
     parse_query_options,
     show,
@@ -108,13 +109,11 @@ def _entry(name: str, entry: Any, allowed: Iterable[str], limits: Limits) -> Ten
     if type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets) \
             or not 0 <= offsets[0] <= offsets[1]:
         raise InvalidBody(f"{name} data_offsets must be [begin, end] with 0 <= begin <= end, got {show(offsets)}")
-    count = math.prod(shape)
-    nbytes = count * wire.bits.itemsize
+    nbytes = math.prod(shape) * wire.bits.itemsize
     if offsets[1] - offsets[0] != nbytes:
         raise InvalidBody(f"{name} data_offsets must span prod(shape) * itemsize = {nbytes} bytes for shape {shape} "
                           f"{dtype}, got {show(offsets)} ({offsets[1] - offsets[0]} bytes)")
-    if count > limits.max_elements:
-        raise BodyTooLarge(f"{name} must have at most {limits.max_elements} elements, got {count}")
+    check_extent(name, shape, limits)
     return TensorInfo(wire, tuple(shape), offsets[0], offsets[1])
 
 
