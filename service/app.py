@@ -30,7 +30,7 @@ from service.contexts.service import ContextService
 from service.drain import Drain
 from service.errors import InvalidOption, ServiceError, WorkersUnavailable, render
 from service.metrics import Metrics
-from service.middleware import ServiceMiddleware
+from service.middleware import FRONTEND, ServiceMiddleware
 from service.routes import attention, contexts, kserve, ops
 from service.runtime import AppState, Runtime
 from service.settings import ServiceSettings
@@ -59,7 +59,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state.runtime = Runtime(pool=pool, attention=AttentionService(settings, pool, orchestrator, context_service),
                             contexts=context_service, repair=repair)
     state.metrics.workers.labels(state="alive").set(pool.size)
-    log.info("splitkey ready: %d %s workers", pool.size, pool.device)
+    log.info("splitkey ready: %d %s workers; this front end is %s", pool.size, pool.device, FRONTEND)
     healer = asyncio.create_task(repair.run_forever(settings.heal_interval_s))
     try:
         yield
@@ -77,7 +77,9 @@ def _respond(err: ServiceError, request: Request) -> Response:
     return Response(content=body, status_code=status, media_type="application/json", headers=headers)
 
 
-def create_app(settings: ServiceSettings | None = None) -> FastAPI:
+def create_app(settings: ServiceSettings | None = None, *, request_id_header: bool = True) -> FastAPI:
+    """The app for ``settings``; ``request_id_header=False`` behind a proxy that sets ``X-Request-Id``
+    itself (Ray Serve's passes its id in and writes it back on the response: service.serve)."""
     settings = settings or ServiceSettings()
     metrics = Metrics()
     app = FastAPI(
@@ -125,5 +127,5 @@ def create_app(settings: ServiceSettings | None = None) -> FastAPI:
     admission = Admission(max_inflight=settings.max_inflight, max_inflight_bytes=settings.max_inflight_bytes,
                           retry_after_s=settings.retry_after_s, metrics=metrics)
     app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), admission=admission, drain=drain,
-                       metrics=metrics)
+                       metrics=metrics, request_id_header=request_id_header)
     return app

@@ -3,7 +3,8 @@
 Pure ASGI (not BaseHTTPMiddleware) so request bodies stream through untouched.
 
 * Request id: every response carries ``X-Request-Id`` (``service.request_id``); error
-  bodies carry it too, and the log lines about the request name it.
+  bodies carry it too, and the log lines about the request name it. ``X-Splitkey-Frontend``
+  names the front end (process) that answered.
 * Auth: when an API key is set, every path except the health probes needs
   ``Authorization: Bearer <key>`` (compared in constant time), else 401.
 * Admission (``service.admission``): each work request gets a ticket in its scope; one
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import secrets
 from typing import Any
 
 from service import request_id
@@ -36,6 +38,10 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/v2/health/live", "/v2/health/ready"})
 #: Path prefixes that do work and count against admission control.
 WORK_PREFIXES = ("/v1/attention", "/v1/contexts", "/v2/models/")
+#: Names the front end that answered, when several serve behind one proxy: random per process
+#: (made at import, so an app object copied into another process, as Ray Serve does, names it anew).
+FRONTEND_HEADER = b"x-splitkey-frontend"
+FRONTEND = secrets.token_hex(6)
 #: Methods whose requests carry no body: admitted as they come (the others once their body is in).
 BODILESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 
@@ -51,8 +57,9 @@ def route_label(path: str) -> str:
 
 class ServiceMiddleware:
     def __init__(self, app: Any, *, api_key: str | None, admission: Admission, metrics: Metrics,
-                 drain: Drain) -> None:
+                 drain: Drain, request_id_header: bool = True) -> None:
         self.app = app
+        self.request_id_header = request_id_header
         self.drain = drain
         self.api_key = api_key.encode() if api_key else None
         self.admission = admission
@@ -73,7 +80,9 @@ class ServiceMiddleware:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 started["response"] = True
-                message = {**message, "headers": [*message.get("headers", []), (request_id.HEADER, rid.encode())]}
+                frontend = (FRONTEND_HEADER, FRONTEND.encode())
+                extra = [frontend, (request_id.HEADER, rid.encode())] if self.request_id_header else [frontend]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
             elif message["type"] == "http.response.body":
                 sent["bytes"] += len(message.get("body", b""))
             await send(message)

@@ -42,7 +42,7 @@ def replica_settings() -> ServiceSettings:
     return settings
 
 
-fastapi_app = create_app(replica_settings())
+fastapi_app = create_app(replica_settings(), request_id_header=False)  # Serve's proxy writes X-Request-Id
 
 
 @serve.ingress(fastapi_app)
