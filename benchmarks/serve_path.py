@@ -109,13 +109,13 @@ def run(args: argparse.Namespace) -> str:
         f"# Ray Serve's proxy against uvicorn direct ({datetime.date.today()})", "",
         *common.machine_lines(),
         f"- command: `{' '.join(['.venv/bin/python', 'benchmarks/serve_path.py', *sys.argv[1:]])}`",
-        f"- {args.rounds} rounds, alternating; small: {args.small} requests of q [1, 8, 64] over 256 keys; "
-        f"large: {args.large} requests over {common.size_label(args.large_keys)} keys "
-        f"({common.bytes_label(large_bytes)} body); two workers each; Serve with two replicas", "",
+        (f"- {args.rounds} rounds, alternating; small: {args.small} requests of q [1, 8, 64] over 256 keys; "
+         f"large: {args.large} requests over {common.size_label(args.large_keys)} keys "
+         f"({common.bytes_label(large_bytes)} body); two workers each; Serve with two replicas"), "",
         common.markdown_table(["path", "small p50 ms (spread)", "large ms (spread)", "large body GB/s"], rows),
         "",
-        f"Serve / uvicorn: small {ratio_small:.2f}x, large {ratio_large:.2f}x; "
-        f"answers bitwise equal in {args.rounds - mismatches} of {args.rounds} rounds.",
+        (f"Serve / uvicorn: small {ratio_small:.2f}x, large {ratio_large:.2f}x; "
+         f"answers bitwise equal in {args.rounds - mismatches} of {args.rounds} rounds."),
     ]
     return "\n".join(lines) + "\n"
 
