@@ -63,6 +63,7 @@ set_dir() {
   [[ $NAME =~ ^[A-Za-z0-9_-]{1,20}$ ]] || die "--name must be 1-20 letters, digits, - or _, got '$NAME'"
   BASE=${SPLITKEY_CLUSTER_DIR:-${XDG_RUNTIME_DIR:-/tmp}}
   DIR=$BASE/splitkey-$NAME
+  if [[ -e $DIR && ! -O $DIR ]]; then die "$DIR belongs to another user: not touching it"; fi
 }
 
 # -- processes ---------------------------------------------------------------------------
@@ -360,7 +361,7 @@ try:
     print(urllib.request.urlopen(sys.argv[1] + "/readyz", timeout=5).status)
 except urllib.error.HTTPError as e:
     print(e.code)
-except OSError:
+except (OSError, ValueError):
     print("no answer")
 EOF
   ) || code="no answer"
