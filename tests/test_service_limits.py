@@ -143,8 +143,11 @@ def test_a_request_still_sending_its_body_holds_no_slot(tight):
     r = httpx.post(tight.url + "/v1/attention", content=body, timeout=30,
                    headers={**auth(), "Content-Type": "application/octet-stream"})
     t.join()
-    assert r.status_code == 200 and results["first"].status_code == 200  # the one slot was free for the second
-    assert results["first"].content == r.content
+    # The one slot was free for the second request: it was admitted, not refused with 429. (Each
+    # may still meet this server's 0.5 s deadline on a loaded machine: 504 is admitted work too.)
+    assert r.status_code in (200, 504) and results["first"].status_code in (200, 504), (r.text, results["first"].text)
+    if r.status_code == results["first"].status_code == 200:
+        assert results["first"].content == r.content
 
 
 def test_work_past_the_deadline_gets_504_and_the_server_stays_up(tight):
