@@ -70,12 +70,12 @@ _state = {"broken": False}
 def kernels() -> ModuleType | None:
     """The compiled kernels' module, or None (one log line) where numba cannot be loaded."""
     try:
-        from workers import fused_kernels
+        import workers.fused_kernels  # numba loads here, on first use, not at import
     except Exception as exc:  # noqa: BLE001 - any import failure means: no fused path
         log.warning("fused CPU kernel unavailable, using the NumPy kernel: cannot import numba kernels (%s: %s)",
                     type(exc).__name__, exc)
         return None
-    return fused_kernels
+    return workers.fused_kernels
 
 
 def available() -> bool:
@@ -186,7 +186,8 @@ def run_fused(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingVie
     else:
         kpos, arange, kpos0 = np.ascontiguousarray(kv.k_pos, dtype=np.int64), False, 0
     resident = isinstance(kv, StreamingView)
-    k_arr, v_arr = (kv.kt, kv.v) if resident else (kv.k, kv.v)
+    k_arr = kv.kt if isinstance(kv, StreamingView) else kv.k
+    v_arr = kv.v
     (k_flat, ks), (v_flat, vs) = _flat(k_arr), _flat(v_arr)  # type: ignore[misc]  # choose() checked
     n_k = p0.n_k
     block = kopts.block_size or (RESIDENT_BLOCK if resident else INLINE_BLOCK)
@@ -215,7 +216,7 @@ def run_fused(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingVie
 def _set_threads(threads: int) -> None:
     import numba
 
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
 
 
 def try_fused(parts: Sequence[tuple[Any, Problem]], kv: Any, kopts: KernelOptions) -> list[State] | None:
@@ -236,23 +237,24 @@ def warm(dtypes: Sequence[str] = ("float32", "bfloat16", "float16"), threads: in
     Called at worker start so that no request pays for compilation. Returns the
     seconds each dtype took; empty when the fused path is unavailable.
     """
-    from workers.api import partial_attention_resident, partial_attention_shard
     from workers.dtypes import dtype_of
     from workers.layout import StreamingKV
     from workers.options import AttentionOptions
+    from workers.problem import check_problem
 
     if not available():
         return {}
     kopts = KernelOptions(threads=threads, cpu_kernels=CpuKernels.FUSED)
     opts = AttentionOptions()
-    took = {}
+    took: dict[str, float] = {}
     for name in dtypes:
         dt = dtype_of(name)
         t0 = time.perf_counter()
         q = np.zeros((1, 2, 4), dtype=dt)  # [n_q, h_q, d]
         k = np.zeros((3, 1, 4), dtype=dt)  # [n_k, h_kv, d]
-        partial_attention_shard(q, k, k, q_pos=None, k_pos=None, options=opts, kernel=kopts)
-        view = StreamingKV.from_arrays(k, k, np.arange(3)).snapshot()
-        partial_attention_resident(q, view, q_pos=np.array([2]), options=opts, kernel=kopts)
+        p = check_problem(q, k, k, np.array([2]), None, opts)
+        for kv in (NaturalKV(k, k, p.k_pos), StreamingKV.from_arrays(k, k, np.arange(3)).snapshot()):
+            if try_fused([(q, p)], kv, kopts) is None:
+                return took  # the compiled path is broken (logged): NumPy serves
         took[name] = time.perf_counter() - t0
     return took

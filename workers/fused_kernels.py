@@ -55,7 +55,8 @@ def _bits_to_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compil
         return None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], ir.IntType(32))
+        width = getattr(bits, "bitwidth")  # noqa: B009 - numba's Integer types carry it; the stubs do not
+        low = args[0] if width == 32 else builder.trunc(args[0], ir.IntType(32))
         return builder.bitcast(low, ir.FloatType())
 
     return types.float32(bits), codegen
@@ -89,11 +90,11 @@ def _widen_impl(x: Any) -> Any:  # pragma: no cover - compiled
         return same
     if x == types.uint16:
         def bf16(x: Any) -> Any:
-            return _bits_to_f32(np.uint32(x) << np.uint32(16))
+            return _bits_to_f32(np.uint32(x) << np.uint32(16))  # type: ignore[call-arg]  # numba passes typingctx
         return bf16
     if x == types.int16:
         def f16(x: Any) -> Any:
-            return _half_to_f32(x)
+            return _half_to_f32(x)  # type: ignore[call-arg]
         return f16
     return None
 
@@ -127,7 +128,7 @@ def _expo_impl(x: Any) -> Any:  # pragma: no cover - compiled
         p = p * r + np.float32(1.6666665459e-1)
         p = p * r + np.float32(5.0000001201e-1)
         p = p * r * r + r + np.float32(1.0)
-        scale = _bits_to_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))
+        scale = _bits_to_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))  # type: ignore[call-arg,var-annotated]
         res = p * scale
         if x < np.float32(EXP32_MIN):
             res = np.float32(0.0)  # -inf (a masked key) included
