@@ -99,6 +99,20 @@ def _widen_impl(x: Any) -> Any:  # pragma: no cover - compiled
     return None
 
 
+def narrow(a: Any) -> Any:
+    """Whether array ``a`` holds 16-bit elements, as a compile-time constant (numba only)."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(narrow)
+def _narrow_impl(a: Any) -> Any:  # pragma: no cover - compiled
+    is16 = a.dtype in (types.uint16, types.int16)
+
+    def impl(a: Any) -> Any:
+        return is16
+    return impl
+
+
 def expo(x: Any) -> Any:
     """``exp(x)`` in the precision of ``x`` (numba only; see the overload)."""
     raise NotImplementedError  # pragma: no cover
@@ -191,7 +205,7 @@ def _softmax(s: Any, r: int, nb: int, m: Any, l: Any, acc: Any, d_v: int, zero: 
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, nogil=True)
-def _pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int) -> None:
+def _pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
     """``acc[r, :d_v] += sum_j s[r, j] v_j`` for every row r with ``kind[r] != 0``, over a block's
     ``nb`` values ``v[base + j*step :][:d_v]``.
 
@@ -200,13 +214,27 @@ def _pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v:
     values stay in L1 while every row reads them. A row's order depends on ``nb``
     alone, never on the other rows. Flat indexes are unsigned (``_U``): numba then
     adds no negative-index fixup, and the loops vectorise without slicing (a slice
-    costs two atomic reference counts).
+    costs two atomic reference counts). 16-bit values are widened once into ``vw [4, d_v]``
+    (L1 scratch) that every row then reads.
     """
     n_rows = s.shape[0]
     j = 0
     while j + 4 <= nb:
         o0 = _U(base + j * step)
         o1, o2, o3 = o0 + _U(step), o0 + _U(2 * step), o0 + _U(3 * step)
+        if narrow(v):
+            for e in range(d_v):
+                ue = _U(e)
+                vw[0, e], vw[1, e] = widen(v[o0 + ue]), widen(v[o1 + ue])
+                vw[2, e], vw[3, e] = widen(v[o2 + ue]), widen(v[o3 + ue])
+            for r in range(n_rows):
+                if kind[r] == 0:
+                    continue
+                p0, p1, p2, p3 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
+                for e in range(d_v):
+                    acc[r, e] += ((p0 * vw[0, e] + p1 * vw[1, e]) + (p2 * vw[2, e] + p3 * vw[3, e]))
+            j += 4
+            continue
         for r in range(n_rows):
             if kind[r] == 0:
                 continue
@@ -278,6 +306,8 @@ def inline_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int
     for c in prange(bounds.shape[0] - 1):
         m, l, acc = m_out[c], l_out[c], acc_out[c]  # [h_kv, R], [h_kv, R], [h_kv, R, d_v]
         s = np.empty((h_kv, n_rows, block), dtype=q.dtype)  # [h_kv, R, B] scores, then p
+        kw = np.empty(d, dtype=np.float32)  # [d] one 16-bit key, widened
+        vw = np.empty((4, d_v), dtype=np.float32)  # [4, d_v] four 16-bit values, widened
         kind = np.empty(n_rows, dtype=np.int64)
         tmp = np.empty(1, dtype=q.dtype)
         for b0 in range(bounds[c], bounds[c + 1], block):
@@ -297,6 +327,17 @@ def inline_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int
             for h in range(h_kv):
                 for jj in range(nb):
                     base = _U((b0 + jj) * sk0 + h * sk1)  # key j of head h: k[base:base + d]
+                    if narrow(k):
+                        for dd in range(d):
+                            kw[dd] = widen(k[base + _U(dd)])  # widened once for all rows (L1 scratch)
+                        for r in range(n_rows):
+                            if kind[r] == 0:
+                                continue
+                            t = zero
+                            for dd in range(d):
+                                t += q[h, r, dd] * kw[dd]
+                            s[h, r, jj] = t
+                        continue
                     for r in range(n_rows):
                         if kind[r] == 0:
                             continue
@@ -310,7 +351,7 @@ def inline_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int
                     _options(s[h], r, nb, (kpos0 + b0) if arange else b0, kpos, arange, qpos, cap, slope[h],
                              has_alibi, lo, hi, has_lo, has_hi, kind[r] == 2, tmp)
                     _softmax(s[h], r, nb, m[h], l[h], acc[h], d_v, zero)
-                _pv(s[h], kind, nb, v, b0 * sv0 + h * sv1, sv0, acc[h], d_v)
+                _pv(s[h], kind, nb, v, b0 * sv0 + h * sv1, sv0, acc[h], d_v, vw)
             # Invariant holds for every row over the keys [bounds[c], b1).
 
 
@@ -330,6 +371,7 @@ def resident_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: i
         h, c = u // n_chunks, u % n_chunks
         m, l, acc = m_out[c, h], l_out[c, h], acc_out[c, h]  # [R], [R], [R, d_v]
         s = np.empty((n_rows, block), dtype=q.dtype)  # [R, B] scores, then p
+        vw = np.empty((4, d_v), dtype=np.float32)  # [4, d_v] four 16-bit values, widened
         kind = np.empty(n_rows, dtype=np.int64)
         tmp = np.empty(1, dtype=q.dtype)
         for b0 in range(bounds[c], bounds[c + 1], block):
@@ -353,5 +395,5 @@ def resident_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: i
                 _options(s, r, nb, (kpos0 + b0) if arange else b0, kpos, arange, qpos, cap, slope[h],
                          has_alibi, lo, hi, has_lo, has_hi, kind[r] == 2, tmp)
                 _softmax(s, r, nb, m, l, acc, d_v, zero)
-            _pv(s, kind, nb, v, h * sv0 + b0 * sv1, sv1, acc, d_v)
+            _pv(s, kind, nb, v, h * sv0 + b0 * sv1, sv1, acc, d_v, vw)
             # Invariant holds for every row over the keys [bounds[c], b1).
