@@ -254,3 +254,13 @@ def test_broken_compiled_kernel_falls_back_to_numpy_once(rng, monkeypatch, caplo
 def test_warm_compiles_each_dtype_for_both_layouts():
     took = fused.warm(("float32", "bfloat16"))
     assert set(took) == {"float32", "bfloat16"} and all(t >= 0 for t in took.values())
+
+
+def test_a_worker_configured_for_fused_compiles_at_start_and_serves_with_it(rng):
+    from workers.actor import ShardWorker
+    from workers.config import WorkerConfig
+
+    plain = ShardWorker(WorkerConfig(), "w-numpy")
+    assert plain.warm_s == {}  # the default kernel compiles nothing
+    w = ShardWorker(WorkerConfig(kernel=fused_opts()), "w-fused")
+    assert set(w.warm_s) == {"float32", "bfloat16", "float16"}
