@@ -17,7 +17,9 @@ Decode queries ``q [1, 32, 128]`` over contexts of ``h_kv = 8, d = 128``:
    keys in cache (C1, GFLOP/s: what a batched pass runs, one request's calls at a
    time) and of the same product stacked 64 rows high (C64: what BLAS reaches when
    rows share a call). A decode query does f = 2 flop per byte of float32 K+V, 4
-   per byte of 16-bit; a batch of n gains at most min(n, C / (f B)).
+   per byte of 16-bit; a batch of n gains at most min(n, C / (f B)). With
+   ``--cpu-kernels fused`` the kernel is workers/fused.py and C1 / C64 are its own
+   rates with 2K keys in cache (one query; 16 queries in one pass), QK and PV counted.
 2. **service**, per dtype in ``--service-dtypes``: ``splitkey serve --workers 2``
    holding one context of ``--n-k`` keys (default 1M: 8 GiB in float32), created
    piece by piece with ``expected_length``; closed loops at concurrency
@@ -134,13 +136,31 @@ def product_rates(dtype: str, repeat: int) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
-def measure_kernel(dtype: str, n_k: int, repeat: int, seed: int) -> KernelResult:
+def fused_rates(dtype: str, repeat: int, seed: int) -> tuple[float, float]:
+    """GFLOP/s (QK and PV, 4 h_q n_k d a query) of the fused kernel with its keys in cache (2K keys):
+    one query (4 rows a kv head), and 16 in one pass (64 rows): its compute roof."""
+    n_k = 2048
+    kv = StreamingKV(HEADS["h_kv"], HEADS["d"], HEADS["d"], DTYPES[dtype], capacity=n_k)
+    for a, b, k, v in pieces(n_k, dtype, seed):
+        kv.append(k, v, np.arange(a, b))
+    view = kv.snapshot()
+    kernel = KernelOptions(threads=1, cpu_kernels="fused")
+    qs = [(q, np.array([n_k]), AttentionOptions()) for q in queries(16, dtype, seed)]
+    flops = 4.0 * HEADS["h_q"] * n_k * HEADS["d"]
+    calls = 20
+    t1 = median_time(lambda: [partial_attention_resident(qs[0][0], view, q_pos=qs[0][1], options=qs[0][2],
+                                                         kernel=kernel) for _ in range(calls)], repeat)
+    t16 = median_time(lambda: [partial_attention_resident_many(qs, view, kernel=kernel) for _ in range(calls)], repeat)
+    return calls * flops / t1 / 1e9, calls * 16 * flops / t16 / 1e9
+
+
+def measure_kernel(dtype: str, n_k: int, repeat: int, seed: int, cpu_kernels: str = "numpy") -> KernelResult:
     res = KernelResult(dtype)
     kv = StreamingKV(HEADS["h_kv"], HEADS["d"], HEADS["d"], DTYPES[dtype], capacity=n_k)
     for a, b, k, v in pieces(n_k, dtype, seed):
         kv.append(k, v, np.arange(a, b))
     view = kv.snapshot()
-    kernel = KernelOptions(threads=1)
+    kernel = KernelOptions(threads=1, cpu_kernels=cpu_kernels)
     qs = [(q, np.array([n_k]), AttentionOptions()) for q in queries(max(BATCHES), dtype, seed)]
     with common.blas_threads(1):
         alone = [partial_attention_resident(q, view, q_pos=p, options=o, kernel=kernel) for q, p, o in qs]
@@ -152,7 +172,10 @@ def measure_kernel(dtype: str, n_k: int, repeat: int, seed: int) -> KernelResult
                                and s.l.tobytes() == a.l.tobytes() for s, a in zip(states, alone))
             res.batch_s[n] = median_time(lambda: partial_attention_resident_many(qs[:n], view, kernel=kernel),  # noqa: B023
                                          max(2, repeat // 3))
-        res.c1_gflops, res.c64_gflops = product_rates(dtype, max(3, repeat // 2))
+        if cpu_kernels == "fused":
+            res.c1_gflops, res.c64_gflops = fused_rates(dtype, max(3, repeat // 2), seed)
+        else:
+            res.c1_gflops, res.c64_gflops = product_rates(dtype, max(3, repeat // 2))
     return res
 
 
@@ -258,7 +281,8 @@ def report(args: argparse.Namespace, kernel: list[KernelResult], service: list[S
     return "\n".join([
         f"### Batched decode benchmark, {datetime.date.today().isoformat()}", "", f"Command: `{command}`", "",
         *common.machine_lines(), *notes, "",
-        (f"In-process, {common.size_label(args.kernel_keys)} keys, one thread (speed-up per query of a batch over "
+        (f"In-process ({args.cpu_kernels} kernel), {common.size_label(args.kernel_keys)} keys, one thread "
+         "(speed-up per query of a batch over "
          "the query alone; roof min(n, C / (f B)) with f = 2 flop/B for float32, 4 for 16-bit):"), "",
         kernel_table(kernel, args.kernel_keys), "",
         f"Service, {common.size_label(args.n_k)} keys, 2 workers (closed loops of the same query):", "",
@@ -275,6 +299,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--levels", default=",".join(map(str, LEVELS)))
     p.add_argument("--level-seconds", type=float, default=20.0)
     p.add_argument("--repeat", type=common.positive, default=9)
+    p.add_argument("--cpu-kernels", default="numpy", choices=("numpy", "fused"),
+                   help="the in-process kernel (workers/fused.py for fused); the service part uses the default")
     p.add_argument("--no-wait", action="store_true", help="do not wait for benchmarks/kernel.py to finish")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--out", default=None)
@@ -298,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.raise_on_sigterm()
     notes = [common.wait_for_quiet(not args.no_wait and not args.quick)]
     t0 = time.monotonic()
-    kernel = [measure_kernel(dt, args.kernel_keys, args.repeat, args.seed) for dt in args.kernel_dtypes]
+    kernel = [measure_kernel(dt, args.kernel_keys, args.repeat, args.seed, args.cpu_kernels)
+              for dt in args.kernel_dtypes]
     service = []
     with tempfile.TemporaryDirectory(prefix="splitkey-batch-bench-") as tmp:
         for dt in args.service_dtypes:

@@ -14,13 +14,18 @@ Everything runs in one process with the same number of threads for everyone:
   streaming layout (``StreamingKV.from_arrays(...).snapshot()`` +
   ``partial_attention_resident``) and on the contract layout
   (``partial_attention``: inline requests);
+* the fused kernel (``cpu_kernels="fused"``, workers/fused.py): numba threads =
+  ``T``, on both layouts, decode only (prefill-shaped calls run the NumPy kernel
+  whatever the option says, so prefill is not repeated for it);
 * naive NumPy: scores materialised per kv head, softmax, ``p @ v``; BLAS at ``T``;
 * PyTorch SDPA on CPU: ``torch.set_num_threads(T)``; q ``[1, h_q, n_q, d]``, k
   and v in SDPA's layout ``[1, h_kv, n_k, d]`` with ``enable_gqa=True`` (no
   repeated kv heads: at 1M keys those would need 32 GiB).
 
-Decode (``n_q=1, h_q=32, h_kv=8, d=128``, float32) reports GB/s of K+V bytes
-read; prefill (``n_q=256`` over 32K keys) reports GFLOP/s counting
+Decode (``n_q=1, h_q=32, h_kv=8, d=128``) runs for each of ``--dtypes`` (float32,
+bfloat16, float16: K and V stored in that dtype, q float32) and reports GB/s of
+the K+V bytes in their own storage (2 bytes an element for 16-bit); naive NumPy
+and SDPA run for float32 only; prefill (``n_q=256`` over 32K keys) reports GFLOP/s counting
 ``4 n_q h_q n_k d`` (QK and PV; causal counts the same). Each cell is the median
 of ``--repeat`` timed runs with the min-max range; the implementations are
 timed in interleaved rounds, each timed call right after a pause and an
@@ -64,8 +69,9 @@ if str(ROOT) not in sys.path:
 # The repository's packages, also when run as a script from elsewhere.
 from benchmarks.common import GIB, blas_threads, cpu_model, emit_report, meminfo, parse_keys, positive
 from merge import finalize
-from workers import StreamingKV, partial_attention, partial_attention_resident
-from workers.options import AttentionOptions, KernelOptions
+from workers import StreamingKV, partial_attention_resident, partial_attention_shard
+from workers.dtypes import dtype_of
+from workers.options import AttentionOptions, CpuKernels, KernelOptions
 
 HEADS = {"h_q": 32, "h_kv": 8, "d": 128}
 DECODE_KEYS = (64 * 1024, 256 * 1024, 1024 * 1024)
@@ -92,8 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes and 2 repeats: a smoke run")
     p.add_argument("--causal", action="store_true", help="also run the prefill case with a causal mask")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch SDPA column")
+    p.add_argument("--dtypes", default="float32,bfloat16,float16",
+                   help="decode K/V dtypes, comma-separated (default float32,bfloat16,float16)")
     p.add_argument("--out", default=None, help="also write the markdown report here (e.g. docs/kernel_bench.md)")
     args = p.parse_args(argv)
+    args.dtypes = [dtype_of(name.strip()).name for name in args.dtypes.split(",") if name.strip()]
     if args.quick:
         args.sizes = args.sizes or list(QUICK_DECODE_KEYS)
         args.repeat = min(args.repeat, 2)
@@ -172,30 +181,35 @@ def ratio(a: Cell | None, b: Cell | None, work_b_over_a: float = 1.0) -> str:
 # ------------------------------------------------------------------ inputs
 
 
-def kv_chunks(n_k: int, h_kv: int, d: int, d_v: int, seed: int) -> Iterator[tuple[int, int, Any, Any]]:
-    """``(a, b, k [b-a, h_kv, d], v [b-a, h_kv, d_v])`` float32 chunks, the same for the same seed."""
+def kv_chunks(n_k: int, h_kv: int, d: int, d_v: int, seed: int,
+              dtype: Any = np.float32) -> Iterator[tuple[int, int, Any, Any]]:
+    """``(a, b, k [b-a, h_kv, d], v [b-a, h_kv, d_v])`` chunks in ``dtype``, the same for the same seed."""
     rng = np.random.default_rng(seed)
     for a in range(0, n_k, GEN_CHUNK):
         b = min(a + GEN_CHUNK, n_k)
-        k = rng.standard_normal((b - a, h_kv, d), dtype=np.float32)
-        v = rng.standard_normal((b - a, h_kv, d_v), dtype=np.float32)
+        k = rng.standard_normal((b - a, h_kv, d), dtype=np.float32).astype(dtype, copy=False)
+        v = rng.standard_normal((b - a, h_kv, d_v), dtype=np.float32).astype(dtype, copy=False)
         yield a, b, k, v
 
 
-def contract_kv(n_k: int, h_kv: int, d: int, d_v: int, seed: int) -> tuple[Any, Any]:
+def contract_kv(n_k: int, h_kv: int, d: int, d_v: int, seed: int, dtype: Any = np.float32) -> tuple[Any, Any]:
     """K ``[n_k, h_kv, d]`` and V ``[n_k, h_kv, d_v]`` in the contract layout."""
-    k = np.empty((n_k, h_kv, d), dtype=np.float32)
-    v = np.empty((n_k, h_kv, d_v), dtype=np.float32)
-    for a, b, kc, vc in kv_chunks(n_k, h_kv, d, d_v, seed):
+    k = np.empty((n_k, h_kv, d), dtype=dtype)
+    v = np.empty((n_k, h_kv, d_v), dtype=dtype)
+    for a, b, kc, vc in kv_chunks(n_k, h_kv, d, d_v, seed, dtype):
         k[a:b], v[a:b] = kc, vc
     return k, v
 
 
-def resident_kv(n_k: int, h_kv: int, d: int, d_v: int, seed: int, torch: Any) -> tuple[Any, Any]:
-    """The resident view of the same keys, and SDPA's ``k [1, h_kv, n_k, d]`` (None without torch)."""
-    store = StreamingKV(h_kv, d, d_v, np.float32, capacity=n_k)
+def resident_kv(n_k: int, h_kv: int, d: int, d_v: int, seed: int, torch: Any,
+                dtype: Any = np.float32) -> tuple[Any, Any]:
+    """The resident view of the same keys, and SDPA's ``k [1, h_kv, n_k, d]`` (None without torch or
+    for 16-bit keys: SDPA runs on float32 only)."""
+    store = StreamingKV(h_kv, d, d_v, dtype, capacity=n_k)
+    if np.dtype(dtype) != np.float32:
+        torch = None
     k_sdpa = None if torch is None else torch.empty((1, h_kv, n_k, d), dtype=torch.float32)
-    for a, b, kc, vc in kv_chunks(n_k, h_kv, d, d_v, seed):
+    for a, b, kc, vc in kv_chunks(n_k, h_kv, d, d_v, seed, dtype):
         store.append(kc, vc, np.arange(a, b))
         if k_sdpa is not None:
             k_sdpa[0, :, a:b] = torch.from_numpy(kc).permute(1, 0, 2)  # [h_kv, b-a, d]
@@ -210,18 +224,21 @@ def queries(n_q: int, h_q: int, d: int, seed: int) -> Any:
 # Each returns (out [n_q, h_q, d_v], lse [n_q, h_q] or None) as float32 numpy arrays.
 
 
-def ours_resident(q: Any, view: Any, causal: bool, threads: int) -> tuple[Any, Any]:
+def ours_resident(q: Any, view: Any, causal: bool, threads: int,
+                  kernels: CpuKernels = CpuKernels.NUMPY) -> tuple[Any, Any]:
     n_k = int(view.k_pos.shape[0])
     q_pos = np.arange(n_k - q.shape[0], n_k)  # bottom-right aligned, as the inline default
     with blas_threads(1):
         state = partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(causal=causal),
-                                           kernel=KernelOptions(threads=threads))
+                                           kernel=KernelOptions(threads=threads, cpu_kernels=kernels))
     return finalize(state)
 
 
-def ours_inline(q: Any, k: Any, v: Any, causal: bool, threads: int) -> tuple[Any, Any]:
+def ours_inline(q: Any, k: Any, v: Any, causal: bool, threads: int,
+                kernels: CpuKernels = CpuKernels.NUMPY) -> tuple[Any, Any]:
     with blas_threads(1):
-        state = partial_attention(q, k, v, causal=causal, threads=threads)
+        state = partial_attention_shard(q, k, v, q_pos=None, k_pos=None, options=AttentionOptions(causal=causal),
+                                        kernel=KernelOptions(threads=threads, cpu_kernels=kernels))
     return finalize(state)
 
 
@@ -280,6 +297,7 @@ class Row:
 
     label: str
     work: float  # bytes (decode) or flops (prefill)
+    dtype: str = "float32"  # of K and V
     cells: dict[str, Cell] = field(default_factory=dict)
     max_diff: float = 0.0
     skipped: str = ""  # why the case was not run
@@ -287,6 +305,9 @@ class Row:
 
 
 IMPLS = ("resident", "inline", "naive", "sdpa")
+#: Decode adds the fused kernel on both layouts.
+DECODE_IMPLS = ("resident", "inline", "fused_resident", "fused_inline", "naive", "sdpa")
+FUSED = CpuKernels.FUSED
 
 
 def run_limits(threads: int, repeat: int, quick: bool) -> dict[str, tuple[float, Cell]]:
@@ -309,7 +330,8 @@ def run_limits(threads: int, repeat: int, quick: bool) -> dict[str, tuple[float,
     return limits
 
 
-def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespace, torch: Any) -> Row:
+def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespace, torch: Any,
+             fused: bool = False) -> Row:
     """Time the four implementations on one case and check that they agree.
 
     When the resident layout, SDPA's K and the contract layout fit in memory
@@ -317,7 +339,10 @@ def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespac
     (after freeing them) the last two.
     """
     h_q, h_kv, d = HEADS["h_q"], HEADS["h_kv"], HEADS["d"]
-    kv_bytes = 2 * n_k * h_kv * d * 4
+    dt = dtype_of(row.dtype)
+    kv_bytes = 2 * n_k * h_kv * d * dt.itemsize
+    if dt != np.float32:
+        torch = None  # SDPA and naive NumPy: float32 only
     apart = kv_bytes * (1.5 if torch is not None else 1.0)
     avail = meminfo("MemAvailable")
     if avail is not None and apart + GIB > avail:
@@ -327,16 +352,22 @@ def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespac
     together = avail is None or apart + kv_bytes + 4 * GIB <= avail
     q = queries(n_q, h_q, d, SEED)
     seed = SEED + n_k
-    view, k_sdpa = resident_kv(n_k, h_kv, d, d, seed, torch)
+    view, k_sdpa = resident_kv(n_k, h_kv, d, d, seed, torch, dt)
     first: dict[str, Callable[[], Any]] = {"resident": lambda: ours_resident(q, view, causal, args.threads)}
+    if fused:
+        first["fused_resident"] = lambda: ours_resident(q, view, causal, args.threads, FUSED)
     if torch is not None:
         v_sdpa = torch.from_numpy(view.v)[None]  # [1, h_kv, n_k, d], each head contiguous
         first["sdpa"] = lambda: sdpa(torch, q, k_sdpa, v_sdpa, causal)
 
     def contract() -> dict[str, Callable[[], Any]]:
-        k, v = contract_kv(n_k, h_kv, d, d, seed)
-        return {"inline": lambda: ours_inline(q, k, v, causal, args.threads),
-                "naive": lambda: naive_numpy(q, k, v, causal, args.threads)}
+        k, v = contract_kv(n_k, h_kv, d, d, seed, dt)
+        fns: dict[str, Callable[[], Any]] = {"inline": lambda: ours_inline(q, k, v, causal, args.threads)}
+        if fused:
+            fns["fused_inline"] = lambda: ours_inline(q, k, v, causal, args.threads, FUSED)
+        if dt == np.float32:
+            fns["naive"] = lambda: naive_numpy(q, k, v, causal, args.threads)
+        return fns
 
     if together:
         cells, outs = measure({**first, **contract()}, args.repeat)
@@ -351,17 +382,18 @@ def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespac
         outs.update(more_outs)
     row.cells = cells
     ref = outs["resident"][0]
-    for name, label in (("sdpa", "SDPA"), ("inline", "inline kernel"), ("naive", "naive NumPy")):
+    for name, label in (("sdpa", "SDPA"), ("inline", "inline kernel"), ("naive", "naive NumPy"),
+                        ("fused_resident", "fused kernel, resident"), ("fused_inline", "fused kernel, inline")):
         if name in outs:
             row.max_diff = max(row.max_diff, check_agree(label, outs[name][0], ref))
     row.two_phases = not together
     return row
 
 
-def run_decode(n_k: int, args: argparse.Namespace, torch: Any) -> Row:
-    kv_bytes = 2 * n_k * HEADS["h_kv"] * HEADS["d"] * 4
-    row = Row(label=f"{n_k // 1024}K" if n_k < 2**20 else f"{n_k / 2**20:g}M", work=float(kv_bytes))
-    return run_case(row, 1, n_k, False, args, torch)
+def run_decode(n_k: int, args: argparse.Namespace, torch: Any, dtype: str = "float32") -> Row:
+    kv_bytes = 2 * n_k * HEADS["h_kv"] * HEADS["d"] * dtype_of(dtype).itemsize
+    row = Row(label=f"{n_k // 1024}K" if n_k < 2**20 else f"{n_k / 2**20:g}M", work=float(kv_bytes), dtype=dtype)
+    return run_case(row, 1, n_k, False, args, torch, fused=True)
 
 
 def run_prefill(causal: bool, args: argparse.Namespace, torch: Any) -> Row:
@@ -400,6 +432,18 @@ def table_row(head: list[str], row: Row, limit: float) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def decode_row(row: Row, limit: float) -> str:
+    """A decode row: rates of every implementation, the fused kernel against SDPA, each kernel against GEMV."""
+    c = row.cells
+    share = [f"{row.work / c[n].median / 1e9 / limit:.0%}" if n in c else "-"
+             for n in ("resident", "inline", "fused_resident", "fused_inline")]
+    cells = [row.label + " *" * row.two_phases, f"{row.work / GIB:.2f} GiB",
+             *(rate(row.work, c.get(n)) for n in DECODE_IMPLS),
+             ratio(c.get("fused_resident"), c.get("sdpa")), ratio(c.get("fused_inline"), c.get("sdpa")), *share,
+             f"{row.max_diff:.1e}"]
+    return "| " + " | ".join(cells) + " |"
+
+
 def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[float, Cell]],
            decode: list[Row], prefill: list[Row], torch: Any) -> str:
     t = args.threads
@@ -426,17 +470,29 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         f"| float32 GEMV read, 1 BLAS thread (GB/s) | {rate(*limits['gemv1'])} |",
         f"| sgemm {t} BLAS threads (GFLOP/s) | {rate(sgemm_work, sgemm)} |",
         "",
-        f"### Decode: n_q=1, h_q={HEADS['h_q']}, h_kv={HEADS['h_kv']}, d={HEADS['d']}, float32 (GB/s of K+V)",
+        "### Decode: n_q=1, h_q={h_q}, h_kv={h_kv}, d={d} (GB/s of K+V in their own dtype)".format(**HEADS),
         "",
-        ("| n_k | K+V | splitkey resident | splitkey inline | naive NumPy | SDPA | resident / SDPA | inline / SDPA "
-         "| resident / GEMV | inline / GEMV | max abs diff |"),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ("\"resident\"/\"inline\": the NumPy kernel on the resident layout and on the contract layout; "
+         "\"fused\": the same calls with `cpu_kernels=\"fused\"`. Naive NumPy and SDPA: float32 only."),
     ]
-    for row in decode:
-        if row.skipped:
-            lines.append("| " + " | ".join([row.label, f"{row.work / GIB:.2f} GiB", row.skipped] + ["-"] * 8) + " |")
-        else:
-            lines.append(table_row([row.label + " *" * row.two_phases, f"{row.work / GIB:.2f} GiB"], row, gemv_gbs))
+    for dtype in args.dtypes:
+        lines += [
+            "",
+            f"#### K and V {dtype}",
+            "",
+            ("| n_k | K+V | resident | inline | fused resident | fused inline | naive NumPy | SDPA "
+             "| fused resident / SDPA | fused inline / SDPA | resident / GEMV | inline / GEMV "
+             "| fused resident / GEMV | fused inline / GEMV | max abs diff |"),
+            "| --- " * 15 + "|",
+        ]
+        for row in decode:
+            if row.dtype != dtype:
+                continue
+            if row.skipped:
+                lines.append("| " + " | ".join([row.label, f"{row.work / GIB:.2f} GiB", row.skipped] + ["-"] * 12)
+                             + " |")
+            else:
+                lines.append(decode_row(row, gemv_gbs))
     n_q, n_k = args.prefill["n_q"], args.prefill["n_k"]
     lines += [
         "",
@@ -465,9 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     limits = run_limits(args.threads, args.repeat, args.quick)
     decode = []
-    for n_k in args.sizes:
-        decode.append(run_decode(n_k, args, torch))
-        print(f"decode {decode[-1].label} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    for dtype in args.dtypes:
+        for n_k in args.sizes:
+            decode.append(run_decode(n_k, args, torch, dtype))
+            print(f"decode {dtype} {decode[-1].label} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     prefill = [run_prefill(False, args, torch)]
     if args.causal:
         prefill.append(run_prefill(True, args, torch))

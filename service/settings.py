@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.wire.body import Pace
 from service.wire.rules import Limits
-from workers.options import GpuKernels
+from workers.options import CpuKernels, GpuKernels
 
 
 class ServiceSettings(BaseSettings):
@@ -71,6 +71,9 @@ class ServiceSettings(BaseSettings):
                                                     "most; 1 turns batching off.")
     gpu_kernels: GpuKernels = Field(GpuKernels.GENERIC, description="GPU implementation: generic or fused "
                                                                     "(docs/GPU.md).")
+    cpu_kernels: CpuKernels = Field(CpuKernels.NUMPY, description="CPU implementation: numpy or fused (numba, "
+                                                                  "decode-shaped calls; compiled at worker start, "
+                                                                  "docs/BENCHMARKS.md issue 16).")
     heal_interval_s: float = Field(2.0, gt=0, description="How often dead workers are looked for and replaced.")
 
     # Resident contexts
@@ -146,7 +149,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "request bounds": ("max_body_bytes", "max_inflight", "max_inflight_bytes", "body_timeout_s", "min_body_rate",
                        "body_grace_s", "request_timeout_s", "retry_after_s", "shutdown_grace_s"),
     "workers and kernels": ("workers", "device", "worker_cpus", "worker_memory_bytes", "worker_concurrency",
-                            "kernel_threads", "block_size", "batch_rows", "gpu_kernels", "heal_interval_s"),
+                            "kernel_threads", "block_size", "batch_rows", "gpu_kernels", "cpu_kernels",
+                            "heal_interval_s"),
     "sharding and merge": ("shards", "min_shard_keys", "merge_fanin", "remote_merge_bytes"),
     "resident contexts": ("context_shard_keys", "max_replicas", "persist_dir"),
 }

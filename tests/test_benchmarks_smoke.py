@@ -29,6 +29,8 @@ def test_implementations_agree_with_the_reference(bench, n_q, n_k, causal):
         "resident": bench.ours_resident(q, view, causal, threads=2),
         "inline": bench.ours_inline(q, k, v, causal, threads=2),
         "naive": bench.naive_numpy(q, k, v, causal, threads=1),
+        "fused_resident": bench.ours_resident(q, view, causal, threads=2, kernels=bench.FUSED),
+        "fused_inline": bench.ours_inline(q, k, v, causal, threads=2, kernels=bench.FUSED),
     }
     for name, (out, lse) in results.items():
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5, err_msg=name)
@@ -71,5 +73,7 @@ def test_quick_run_writes_the_markdown_report(bench, tmp_path, capsys, monkeypat
     assert text in capsys.readouterr().out
     for heading in ("### Limits measured in the same run", "### Decode", "### Prefill"):
         assert heading in text
-    decode_row = next(ln for ln in text.splitlines() if ln.startswith("| 2K |"))
-    assert decode_row.count("|") == 12  # 11 columns
+    rows = [ln for ln in text.splitlines() if ln.startswith("| 2K |")]
+    assert len(rows) == 3 and all(r.count("|") == 16 for r in rows)  # a row per dtype, 15 columns
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert f"#### K and V {dtype}" in text

@@ -23,7 +23,8 @@ EXAMPLES = {
     "min_body_rate": "100", "body_grace_s": "2", "request_timeout_s": "9", "retry_after_s": "4",
     "shutdown_grace_s": "5", "workers": "3", "device": "gpu", "worker_cpus": "0.5", "worker_memory_bytes": "1024",
     "worker_concurrency": "8", "kernel_threads": "2", "block_size": "128", "batch_rows": "16",
-    "gpu_kernels": "fused", "heal_interval_s": "1", "shards": "4", "min_shard_keys": "8", "merge_fanin": "4",
+    "gpu_kernels": "fused", "cpu_kernels": "fused", "heal_interval_s": "1", "shards": "4", "min_shard_keys": "8",
+    "merge_fanin": "4",
     "remote_merge_bytes": "0", "context_shard_keys": "32", "max_replicas": "2", "persist_dir": "/p",
 }
 

@@ -8,12 +8,13 @@ or cupy arrays (GPU backend, ``workers.gpu``). Ray actors live in
 from workers.api import attention, partial_attention, partial_attention_resident, partial_attention_shard
 from workers.dtypes import BFLOAT16, DTYPES, bfloat16_from_bits
 from workers.layout import NaturalKV, StreamingKV, StreamingView
-from workers.options import AttentionOptions, GpuKernels, KernelOptions
+from workers.options import AttentionOptions, CpuKernels, GpuKernels, KernelOptions
 
 __all__ = [
     "BFLOAT16",
     "DTYPES",
     "AttentionOptions",
+    "CpuKernels",
     "GpuKernels",
     "KernelOptions",
     "NaturalKV",

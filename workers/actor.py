@@ -34,6 +34,8 @@ from merge import State, merge_all, merge_group
 from workers.api import partial_attention_resident_many, partial_attention_shard
 from workers.batch import Batcher
 from workers.config import WorkerConfig
+from workers.fused import warm
+from workers.options import CpuKernels
 from workers.persist import ShardFiles
 from workers.store import ShardStore
 from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite, arrive, carry
@@ -101,6 +103,11 @@ class ShardWorker:
         self.store = ShardStore(config.memory_budget_bytes, self.xp, files)
         self.store.restore()  # a restart with --persist-dir: what this worker held before
         self.calls = 0
+        #: Seconds the fused CPU kernel took to compile or load at start, per dtype (``workers.fused.warm``).
+        self.warm_s: dict[str, float] = {}
+        if config.device == "cpu" and config.kernel.cpu_kernels is CpuKernels.FUSED:
+            # Compile (or load from numba's disk cache) before the first request, not on it.
+            self.warm_s = warm(threads=config.kernel.threads)
         self.compute = Batcher(self._run, max_rows=config.batch_rows, name=f"{name}-compute",
                                joins=_share_a_shard)
         # Context writes run one at a time on a thread of their own, below the queries (docs/CONTEXTS.md).

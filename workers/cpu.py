@@ -4,6 +4,9 @@ The plan (``workers.plan``) cuts the call into work items; each streams its key
 range through ``workers.blockwise.stream``; key-split parts of one tile merge in
 key order, so the result does not depend on which thread finished first.
 
+With ``KernelOptions.cpu_kernels = "fused"``, decode-shaped calls run on the
+numba kernel of ``workers.fused`` instead (``workers.fused.choose`` says which).
+
 Several problems over the same keys (requests that reached a worker together,
 ``workers.batch``) run as one call when :func:`workers.plan.batchable`: every
 work item streams its keys once through one tile per request. Each request's
@@ -21,6 +24,7 @@ import numpy as np
 
 from merge import State, empty, merge_group
 from workers.blockwise import TileInputs, stream
+from workers.fused import CpuPath, choose, try_fused
 from workers.masking import TileBounds
 from workers.options import KernelOptions
 from workers.plan import Plan, WorkItem, batchable, make_plan
@@ -41,6 +45,10 @@ def run_cpu_many(parts: Sequence[tuple[Any, Problem]], kv: Any, kopts: KernelOpt
     p0 = problems[0]
     if p0.n_q == 0 or p0.n_k == 0:
         return [empty(p.n_q, p.h_q, p.d_v, dtype=p.acc_dtype) for p in problems]
+    if choose(problems, kv, kopts) is CpuPath.FUSED:
+        states = try_fused(parts, kv, kopts)  # None: the compiled path failed (logged), NumPy answers
+        if states is not None:
+            return states
     n_rows = p0.n_q * p0.group  # of each request (batchable: all equal)
     plan = make_plan(n_rows, p0.h_kv, p0.n_k, p0.d, p0.d_v, p0.acc_dtype.itemsize, kopts)
     # Bound the batch's score tiles ([h_kv, n_rows, block] per request): more requests take more passes.

@@ -134,6 +134,27 @@ def gpu_kernels_of(value: GpuKernels | str) -> GpuKernels:
         raise ValueError(f"gpu_kernels must be one of {names}, got {value!r}") from None
 
 
+class CpuKernels(enum.Enum):
+    """Which CPU implementation runs (``workers.fused``); the one type of this setting everywhere."""
+
+    #: The blockwise NumPy/BLAS kernel (``workers.blockwise``): the reference, and the default.
+    NUMPY = "numpy"
+    #: The numba kernel of ``workers.fused`` for decode-shaped tiles (one pass per key
+    #: block), NumPy elsewhere and wherever numba is unavailable.
+    FUSED = "fused"
+
+
+def cpu_kernels_of(value: CpuKernels | str) -> CpuKernels:
+    """:class:`CpuKernels` from itself or its value (``"numpy"``, ``"fused"``), or raise naming it."""
+    if isinstance(value, CpuKernels):
+        return value
+    try:
+        return CpuKernels(value)
+    except ValueError:
+        names = ", ".join(repr(k.value) for k in CpuKernels)
+        raise ValueError(f"cpu_kernels must be one of {names}, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class KernelOptions:
     """How the kernel walks the keys; does not change the result beyond rounding.
@@ -145,6 +166,7 @@ class KernelOptions:
     * ``threads``: worker threads; work is split over heads, query tiles and,
       when there is too little of that, over key ranges (split-K).
     * ``gpu_kernels``: :class:`GpuKernels` (or its value); ignored on the CPU.
+    * ``cpu_kernels``: :class:`CpuKernels` (or its value); ignored on the GPU.
     """
 
     block_size: int | None = None
@@ -152,6 +174,7 @@ class KernelOptions:
     batch_scratch_bytes: int = DEFAULT_BATCH_SCRATCH_BYTES
     threads: int = 1
     gpu_kernels: GpuKernels = GpuKernels.GENERIC
+    cpu_kernels: CpuKernels = CpuKernels.NUMPY
 
     def __post_init__(self) -> None:
         if self.block_size is not None and (not is_int(self.block_size) or self.block_size < 1):
@@ -163,3 +186,4 @@ class KernelOptions:
         if not is_int(self.threads) or self.threads < 1:
             raise ValueError(f"threads must be an int >= 1, got {self.threads!r}")
         object.__setattr__(self, "gpu_kernels", gpu_kernels_of(self.gpu_kernels))
+        object.__setattr__(self, "cpu_kernels", cpu_kernels_of(self.cpu_kernels))

@@ -72,7 +72,7 @@ def worker_config(settings: ServiceSettings, device: str) -> WorkerConfig:
     return WorkerConfig(
         device=device,
         kernel=KernelOptions(block_size=settings.block_size, threads=settings.kernel_threads,
-                             gpu_kernels=settings.gpu_kernels),
+                             gpu_kernels=settings.gpu_kernels, cpu_kernels=settings.cpu_kernels),
         memory_budget_bytes=settings.worker_memory_bytes,
         batch_rows=settings.batch_rows,
         persist_dir=str(settings.persist_dir.resolve()) if settings.persist_dir else None,

@@ -1,0 +1,260 @@
+"""The fused CPU kernel: decode-shaped tiles in one pass per key block (``workers.fused_kernels``).
+
+The NumPy kernel (``workers.blockwise``) issues separate BLAS calls and softmax
+passes per block, re-reading each score tile; for decode, where reading K and V
+is the whole cost, a compiled loop that reads each key and value once per block
+and keeps m, l, acc in L1 streams closer to the memory bandwidth
+(docs/BENCHMARKS.md, "Fused CPU kernel (issue 16)").
+
+* **Selection** (:func:`choose`): ``KernelOptions.cpu_kernels`` says which kernel
+  is wanted; the fused one runs only for decode-shaped tiles (at most
+  ``plan.DECODE_ROWS`` rows per kv head), key arrays whose innermost axis is
+  contiguous, and when numba loaded. Everything else runs on the NumPy kernel,
+  which stays the reference.
+* **Fallback**: when numba cannot be imported or a kernel fails to compile, one
+  log line says so and the NumPy kernel answers; a failed call never leaves a
+  partial result behind (outputs are fresh arrays).
+* **Compilation**: numba caches the machine code on disk (``cache=True``), next
+  to this file, or, where the package directory is read-only, in numba's
+  user-wide cache; ``NUMBA_CACHE_DIR`` sets a directory explicitly (containers).
+  :func:`warm` compiles or loads the kernels for the given dtypes at worker start.
+* **Batching**: the rows of several requests over the same keys run as one
+  tile; each row's arithmetic depends on that row alone, so a request's state is
+  bitwise what it gets alone. Key chunks (the split over threads) depend only on
+  ``n_k``, the block size and ``threads``: the result is bitwise reproducible for
+  a fixed thread count.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from merge import NO_SCORE, State, merge_group
+from workers.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+from workers.layout import NaturalKV, StreamingView
+from workers.options import CpuKernels, KernelOptions
+from workers.plan import DECODE_ROWS
+from workers.problem import Arange, Problem
+from workers.rows import prepare_rows, rows_to_state
+
+log = logging.getLogger(__name__)
+
+#: Keys per block when ``KernelOptions.block_size`` is None: the contract layout
+#: reads a block of every head at once (``h_kv * B`` rows of K), the resident one
+#: a block of one head (``d`` runs of ``B`` keys, longer runs stream better).
+INLINE_BLOCK, RESIDENT_BLOCK = 64, 256
+#: Work units per thread (key chunks, x kv heads for the resident layout): load balance.
+UNITS_PER_THREAD = 4
+
+
+class CpuPath(enum.Enum):
+    """Which CPU kernel serves a call (:func:`choose`)."""
+
+    NUMPY = "numpy"
+    FUSED = "fused"
+
+
+_state = {"broken": False}
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The compiled kernels' module, or None (one log line) where numba cannot be loaded."""
+    try:
+        import workers.fused_kernels  # numba loads here, on first use, not at import
+    except Exception as exc:  # noqa: BLE001 - any import failure means: no fused path
+        log.warning("fused CPU kernel unavailable, using the NumPy kernel: cannot import numba kernels (%s: %s)",
+                    type(exc).__name__, exc)
+        return None
+    return workers.fused_kernels
+
+
+def available() -> bool:
+    """Whether the fused kernel can run in this process (numba loaded, no failed compile)."""
+    return not _state["broken"] and kernels() is not None
+
+
+def _kernel_dtype(dt: Any) -> np.dtype | None:
+    """The dtype the kernel reads an input dtype as (16-bit as bits; the type names the format), or None."""
+    dt = np.dtype(dt)
+    if dt in (FLOAT32, FLOAT64):
+        return dt
+    if dt == BFLOAT16:
+        return np.dtype(np.uint16)
+    if dt == FLOAT16:
+        return np.dtype(np.int16)
+    return None
+
+
+def _flat(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
+    """``a`` as a flat contiguous array over the span it covers, and its strides in elements.
+
+    None when the innermost axis is not contiguous or a stride is negative or
+    not a whole number of elements (those views run on the NumPy kernel).
+    """
+    kd = _kernel_dtype(a.dtype)
+    if kd is None or a.size == 0:
+        return None
+    item = a.itemsize
+    if a.strides[-1] != item or any(s < 0 or s % item for s in a.strides):
+        return None
+    strides = tuple(s // item for s in a.strides)
+    span = 1 + sum((n - 1) * s for n, s in zip(a.shape, strides))
+    return as_strided(a.view(kd), shape=(span,), strides=(item,)), strides
+
+
+def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPath:
+    """The kernel that serves these problems (one batch over the same keys) on the CPU."""
+    if kopts.cpu_kernels is not CpuKernels.FUSED:
+        return CpuPath.NUMPY
+    p0 = problems[0]
+    if p0.n_q == 0 or p0.n_k == 0 or p0.n_q * p0.group > DECODE_ROWS:
+        return CpuPath.NUMPY  # empty (nothing to stream) or prefill-shaped: BLAS is at its best there
+    if isinstance(kv, NaturalKV):
+        arrays = (kv.k, kv.v)
+    elif isinstance(kv, StreamingView):
+        arrays = (kv.kt, kv.v)
+    else:
+        return CpuPath.NUMPY
+    if any(not isinstance(a, np.ndarray) or _flat(a) is None for a in arrays):
+        return CpuPath.NUMPY
+    return CpuPath.FUSED if available() else CpuPath.NUMPY
+
+
+def _chunks(n_k: int, block: int, units_per_chunk: int, threads: int) -> np.ndarray:
+    """Key chunk bounds ``[C + 1]``, on block boundaries; a function of ``n_k``, block and threads only."""
+    n_blocks = -(-n_k // block)
+    want = 1 if threads == 1 else -(-UNITS_PER_THREAD * threads // units_per_chunk)
+    n_chunks = max(1, min(n_blocks, want))
+    per = -(-n_blocks // n_chunks) * block
+    return np.array([min(c * per, n_k) for c in range(n_chunks)] + [n_k], dtype=np.int64)
+
+
+def run_fused(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingView,
+              kopts: KernelOptions) -> list[State]:
+    """The state of each ``(q, problem)`` over the same keys, their rows stacked in one fused pass.
+
+    The caller checked :func:`choose` (and, for several parts, ``plan.batchable``).
+    Raises whatever the compiled kernel raises (the caller falls back).
+    """
+    mod = kernels()
+    if mod is None:
+        raise RuntimeError("the fused CPU kernel is unavailable")
+    p0 = parts[0][1]
+    acc_dt = p0.acc_dtype
+    h_kv, d_v = p0.h_kv, p0.d_v
+    # Per request: q_rows [h_kv, n_rows, d], q_pos_rows [n_rows], slopes_rows [h_kv, n_rows] or None.
+    rows = [prepare_rows(q, p, np) for q, p in parts]
+    sizes = [int(r[1].shape[0]) for r in rows]
+    n_rows = sum(sizes)
+    q_all = np.ascontiguousarray(np.concatenate([r[0] for r in rows], axis=1))  # [h_kv, R, d]
+    qpos = np.ascontiguousarray(np.concatenate([r[1] for r in rows]), dtype=np.int64)  # [R]
+    slope = np.zeros((h_kv, n_rows), dtype=acc_dt)  # [h_kv, R]
+    cap = np.zeros(n_rows, dtype=acc_dt)  # [R], 0: no softcap
+    has_alibi = np.zeros(n_rows, dtype=np.bool_)
+    lo = np.zeros(n_rows, dtype=np.int64)  # [R] a row sees keys with positions in [lo, hi]
+    hi = np.zeros(n_rows, dtype=np.int64)
+    has_lo = np.zeros(n_rows, dtype=np.bool_)
+    has_hi = np.zeros(n_rows, dtype=np.bool_)
+    r0 = 0
+    for (_, qp, sl), (_, p), n in zip(rows, parts, sizes):
+        o = p.options
+        if sl is not None:
+            slope[:, r0:r0 + n] = sl
+            has_alibi[r0:r0 + n] = True
+        if o.softcap is not None:
+            cap[r0:r0 + n] = o.softcap
+        if o.left is not None:
+            lo[r0:r0 + n] = qp - o.left
+            has_lo[r0:r0 + n] = True
+        if o.right is not None:
+            hi[r0:r0 + n] = qp + o.right
+            has_hi[r0:r0 + n] = True
+        r0 += n
+    masked = bool(has_lo.any() or has_hi.any())
+    if isinstance(kv.k_pos, Arange):
+        kpos, arange, kpos0 = np.zeros(1, dtype=np.int64), True, kv.k_pos.start
+    else:
+        kpos, arange, kpos0 = np.ascontiguousarray(kv.k_pos, dtype=np.int64), False, 0
+    resident = isinstance(kv, StreamingView)
+    k_arr = kv.kt if isinstance(kv, StreamingView) else kv.k
+    v_arr = kv.v
+    (k_flat, ks), (v_flat, vs) = _flat(k_arr), _flat(v_arr)  # type: ignore[misc]  # choose() checked
+    n_k = p0.n_k
+    block = kopts.block_size or (RESIDENT_BLOCK if resident else INLINE_BLOCK)
+    bounds = _chunks(n_k, block, h_kv if resident else 1, kopts.threads)
+    n_chunks = int(bounds.shape[0]) - 1
+    # One state per key chunk: m [C, h_kv, R], l [C, h_kv, R], acc [C, h_kv, R, d_v]; the empty state to start.
+    m_out = np.full((n_chunks, h_kv, n_rows), NO_SCORE, dtype=acc_dt)
+    l_out = np.zeros((n_chunks, h_kv, n_rows), dtype=acc_dt)
+    acc_out = np.zeros((n_chunks, h_kv, n_rows, d_v), dtype=acc_dt)
+    fn = mod.resident_kernel if resident else mod.inline_kernel
+    _set_threads(kopts.threads)
+    fn(q_all, k_flat, ks[0], ks[1], v_flat, vs[0], vs[1], n_k, d_v, kpos, arange, kpos0, qpos, cap, slope,
+       has_alibi, lo, hi, has_lo, has_hi, masked, block, bounds, acc_dt.type(0), m_out, l_out, acc_out)
+    states = []
+    r0 = 0
+    for (_, p), n in zip(parts, sizes):
+        # A [h_kv, rows] part is a State of "n_q" = h_kv and "h_q" = rows for the merge algebra;
+        # chunks merge in key order.
+        st = merge_group([State(m_out[c, :, r0:r0 + n], l_out[c, :, r0:r0 + n], acc_out[c, :, r0:r0 + n])
+                          for c in range(n_chunks)])
+        states.append(rows_to_state(st.m, st.l, st.acc, p, np))
+        r0 += n
+    return states
+
+
+def _set_threads(threads: int) -> None:
+    import numba
+
+    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+
+
+def try_fused(parts: Sequence[tuple[Any, Problem]], kv: Any, kopts: KernelOptions) -> list[State] | None:
+    """:func:`run_fused`, or None after one log line when the compiled path fails (the caller runs NumPy)."""
+    try:
+        return run_fused(parts, kv, kopts)
+    except Exception as exc:  # noqa: BLE001 - a broken compiled path must not fail the request
+        if not _state["broken"]:
+            log.warning("fused CPU kernel failed, using the NumPy kernel from now on (%s: %s)",
+                        type(exc).__name__, exc)
+        _state["broken"] = True
+        return None
+
+
+def warm(dtypes: Sequence[str] = ("float32", "bfloat16", "float16"), threads: int = 1) -> dict[str, float]:
+    """Compile (or load from the disk cache) the kernels for keys of ``dtypes``, both layouts.
+
+    Called at worker start so that no request pays for compilation. Returns the
+    seconds each dtype took; empty when the fused path is unavailable.
+    """
+    from workers.dtypes import dtype_of
+    from workers.layout import StreamingKV
+    from workers.options import AttentionOptions
+    from workers.problem import check_problem
+
+    if not available():
+        return {}
+    kopts = KernelOptions(threads=threads, cpu_kernels=CpuKernels.FUSED)
+    opts = AttentionOptions()
+    took: dict[str, float] = {}
+    for name in dtypes:
+        dt = dtype_of(name)
+        t0 = time.perf_counter()
+        q = np.zeros((1, 2, 4), dtype=dt)  # [n_q, h_q, d]
+        k = np.zeros((3, 1, 4), dtype=dt)  # [n_k, h_kv, d]
+        p = check_problem(q, k, k, np.array([2]), None, opts)
+        for kv in (NaturalKV(k, k, p.k_pos), StreamingKV.from_arrays(k, k, np.arange(3)).snapshot()):
+            if try_fused([(q, p)], kv, kopts) is None:
+                return took  # the compiled path is broken (logged): NumPy serves
+        took[name] = time.perf_counter() - t0
+    return took

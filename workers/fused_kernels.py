@@ -1,0 +1,399 @@
+"""The numba kernels of the fused CPU path (``workers.fused``): one pass per key block.
+
+Imported only through :func:`workers.fused.kernels` (which falls back to NumPy
+when this import or a compile fails). Every array is handed in flat (1-D,
+contiguous) with element strides, so that numba sees contiguous arrays and
+vectorises the inner loops whatever the view's strides.
+
+Per work unit (a key chunk, and for the resident layout one kv head) and per
+block of ``B`` keys, for every row ``r`` (a query row of a kv head, the row
+space of ``workers.rows``):
+
+1. scores ``s[r, :B]`` of the block, in the accumulation dtype, keys widened
+   in-register (bfloat16: bits shifted up 16; float16: ``fpext``, F16C);
+2. softcap, ALiBi and the mask per row (rows may come from different requests);
+3. the online-softmax update, with the invariant over the keys ``J`` seen so far::
+
+       m[r]   = max_{j in J} s_j                 (-inf while J is empty)
+       l[r]   = sum_{j in J} exp(s_j - m[r])
+       acc[r] = sum_{j in J} exp(s_j - m[r]) v_j
+
+4. ``acc[r] += p[r, :B] @ v[:B]``.
+
+Each row's arithmetic is in a fixed order that depends on the row alone (its
+dot products, its block skips, its reductions), never on how many rows share the
+call: a row gives bitwise the same state alone or in a batch. ``FASTMATH`` lets
+LLVM reassociate reductions (a fixed, compile-time order, so results are
+deterministic) but keeps infinities and NaNs, which the masks rely on.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import prange
+from numba.core import types
+from numba.extending import intrinsic, overload
+
+#: Reassociation and contraction for vectorised reductions; no ``nnan``/``ninf``:
+#: masked scores are -inf and must stay so.
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+#: Below this, float32 ``exp`` is 0 (the smallest normal float32 is exp(-87.34)).
+EXP32_MIN = -87.33
+#: Unsigned flat indexes (see ``_pv``).
+_U = np.uint64
+
+
+@intrinsic
+def _bits_to_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
+    """The float32 whose bits are the low 32 bits of ``bits`` (an integer: numba widens shifts to 64 bits)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        width = getattr(bits, "bitwidth")  # noqa: B009 - numba's Integer types carry it; the stubs do not
+        low = args[0] if width == 32 else builder.trunc(args[0], ir.IntType(32))
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _half_to_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
+    """float32 of the float16 whose bits are ``bits`` (int16): ``fpext``, one instruction with F16C."""
+    if bits != types.int16:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+def widen(x: Any) -> Any:
+    """An element as float32 or float64 (numba only; see the overload)."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(widen, inline="always")
+def _widen_impl(x: Any) -> Any:  # pragma: no cover - compiled
+    # The element type names the format: bfloat16 arrives as uint16 bits,
+    # float16 as int16 bits (workers.fused.as_kernel_array).
+    # (Implementations carry the stub's annotations: numba compares the signatures.)
+    if x in (types.float32, types.float64):
+        def same(x: Any) -> Any:
+            return x
+        return same
+    if x == types.uint16:
+        def bf16(x: Any) -> Any:
+            return _bits_to_f32(np.uint32(x) << np.uint32(16))  # type: ignore[call-arg]  # numba passes typingctx
+        return bf16
+    if x == types.int16:
+        def f16(x: Any) -> Any:
+            return _half_to_f32(x)  # type: ignore[call-arg]
+        return f16
+    return None
+
+
+def narrow(a: Any) -> Any:
+    """Whether array ``a`` holds 16-bit elements, as a compile-time constant (numba only)."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(narrow)
+def _narrow_impl(a: Any) -> Any:  # pragma: no cover - compiled
+    is16 = a.dtype in (types.uint16, types.int16)
+
+    def impl(a: Any) -> Any:
+        return is16
+    return impl
+
+
+def expo(x: Any) -> Any:
+    """``exp(x)`` in the precision of ``x`` (numba only; see the overload)."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(expo)
+def _expo_impl(x: Any) -> Any:  # pragma: no cover - compiled
+    if x == types.float64:
+        def exp64(x: Any) -> Any:
+            return math.exp(x)
+        return exp64
+    if x != types.float32:
+        return None
+
+    def exp32(x: Any) -> Any:
+        # Cephes expf, branch-free so that it vectorises: x = n ln2 + r, |r| <= ln2/2,
+        # exp(r) by a degree-6 polynomial (about 1 ulp), times 2**n built in the exponent bits.
+        xc = min(x, np.float32(88.0))
+        xc = max(xc, np.float32(EXP32_MIN))
+        n = np.floor(xc * np.float32(1.44269504088896341) + np.float32(0.5))  # float32, as np.floor keeps it
+        r = xc - n * np.float32(0.693359375)
+        r = r + n * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        p = p * r * r + r + np.float32(1.0)
+        scale = _bits_to_f32(np.uint32(np.int32(n) + np.int32(127)) << np.uint32(23))  # type: ignore[call-arg,var-annotated]
+        res = p * scale
+        if x < np.float32(EXP32_MIN):
+            res = np.float32(0.0)  # -inf (a masked key) included
+        return res
+
+    return exp32
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, nogil=True)
+def _options(s: Any, r: int, nb: int, kp0: int, kpos: Any, arange: bool, qpos: Any, cap: Any, slope: Any,
+             has_alibi: Any, lo: Any, hi: Any, has_lo: Any, has_hi: Any, partial: bool, tmp: Any) -> None:
+    """Softcap, ALiBi and the mask on row ``r`` of a block's scores ``s[r, :nb]`` (docs/API.md section 3)."""
+    if cap[r] > 0:
+        for jj in range(nb):
+            s[r, jj] = cap[r] * math.tanh(s[r, jj])
+    if has_alibi[r] or partial:
+        for jj in range(nb):
+            kp = kp0 + jj if arange else kpos[kp0 + jj]
+            if has_alibi[r]:
+                tmp[0] = abs(qpos[r] - kp)  # cast to the accumulation dtype, as the NumPy path
+                s[r, jj] = s[r, jj] - slope[r] * tmp[0]
+            if partial and ((has_lo[r] and kp < lo[r]) or (has_hi[r] and kp > hi[r])):
+                s[r, jj] = -np.inf
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, nogil=True)
+def _row_kind(r: int, kmin: int, kmax: int, masked: bool, lo: Any, hi: Any, has_lo: Any, has_hi: Any) -> int:
+    """0: row ``r`` sees no key with positions in [kmin, kmax]; 1: all of them; 2: some (mask them)."""
+    if not masked:
+        return 1
+    if (has_hi[r] and kmin > hi[r]) or (has_lo[r] and kmax < lo[r]):
+        return 0
+    if (not has_lo[r] or kmin >= lo[r]) and (not has_hi[r] or kmax <= hi[r]):
+        return 1
+    return 2
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, nogil=True)
+def _softmax(s: Any, r: int, nb: int, m: Any, l: Any, acc: Any, d_v: int, zero: Any) -> None:
+    """Scores of row ``r`` to probabilities (in place); m, l grown and acc rescaled (module invariant)."""
+    srow = s[r]  # [B]
+    mb = m[r]
+    for jj in range(nb):
+        mb = max(mb, srow[jj])
+    # Guard: a row that has seen no visible key has mb = -inf; measure it against 0
+    # so exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
+    m_ref = mb if mb != -np.inf else zero
+    alpha = expo(m[r] - m_ref)  # rescale of the old state; 0 while it was empty
+    lsum = zero
+    for jj in range(nb):
+        p = expo(srow[jj] - m_ref)  # masked keys give exactly 0
+        srow[jj] = p
+        lsum += p
+    l[r] = l[r] * alpha + lsum
+    if alpha != 1:
+        arow = acc[r]  # [d_v]
+        for e in range(d_v):
+            arow[e] *= alpha
+    m[r] = mb
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, nogil=True)
+def _pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
+    """``acc[r, :d_v] += sum_j s[r, j] v_j`` for every row r with ``kind[r] != 0``, over a block's
+    ``nb`` values ``v[base + j*step :][:d_v]``.
+
+    Four keys per pass over a row of ``acc`` (a quarter of its loads and stores),
+    then the rest one by one; the keys outside, the rows inside, so that the four
+    values stay in L1 while every row reads them. A row's order depends on ``nb``
+    alone, never on the other rows. Flat indexes are unsigned (``_U``): numba then
+    adds no negative-index fixup, and the loops vectorise without slicing (a slice
+    costs two atomic reference counts). 16-bit values are widened once into ``vw [4, d_v]``
+    (L1 scratch) that every row then reads.
+    """
+    n_rows = s.shape[0]
+    j = 0
+    while j + 4 <= nb:
+        o0 = _U(base + j * step)
+        o1, o2, o3 = o0 + _U(step), o0 + _U(2 * step), o0 + _U(3 * step)
+        if narrow(v):
+            for e in range(d_v):
+                ue = _U(e)
+                vw[0, e], vw[1, e] = widen(v[o0 + ue]), widen(v[o1 + ue])
+                vw[2, e], vw[3, e] = widen(v[o2 + ue]), widen(v[o3 + ue])
+            for r in range(n_rows):
+                if kind[r] == 0:
+                    continue
+                p0, p1, p2, p3 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
+                for e in range(d_v):
+                    acc[r, e] += ((p0 * vw[0, e] + p1 * vw[1, e]) + (p2 * vw[2, e] + p3 * vw[3, e]))
+            j += 4
+            continue
+        for r in range(n_rows):
+            if kind[r] == 0:
+                continue
+            p0, p1, p2, p3 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
+            for e in range(d_v):
+                ue = _U(e)
+                acc[r, e] += ((p0 * widen(v[o0 + ue]) + p1 * widen(v[o1 + ue]))
+                              + (p2 * widen(v[o2 + ue]) + p3 * widen(v[o3 + ue])))
+        j += 4
+    while j < nb:
+        o0 = _U(base + j * step)
+        for r in range(n_rows):
+            if kind[r] == 0:
+                continue
+            p0 = s[r, j]
+            for e in range(d_v):
+                acc[r, e] += p0 * widen(v[o0 + _U(e)])
+        j += 1
+
+
+@numba.njit(inline="always", fastmath=FASTMATH, nogil=True)
+def _scores_dmajor(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any, nb: int) -> None:
+    """``s[r, :nb] = sum_t q[r, t] k_t`` for every row r with ``kind[r] != 0``, over ``d`` key
+    rows ``k[base + t*step :][:nb]`` (d-major keys).
+
+    Four dims per pass over a row of ``s``, then the rest one by one, in dim order;
+    dims outside, rows inside (the four key rows stay in L1). Unsigned indexes: see :func:`_pv`.
+    """
+    n_rows = s.shape[0]
+    for r in range(n_rows):
+        for jj in range(nb):
+            s[r, jj] = 0
+    t = 0
+    while t + 4 <= d:
+        o0 = _U(base + t * step)
+        o1, o2, o3 = o0 + _U(step), o0 + _U(2 * step), o0 + _U(3 * step)
+        for r in range(n_rows):
+            if kind[r] == 0:
+                continue
+            q0, q1, q2, q3 = q[r, t], q[r, t + 1], q[r, t + 2], q[r, t + 3]
+            for jj in range(nb):
+                uj = _U(jj)
+                s[r, jj] += ((q0 * widen(k[o0 + uj]) + q1 * widen(k[o1 + uj]))
+                             + (q2 * widen(k[o2 + uj]) + q3 * widen(k[o3 + uj])))
+        t += 4
+    while t < d:
+        o0 = _U(base + t * step)
+        for r in range(n_rows):
+            if kind[r] == 0:
+                continue
+            q0 = q[r, t]
+            for jj in range(nb):
+                s[r, jj] += q0 * widen(k[o0 + _U(jj)])
+        t += 1
+
+
+@numba.njit(parallel=True, fastmath=FASTMATH, nogil=True, cache=True)
+def inline_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int, n_k: int, d_v: int,
+                  kpos: Any, arange: bool, kpos0: int, qpos: Any, cap: Any, slope: Any, has_alibi: Any,
+                  lo: Any, hi: Any, has_lo: Any, has_hi: Any, masked: bool, block: int, bounds: Any,
+                  zero: Any, m_out: Any, l_out: Any, acc_out: Any) -> None:  # pragma: no cover - compiled
+    """Keys in the contract layout: key j, head h, dim t at ``k[j*sk0 + h*sk1 + t]`` (v likewise).
+
+    ``q [h_kv, R, d]`` (scaled); chunk c covers keys ``[bounds[c], bounds[c+1])`` of all
+    heads and writes ``m_out[c] [h_kv, R]``, ``l_out[c]``, ``acc_out[c] [h_kv, R, d_v]``.
+    A block reads the keys ``[b0, b1)`` of every head: one contiguous run of K and of V.
+    """
+    h_kv, n_rows, d = q.shape
+    for c in prange(bounds.shape[0] - 1):
+        m, l, acc = m_out[c], l_out[c], acc_out[c]  # [h_kv, R], [h_kv, R], [h_kv, R, d_v]
+        s = np.empty((h_kv, n_rows, block), dtype=q.dtype)  # [h_kv, R, B] scores, then p
+        kw = np.empty(d, dtype=np.float32)  # [d] one 16-bit key, widened
+        vw = np.empty((4, d_v), dtype=np.float32)  # [4, d_v] four 16-bit values, widened
+        kind = np.empty(n_rows, dtype=np.int64)
+        tmp = np.empty(1, dtype=q.dtype)
+        for b0 in range(bounds[c], bounds[c + 1], block):
+            b1 = min(b0 + block, bounds[c + 1])
+            nb = b1 - b0
+            kmin, kmax = 0, 0
+            if masked:
+                if arange:
+                    kmin, kmax = kpos0 + b0, kpos0 + b1 - 1
+                else:
+                    kmin, kmax = kpos[b0], kpos[b0]
+                    for j in range(b0, b1):
+                        kmin = min(kmin, kpos[j])
+                        kmax = max(kmax, kpos[j])
+            for r in range(n_rows):
+                kind[r] = _row_kind(r, kmin, kmax, masked, lo, hi, has_lo, has_hi)
+            for h in range(h_kv):
+                for jj in range(nb):
+                    base = _U((b0 + jj) * sk0 + h * sk1)  # key j of head h: k[base:base + d]
+                    if narrow(k):
+                        for dd in range(d):
+                            kw[dd] = widen(k[base + _U(dd)])  # widened once for all rows (L1 scratch)
+                        for r in range(n_rows):
+                            if kind[r] == 0:
+                                continue
+                            t = zero
+                            for dd in range(d):
+                                t += q[h, r, dd] * kw[dd]
+                            s[h, r, jj] = t
+                        continue
+                    for r in range(n_rows):
+                        if kind[r] == 0:
+                            continue
+                        t = zero
+                        for dd in range(d):
+                            t += q[h, r, dd] * widen(k[base + _U(dd)])
+                        s[h, r, jj] = t
+                for r in range(n_rows):
+                    if kind[r] == 0:
+                        continue  # no key of this block is visible to row r: its state is unchanged
+                    _options(s[h], r, nb, (kpos0 + b0) if arange else b0, kpos, arange, qpos, cap, slope[h],
+                             has_alibi, lo, hi, has_lo, has_hi, kind[r] == 2, tmp)
+                    _softmax(s[h], r, nb, m[h], l[h], acc[h], d_v, zero)
+                _pv(s[h], kind, nb, v, b0 * sv0 + h * sv1, sv0, acc[h], d_v, vw)
+            # Invariant holds for every row over the keys [bounds[c], b1).
+
+
+@numba.njit(parallel=True, fastmath=FASTMATH, nogil=True, cache=True)
+def resident_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int, n_k: int, d_v: int,
+                    kpos: Any, arange: bool, kpos0: int, qpos: Any, cap: Any, slope: Any, has_alibi: Any,
+                    lo: Any, hi: Any, has_lo: Any, has_hi: Any, masked: bool, block: int, bounds: Any,
+                    zero: Any, m_out: Any, l_out: Any, acc_out: Any) -> None:  # pragma: no cover - compiled
+    """Keys d-major: head h, dim t, key j at ``k[h*sk0 + t*sk1 + j]``; values ``v[h*sv0 + j*sv1 + e]``.
+
+    Work unit ``u = h * n_chunks + c``: one kv head over one key chunk. Scores of a
+    block are ``d`` AXPYs over contiguous key runs, in dim order.
+    """
+    h_kv, n_rows, d = q.shape
+    n_chunks = bounds.shape[0] - 1
+    for u in prange(h_kv * n_chunks):
+        h, c = u // n_chunks, u % n_chunks
+        m, l, acc = m_out[c, h], l_out[c, h], acc_out[c, h]  # [R], [R], [R, d_v]
+        s = np.empty((n_rows, block), dtype=q.dtype)  # [R, B] scores, then p
+        vw = np.empty((4, d_v), dtype=np.float32)  # [4, d_v] four 16-bit values, widened
+        kind = np.empty(n_rows, dtype=np.int64)
+        tmp = np.empty(1, dtype=q.dtype)
+        for b0 in range(bounds[c], bounds[c + 1], block):
+            b1 = min(b0 + block, bounds[c + 1])
+            nb = b1 - b0
+            kmin, kmax = 0, 0
+            if masked:
+                if arange:
+                    kmin, kmax = kpos0 + b0, kpos0 + b1 - 1
+                else:
+                    kmin, kmax = kpos[b0], kpos[b0]
+                    for j in range(b0, b1):
+                        kmin = min(kmin, kpos[j])
+                        kmax = max(kmax, kpos[j])
+            for r in range(n_rows):
+                kind[r] = _row_kind(r, kmin, kmax, masked, lo, hi, has_lo, has_hi)
+            _scores_dmajor(q[h], kind, d, k, h * sk0 + b0, sk1, s, nb)
+            for r in range(n_rows):
+                if kind[r] == 0:
+                    continue  # no key of this block is visible to row r: its state is unchanged
+                _options(s, r, nb, (kpos0 + b0) if arange else b0, kpos, arange, qpos, cap, slope[h],
+                         has_alibi, lo, hi, has_lo, has_hi, kind[r] == 2, tmp)
+                _softmax(s, r, nb, m, l, acc, d_v, zero)
+            _pv(s, kind, nb, v, h * sv0 + b0 * sv1, sv1, acc, d_v, vw)
+            # Invariant holds for every row over the keys [bounds[c], b1).
