@@ -5,7 +5,8 @@
   :class:`Summary` and :func:`summarize`, :func:`ms`, :func:`ms_spread`,
   :func:`overhead`, :func:`met`;
 * the report: :func:`markdown_table`, :func:`machine_lines` (with :func:`cpu_model`,
-  :func:`meminfo`, :func:`load_average`), :func:`emit_report`;
+  :func:`meminfo`, :func:`load_average`), :func:`emit_report`; generated blocks of documents
+  between markers: :func:`marker`, :func:`replace_marked`;
 * Server-Timing stages: ``STAGES``, :class:`Record`, :func:`median_stages`, :func:`stage_cells`;
 * in-process runs: :func:`blas_threads`, :func:`time_calls`, :func:`max_diff`, :func:`check_same`;
 * waiting until the shared machine is quiet: :func:`wait_for_quiet` (with
@@ -143,6 +144,25 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def marker(name: str, end: bool = False) -> str:
+    """The HTML comment that opens (or closes) the generated block ``name`` of a document."""
+    return f"<!-- {name}:{'end' if end else 'begin'} -->"
+
+
+def replace_marked(text: str, name: str, body: str) -> str:
+    """``text`` with what lies between the markers of block ``name`` replaced by ``body``.
+
+    The markers stay, so the next run finds them; everything outside them is kept as it is.
+    Raises ValueError when the block's markers are missing, repeated or out of order.
+    """
+    begin, end = marker(name), marker(name, end=True)
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"the document must hold {begin} once, then {end} once")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{body.strip()}\n{end}{tail}"
 
 
 def emit_report(text: str, out: str | None) -> None:
