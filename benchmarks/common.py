@@ -5,7 +5,7 @@
   :class:`Summary` and :func:`summarize`, :func:`ms`, :func:`ms_spread`,
   :func:`overhead`, :func:`met`;
 * the report: :func:`markdown_table`, :func:`machine_lines` (with :func:`cpu_model`,
-  :func:`meminfo`, :func:`load_average`), :func:`emit_report`; generated blocks of documents
+  :func:`meminfo`, :func:`load_average`), :func:`emit_report`; raw results: :func:`jsonable`, :func:`write_json`; generated blocks of documents
   between markers: :func:`marker`, :func:`replace_marked`;
 * Server-Timing stages: ``STAGES``, :class:`Record`, :func:`median_stages`, :func:`stage_cells`;
 * in-process runs: :func:`blas_threads`, :func:`time_calls`, :func:`max_diff`, :func:`check_same`;
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import platform
 import signal
@@ -163,6 +165,28 @@ def replace_marked(text: str, name: str, body: str) -> str:
     head, rest = text.split(begin)
     _, tail = rest.split(end)
     return f"{head}{begin}\n{body.strip()}\n{end}{tail}"
+
+
+def jsonable(obj: Any) -> Any:
+    """Dataclasses (their fields), dicts, lists and numbers as JSON values; numpy scalars as
+    numbers; numpy arrays (answers kept for checks) as None: raw timings, not data."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return None
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """``data`` (through :func:`jsonable`) as indented JSON at ``path``, parent folders created."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(jsonable(data), indent=1))
 
 
 def emit_report(text: str, out: str | None) -> None:
