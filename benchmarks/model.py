@@ -485,13 +485,17 @@ def fit(obs: Sequence[Observation], kernel: dict, max_cores: float, memory_bytes
     loopback = None
     multi = [o for o in obs if o.nodes > 1 and o.remote_shards > 0]
     if multi:
-        # What the one-node model leaves over in the multi-node cells' return and merge stages.
+        # What the one-node model leaves over in the multi-node cells' return and merge stages,
+        # against network_s's two columns: transfers (latency each) and bytes (over the bandwidth).
         extra = [o.state_return + o.merge - return_s(o.problem, o.shards, o.fanin, stack)
                  - merge_s(o.problem, o.shards, o.fanin, stack) for o in multi]
-        lat, per_byte = nnls([[1.0] * len(multi),
-                              [o.remote_shards * (query_bytes(o.problem) + state_bytes(o.problem)) for o in multi]],
-                             extra)
-        loopback = Network("Ray nodes on loopback", lat, 1 / per_byte if per_byte > 0 else float("inf"),
+        unit = Network("unit", 1.0, 1.0, "")
+        transfers = [network_s(o.problem, o.shards, o.fanin, replace(unit, bytes_per_s=math.inf), o.remote_shards)
+                     for o in multi]
+        nbytes = [network_s(o.problem, o.shards, o.fanin, replace(unit, latency_s=0.0), o.remote_shards)
+                  for o in multi]
+        lat, per_byte = nnls([transfers, nbytes], extra)
+        loopback = Network("Ray nodes on loopback", lat, 1 / per_byte if per_byte > 0 else math.inf,
                            f"fitted here on {len(multi)} cells of the multi-node setup (loopback TCP between Ray nodes)")
     return Fit(stack, cpu, cores, loopback, notes)
 
