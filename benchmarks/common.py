@@ -214,6 +214,44 @@ def median_stages(records: Sequence[dict[str, float]]) -> dict[str, float]:
     return {n: statistics.median(r[n] for r in records if n in r) for n in names}
 
 
+def critical_seconds(shard_s: Sequence[float], workers: Sequence[str]) -> float:
+    """The busiest worker's summed compute seconds (a worker runs its shards one after the other)."""
+    per_worker: dict[str, float] = {}
+    for w, s in zip(workers, shard_s):
+        per_worker[w] = per_worker.get(w, 0.0) + s
+    return max(per_worker.values())
+
+
+def model_stages(requests: Sequence[tuple[float, dict[str, float]]], directory_s: Sequence[float],
+                 probe_wall_s: Sequence[float], probe_shard_s: Sequence[Sequence[float]],
+                 probe_workers: Sequence[str], rounds: Sequence[float] = ()) -> dict[str, float]:
+    """One cell's stages as the cost model (benchmarks/model.py) names them, in seconds (medians).
+
+    ``requests``: ``(client seconds, Server-Timing stages)``; the probes: directory lookups,
+    and rounds of every shard's compute called at once (wall seconds, each shard's reported
+    compute seconds, its worker). Server-Timing does not split two of the model's stages, so:
+
+    * directory = the lookups' median; scatter = Server-Timing scatter minus that;
+    * state return = the probes' wall minus their busiest worker's compute (dispatch, queueing,
+      the states' way back: both measured in the same call, never negative);
+      compute = Server-Timing compute minus that state return;
+    * front end = client seconds minus scatter, compute and merge (parse, encode, HTTP, client);
+    * total = the median of ``rounds`` (each round's median client seconds), else of every request.
+      ``critical`` is the probes' own busiest-worker compute.
+    """
+    nan = float("nan")
+    st = median_stages([stages for _, stages in requests]) if requests else {}
+    front = [sec - sum(stages.get(x, 0.0) for x in ("scatter", "compute", "merge")) for sec, stages in requests]
+    directory = statistics.median(directory_s) if directory_s else nan
+    critical = [critical_seconds(s, probe_workers) for s in probe_shard_s]
+    back = statistics.median(max(0.0, w - c) for w, c in zip(probe_wall_s, critical)) if critical else nan
+    return {"frontend": statistics.median(front) if front else nan, "directory": directory,
+            "scatter": st.get("scatter", nan) - directory, "compute": st.get("compute", nan) - back,
+            "state_return": back, "merge": st.get("merge", nan),
+            "total": statistics.median(rounds or [sec for sec, _ in requests]) if requests else nan,
+            "critical": statistics.median(critical) if critical else nan}
+
+
 def stage_cells(stages: dict[str, float]) -> list[str]:
     """One cell per stage of STAGES, in milliseconds (a dash when absent)."""
     return [ms(stages[s]) if s in stages else "-" for s in STAGES]

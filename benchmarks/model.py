@@ -396,7 +396,9 @@ def observations(scaling: dict) -> list[Observation]:
     out = []
     for c in scaling["cells"]:
         p = Problem(n_q=c["n_q"], h_q=heads["h_q"], h_kv=heads["h_kv"], d=heads["d"], d_v=heads["d"])
-        d = c["derived"]
+        probe = c["probe"]
+        d = common.model_stages([(r["seconds"], r["stages"]) for r in c["requests"]], probe["directory_s"],
+                                probe["wall_s"], probe["shard_s"], probe["shard_workers"], c["rounds"])
         loop = c.get("loop") or {}
         label = f"{c['setup']}, S={c['shards']}, f={c['fanin']}, {c['shape']}"
         out.append(Observation(label, p, c["n_k"], c["shards"], c["workers"], c["nodes"], c["fanin"], d["frontend"],
@@ -405,11 +407,14 @@ def observations(scaling: dict) -> list[Observation]:
     return out
 
 
-def nnls(columns: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
+def nnls(columns: Sequence[Sequence[float]], y: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
     """Non-negative least squares for a handful of columns: the best of every subset's
-    unconstrained fit whose coefficients are all >= 0 (columns of zeros get 0)."""
-    a = np.asarray(columns, dtype=float).T  # [rows, cols]
-    b = np.asarray(y, dtype=float)
+    unconstrained fit whose coefficients are all >= 0 (columns of zeros get 0). ``weights``
+    scale each row's residual (``1 / total``: relative errors, so that cells of seconds do not
+    drown cells of milliseconds)."""
+    w = np.ones(len(y)) if weights is None else np.asarray(weights, dtype=float)
+    a = np.asarray(columns, dtype=float).T * w[:, None]  # [rows, cols]
+    b = np.asarray(y, dtype=float) * w
     cols = a.shape[1]
     usable = [j for j in range(cols) if np.any(a[:, j] != 0)]
     best, best_err = [0.0] * cols, float(np.sum(b**2))
@@ -461,20 +466,23 @@ def fit_cpu(obs: Sequence[Observation], read_bytes_per_s: float, flops_per_s: fl
 
 def fit(obs: Sequence[Observation], kernel: dict, max_cores: float, memory_bytes: float = 24e9) -> Fit:
     """Fit every constant on its own stage (each stage is measured apart), then the cross-node extra
-    on the multi-node cells. ``kernel``: ``{"decode": {"gb_per_s"}, "prefill": {"gflop_per_s"}}``."""
+    on the multi-node cells; least squares of errors relative to each cell's total, coefficients
+    >= 0. ``kernel``: ``{"decode": {"gb_per_s"}, "prefill": {"gflop_per_s"}}``."""
     notes = []
     cpu, cores = fit_cpu(obs, kernel["decode"]["gb_per_s"] * 1e9, kernel["prefill"]["gflop_per_s"] * 1e9,
                          max_cores, memory_bytes)
     one = [o for o in obs if o.nodes == 1]
-    fe = nnls([[1.0] * len(obs), [http_bytes(o.problem) for o in obs]], [o.frontend for o in obs])
-    sc = nnls([[1.0] * len(obs), [query_bytes(o.problem) for o in obs]], [o.scatter for o in obs])
+    rel, rel_one = [1 / o.total for o in obs], [1 / o.total for o in one]
+    fe = nnls([[1.0] * len(obs), [http_bytes(o.problem) for o in obs]], [o.frontend for o in obs], rel)
+    sc = nnls([[1.0] * len(obs), [query_bytes(o.problem) for o in obs]], [o.scatter for o in obs], rel)
     local = [0.0 if remote_merge(o.problem, o.shards, o.fanin) else 1.0 for o in one]
     ret = nnls([[1.0] * len(one), [o.shards for o in one],
-                [lc * o.shards * state_bytes(o.problem) for lc, o in zip(local, one)]], [o.state_return for o in one])
+                [lc * o.shards * state_bytes(o.problem) for lc, o in zip(local, one)]], [o.state_return for o in one],
+               rel_one)
     mg = nnls([[1.0] * len(one), [lc * o.shards * state_bytes(o.problem) for lc, o in zip(local, one)],
                [(1 - lc) * tree_depth(o.shards, o.fanin) for lc, o in zip(local, one)],
                [(1 - lc) * tree_depth(o.shards, o.fanin) * o.fanin * state_bytes(o.problem) for lc, o in zip(local, one)]],
-              [o.merge for o in one])
+              [o.merge for o in one], rel_one)
     stack = Stack(frontend_s=fe[0], frontend_s_per_byte=fe[1],
                   directory_s=statistics.median(o.directory for o in obs) if obs else 0.0,
                   scatter_s=sc[0], scatter_s_per_byte=sc[1], return_s=ret[0], dispatch_s_per_shard=ret[1],
@@ -494,7 +502,7 @@ def fit(obs: Sequence[Observation], kernel: dict, max_cores: float, memory_bytes
                      for o in multi]
         nbytes = [network_s(o.problem, o.shards, o.fanin, replace(unit, latency_s=0.0), o.remote_shards)
                   for o in multi]
-        lat, per_byte = nnls([transfers, nbytes], extra)
+        lat, per_byte = nnls([transfers, nbytes], extra, [1 / o.total for o in multi])
         loopback = Network("Ray nodes on loopback", lat, 1 / per_byte if per_byte > 0 else math.inf,
                            f"fitted here on {len(multi)} cells of the multi-node setup (loopback TCP between Ray nodes)")
     return Fit(stack, cpu, cores, loopback, notes)

@@ -200,13 +200,7 @@ class Probe:
 
     def critical(self) -> list[float]:
         """Per round: the busiest worker's summed compute seconds (its shards run one after the other)."""
-        out = []
-        for seconds in self.shard_s:
-            per_worker: dict[str, float] = {}
-            for w, s in zip(self.shard_workers, seconds):
-                per_worker[w] = per_worker.get(w, 0.0) + s
-            out.append(max(per_worker.values()))
-        return out
+        return [common.critical_seconds(seconds, self.shard_workers) for seconds in self.shard_s]
 
 
 @dataclass
@@ -448,21 +442,11 @@ def run_setup(setup: Setup, args: argparse.Namespace, k: np.ndarray, v: np.ndarr
 
 
 def derived(cell: Cell) -> dict[str, float]:
-    """The model's stages of one cell (seconds; medians): what Server-Timing gives and the probes split.
-
-    frontend: client seconds minus scatter, compute and merge (parse, encode, HTTP and the client);
-    directory: the probe's lookup; scatter: Server-Timing scatter minus that lookup (q into the
-    object store, the jobs); compute: the probe's critical (busiest worker's) compute; state return:
-    Server-Timing compute minus that (dispatch, queueing, the states coming back); merge.
-    """
-    front = [r.seconds - sum(r.stages.get(s, 0.0) for s in ("scatter", "compute", "merge")) for r in cell.requests]
-    st = cell.stages()
-    directory = statistics.median(cell.probe.directory_s) if cell.probe.directory_s else float("nan")
-    critical = statistics.median(cell.probe.critical()) if cell.probe.shard_s else float("nan")
-    return {"frontend": statistics.median(front) if front else float("nan"), "directory": directory,
-            "scatter": st.get("scatter", float("nan")) - directory, "compute": critical,
-            "state_return": st.get("compute", float("nan")) - critical, "merge": st.get("merge", float("nan")),
-            "total": cell.p50()}
+    """The model's stages of one cell (seconds; medians): ``common.model_stages`` says how the
+    probes split what Server-Timing does not."""
+    p = cell.probe
+    return common.model_stages([(r.seconds, r.stages) for r in cell.requests], p.directory_s, p.wall_s, p.shard_s,
+                               p.shard_workers, cell.rounds)
 
 
 def spread(values: Sequence[float]) -> str:
@@ -510,8 +494,7 @@ def breakdown_table(cells: Sequence[Cell]) -> str:
         d = derived(c)
         rows.append([c.label, *(common.ms(d[k]) for k in ("frontend", "directory", "scatter", "compute",
                                                           "state_return", "merge", "total"))])
-    head = ["cell", "front end", "directory", "scatter", "compute (critical)", "state return", "merge",
-            "client p50"]
+    head = ["cell", "front end", "directory", "scatter", "compute", "state return", "merge", "client p50"]
     return common.markdown_table(head, rows)
 
 
@@ -550,8 +533,8 @@ def report(args: argparse.Namespace, cells: Sequence[Cell], rates: dict[str, Any
              shards_table(cells), "",
              ("Per request, the model's stages (median ms): front end = client time minus scatter, compute and "
               "merge; directory = the directory actor's lookup (probe); scatter = Server-Timing scatter minus the "
-              "lookup; compute = the busiest worker's compute seconds (probe); state return = Server-Timing "
-              "compute minus that:"), "", breakdown_table(cells), "",
+              "lookup; state return = the shard probe's wall time minus its busiest worker's compute seconds; "
+              "compute = Server-Timing compute minus that state return:"), "", breakdown_table(cells), "",
              "Server-Timing (median ms), and the shard probe (median ms):", "", timing_table(cells), ""]
     return "\n".join(lines)
 

@@ -85,9 +85,10 @@ def test_nnls_keeps_coefficients_non_negative(model):
     assert model.nnls([[1.0] * 4, [0.0] * 4], [1.0] * 4) == pytest.approx([1.0, 0.0])
 
 
-KNOWN_STACK = dict(frontend_s=2e-3, frontend_s_per_byte=3e-9, directory_s=0.8e-3, scatter_s=1.1e-3,
-                   scatter_s_per_byte=1e-9, return_s=2e-3, dispatch_s_per_shard=0.4e-3, return_s_per_byte=2e-9,
-                   merge_s=0.1e-3, merge_s_per_byte=0.5e-9, hop_s=3e-3, hop_s_per_byte=1.5e-9)
+KNOWN_STACK = {"frontend_s": 2e-3, "frontend_s_per_byte": 3e-9, "directory_s": 0.8e-3, "scatter_s": 1.1e-3,
+               "scatter_s_per_byte": 1e-9, "return_s": 2e-3, "dispatch_s_per_shard": 0.4e-3,
+               "return_s_per_byte": 2e-9, "merge_s": 0.1e-3, "merge_s_per_byte": 0.5e-9, "hop_s": 3e-3,
+               "hop_s_per_byte": 1.5e-9}
 
 
 def synthetic(model, stack, dev, cores, net):
