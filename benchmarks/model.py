@@ -383,6 +383,12 @@ class Observation:
     total: float  # client p50
     loop_concurrency: int = 0
     loop_per_s: float = float("nan")
+    remote_merge_bytes: int = REMOTE_MERGE_BYTES  # the front end's --remote-merge-bytes
+
+    @property
+    def remote(self) -> bool:
+        """Whether this cell's merge ran on the workers."""
+        return remote_merge(self.problem, self.shards, self.fanin, self.remote_merge_bytes)
 
     @property
     def remote_shards(self) -> int:
@@ -400,10 +406,12 @@ def observations(scaling: dict) -> list[Observation]:
         d = common.model_stages([(r["seconds"], r["stages"]) for r in c["requests"]], probe["directory_s"],
                                 probe["wall_s"], probe["shard_s"], probe["shard_workers"], c["rounds"])
         loop = c.get("loop") or {}
-        label = f"{c['setup']}, S={c['shards']}, f={c['fanin']}, {c['shape']}"
+        limit = int(c.get("remote_merge_bytes", REMOTE_MERGE_BYTES))
+        forced = ", merge on workers" if limit != REMOTE_MERGE_BYTES else ""
+        label = f"{c['setup']}, S={c['shards']}, f={c['fanin']}{forced}, {c['shape']}"
         out.append(Observation(label, p, c["n_k"], c["shards"], c["workers"], c["nodes"], c["fanin"], d["frontend"],
                                d["directory"], d["scatter"], d["compute"], d["state_return"], d["merge"], d["total"],
-                               int(loop.get("concurrency", 0)), float(loop.get("per_second", float("nan")))))
+                               int(loop.get("concurrency", 0)), float(loop.get("per_second", float("nan"))), limit))
     return out
 
 
@@ -475,7 +483,7 @@ def fit(obs: Sequence[Observation], kernel: dict, max_cores: float, memory_bytes
     rel, rel_one = [1 / o.total for o in obs], [1 / o.total for o in one]
     fe = nnls([[1.0] * len(obs), [http_bytes(o.problem) for o in obs]], [o.frontend for o in obs], rel)
     sc = nnls([[1.0] * len(obs), [query_bytes(o.problem) for o in obs]], [o.scatter for o in obs], rel)
-    local = [0.0 if remote_merge(o.problem, o.shards, o.fanin) else 1.0 for o in one]
+    local = [0.0 if o.remote else 1.0 for o in one]
     ret = nnls([[1.0] * len(one), [o.shards for o in one],
                 [lc * o.shards * state_bytes(o.problem) for lc, o in zip(local, one)]], [o.state_return for o in one],
                rel_one)
@@ -495,13 +503,13 @@ def fit(obs: Sequence[Observation], kernel: dict, max_cores: float, memory_bytes
     if multi:
         # What the one-node model leaves over in the multi-node cells' return and merge stages,
         # against network_s's two columns: transfers (latency each) and bytes (over the bandwidth).
-        extra = [o.state_return + o.merge - return_s(o.problem, o.shards, o.fanin, stack)
-                 - merge_s(o.problem, o.shards, o.fanin, stack) for o in multi]
+        extra = [o.state_return + o.merge - return_s(o.problem, o.shards, o.fanin, on(stack, o))
+                 - merge_s(o.problem, o.shards, o.fanin, on(stack, o)) for o in multi]
         unit = Network("unit", 1.0, 1.0, "")
-        transfers = [network_s(o.problem, o.shards, o.fanin, replace(unit, bytes_per_s=math.inf), o.remote_shards)
-                     for o in multi]
-        nbytes = [network_s(o.problem, o.shards, o.fanin, replace(unit, latency_s=0.0), o.remote_shards)
-                  for o in multi]
+        transfers = [network_s(o.problem, o.shards, o.fanin, replace(unit, bytes_per_s=math.inf), o.remote_shards,
+                               o.remote_merge_bytes) for o in multi]
+        nbytes = [network_s(o.problem, o.shards, o.fanin, replace(unit, latency_s=0.0), o.remote_shards,
+                            o.remote_merge_bytes) for o in multi]
         lat, per_byte = nnls([transfers, nbytes], extra, [1 / o.total for o in multi])
         loopback = Network("Ray nodes on loopback", lat, 1 / per_byte if per_byte > 0 else math.inf,
                            f"fitted here on {len(multi)} cells of the multi-node setup (loopback TCP between Ray nodes)")
@@ -511,9 +519,14 @@ def fit(obs: Sequence[Observation], kernel: dict, max_cores: float, memory_bytes
 # ------------------------------------------------------------------ the check
 
 
+def on(st: Stack, o: Observation) -> Stack:
+    """The stack as the cell's front end ran (its ``--remote-merge-bytes``)."""
+    return replace(st, remote_merge_bytes=o.remote_merge_bytes)
+
+
 def predict(o: Observation, f: Fit) -> Breakdown:
     """The fitted model's stages for one measured cell."""
-    return request_s(o.problem, o.n_k, o.shards, o.fanin, f.cpu, f.stack, f.loopback if o.nodes > 1 else None,
+    return request_s(o.problem, o.n_k, o.shards, o.fanin, f.cpu, on(f.stack, o), f.loopback if o.nodes > 1 else None,
                      o.workers, f.cores, o.remote_shards)
 
 
@@ -544,7 +557,8 @@ def throughput_table(obs: Sequence[Observation], f: Fit) -> str:
         if not o.loop_concurrency:
             continue
         lat = predict(o, f).total
-        pred = cpu_throughput(o.problem, o.n_k, o.shards, o.workers, o.loop_concurrency, f.cpu, f.stack, f.cores, lat)
+        pred = cpu_throughput(o.problem, o.n_k, o.shards, o.workers, o.loop_concurrency, f.cpu, on(f.stack, o), f.cores,
+                              lat)
         rows.append([o.label, o.loop_concurrency, f"{o.loop_per_s:.2f}", f"{pred:.2f}",
                      f"{(pred - o.loop_per_s) / o.loop_per_s:+.0%}"])
     return common.markdown_table(["cell", "concurrency", "measured req/s", "model req/s", "error"], rows)

@@ -16,7 +16,9 @@ workers directly (the probes below). The full plan (``plan``):
 * **shards** 1, 2, 4 and 8 of one context on the four-worker setup (eight shards: two per
   worker, computed one after the other);
 * **merge fan-in** 2, 4 and 8 on the same workers and contexts: the front end is restarted
-  with ``--merge-fanin`` (the workers and the contexts are detached and stay);
+  with ``--merge-fanin`` (the workers and the contexts are detached and stay); and once more
+  with ``--remote-merge-bytes 1``, so that decode's small states also merge on the workers
+  (decode only, 4 and 8 shards): the cost of a merge level apart from the bytes it moves;
 * **nodes**: three one-CPU Ray nodes on loopback with one worker each, against the one-node
   three-worker setup.
 
@@ -111,20 +113,25 @@ DIRECTORY = "splitkey-directory"
 
 
 @dataclass(frozen=True)
-class Setup:
-    """One Ray cluster and the front ends started on it in turn.
+class FrontEnd:
+    """One front end started on a setup's cluster: its merge settings and the cells it measures."""
 
-    ``cells`` maps a merge fan-in (one front end each, in order) to the shard counts
-    measured with it; every shard count of any fan-in is one context.
-    """
+    fanin: int
+    shards: tuple[int, ...]  # one context each (created by the setup's first front end)
+    remote_merge_bytes: int = REMOTE_MERGE_BYTES  # 1: every merge with more shards than the fan-in on the workers
+    shapes: tuple[str, ...] = ("decode", "prefill")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One Ray cluster and the front ends started on it in turn (workers and contexts stay)."""
 
     name: str
     node_cpus: tuple[int, ...]  # logical CPUs of each Ray node (one node per entry)
     workers: int
     worker_cpus: float
-    cells: dict[int, tuple[int, ...]]
-    throughput: bool  # closed loops on the first fan-in's cells
-    sweep: str  # "workers", "shards", "fanin" or "nodes": the table it belongs to
+    front_ends: tuple[FrontEnd, ...]
+    sweep: str  # "workers", "shards" or "nodes": the table it belongs to
 
     @property
     def nodes(self) -> int:
@@ -132,19 +139,21 @@ class Setup:
 
     @property
     def shard_counts(self) -> tuple[int, ...]:
-        return tuple(sorted({s for counts in self.cells.values() for s in counts}))
+        return tuple(sorted({s for fe in self.front_ends for s in fe.shards}))
 
 
 def plan(quick: bool) -> list[Setup]:
     """The setups of a full run, or of a smoke run (one two-worker node, two contexts, two fan-ins)."""
     if quick:
-        return [Setup("1 node, 2 workers", (2,), 2, 1.0, {2: (1, 2), 4: (2,)}, True, "workers")]
+        return [Setup("1 node, 2 workers", (2,), 2, 1.0, (FrontEnd(2, (1, 2)), FrontEnd(4, (2,))), "workers")]
     return [
-        Setup("1 node, 1 worker", (2,), 1, 1.0, {2: (1,)}, True, "workers"),
-        Setup("1 node, 2 workers", (2,), 2, 1.0, {2: (2,)}, True, "workers"),
-        Setup("1 node, 3 workers", (2,), 3, 0.5, {2: (3,)}, True, "workers"),
-        Setup("1 node, 4 workers", (2,), 4, 0.5, {2: (4, 1, 2, 8), 4: (4, 8), 8: (8,)}, True, "shards"),
-        Setup("3 nodes, 3 workers", (1, 1, 1), 3, 1.0, {2: (3,)}, True, "nodes"),
+        Setup("1 node, 1 worker", (2,), 1, 1.0, (FrontEnd(2, (1,)),), "workers"),
+        Setup("1 node, 2 workers", (2,), 2, 1.0, (FrontEnd(2, (2,)),), "workers"),
+        Setup("1 node, 3 workers", (2,), 3, 0.5, (FrontEnd(2, (3,)),), "workers"),
+        Setup("1 node, 4 workers", (2,), 4, 0.5,
+              (FrontEnd(2, (4, 1, 2, 8)), FrontEnd(4, (4, 8)), FrontEnd(8, (8,)),
+               FrontEnd(2, (4, 8), remote_merge_bytes=1, shapes=("decode",))), "shards"),
+        Setup("3 nodes, 3 workers", (1, 1, 1), 3, 1.0, (FrontEnd(2, (3,)),), "nodes"),
     ]
 
 
@@ -218,6 +227,7 @@ class Cell:
     n_q: int
     n_k: int
     depth: int
+    remote_merge_bytes: int
     remote_merge: bool
     q_bytes: int
     out_bytes: int
@@ -232,7 +242,8 @@ class Cell:
 
     @property
     def label(self) -> str:
-        return f"{self.setup}, {self.shards} shard{'s' * (self.shards > 1)}, fan-in {self.fanin}, {self.shape}"
+        forced = ", merge on workers" if self.remote_merge_bytes != REMOTE_MERGE_BYTES else ""
+        return f"{self.setup}, {self.shards} shard{'s' * (self.shards > 1)}, fan-in {self.fanin}{forced}, {self.shape}"
 
     def p50(self) -> float:
         """Median of the rounds' medians (client seconds)."""
@@ -316,9 +327,9 @@ def ray_cluster(node_cpus: Sequence[int]) -> Iterator[str]:
         c.shutdown()
 
 
-def server_args(address: str, setup: Setup, fanin: int) -> list[str]:
-    return ["--ray-address", address, "--worker-cpus", f"{setup.worker_cpus:g}", "--merge-fanin", str(fanin),
-            "--batch-rows", "1", "--context-shard-keys", "1024"]
+def server_args(address: str, setup: Setup, fe: FrontEnd) -> list[str]:
+    return ["--ray-address", address, "--worker-cpus", f"{setup.worker_cpus:g}", "--merge-fanin", str(fe.fanin),
+            "--remote-merge-bytes", str(fe.remote_merge_bytes), "--batch-rows", "1", "--context-shard-keys", "1024"]
 
 
 def upload(url: str, k: np.ndarray, v: np.ndarray, shards: Sequence[int]) -> dict[int, str]:
@@ -373,10 +384,11 @@ def probe_shards(record: dict, q: np.ndarray, fanin: int) -> tuple[float, list[f
 # ------------------------------------------------------------------ one cell
 
 
-def new_cell(setup: Setup, shards: int, fanin: int, shape: Shape, n_k: int) -> Cell:
+def new_cell(setup: Setup, shards: int, fe: FrontEnd, shape: Shape, n_k: int) -> Cell:
     return Cell(setup=setup.name, sweep=setup.sweep, nodes=setup.nodes, workers=setup.workers,
-                worker_cpus=setup.worker_cpus, shards=shards, fanin=fanin, shape=shape.name, n_q=shape.n_q, n_k=n_k,
-                depth=tree_depth(shards, fanin), remote_merge=remote_merge(shards, fanin, shape.state_bytes()),
+                worker_cpus=setup.worker_cpus, shards=shards, fanin=fe.fanin, shape=shape.name, n_q=shape.n_q, n_k=n_k,
+                depth=tree_depth(shards, fe.fanin), remote_merge_bytes=fe.remote_merge_bytes,
+                remote_merge=remote_merge(shards, fe.fanin, shape.state_bytes(), fe.remote_merge_bytes),
                 q_bytes=shape.q_bytes(), out_bytes=shape.out_bytes(), state_bytes=shape.state_bytes(),
                 kv_bytes=kv_bytes(n_k), flops=shape.flops(n_k))
 
@@ -421,19 +433,19 @@ def run_setup(setup: Setup, args: argparse.Namespace, k: np.ndarray, v: np.ndarr
     cells: list[Cell] = []
     with ray_cluster(setup.node_cpus) as address:
         ids: dict[int, str] = {}
-        for i, (fanin, counts) in enumerate(setup.cells.items()):
-            with common.splitkey_server(workdir, setup.workers, server_args(address, setup, fanin)) as url:
+        for i, fe in enumerate(setup.front_ends):
+            with common.splitkey_server(workdir, setup.workers, server_args(address, setup, fe)) as url:
                 if i == 0:
                     t0 = time.perf_counter()
                     ids = upload(url, k, v, setup.shard_counts)
                     print(f"{setup.name}: {len(ids)} contexts uploaded in {time.perf_counter() - t0:.1f} s",
                           file=sys.stderr)
-                for shards in counts:
-                    group = {s.name: new_cell(setup, shards, fanin, s, len(k)) for s in shapes}
-                    loops = setup.throughput and i == 0 and shards == setup.workers
+                for shards in fe.shards:
+                    group = {s.name: new_cell(setup, shards, fe, s, len(k)) for s in shapes if s.name in fe.shapes}
+                    loops = i == 0 and shards == setup.workers
                     measure_cells(url, ids[shards], group, queries, refs, args.rounds, loops, args.loop_seconds)
                     cells += group.values()
-                    print(f"{setup.name}, {shards} shards, fan-in {fanin}: "
+                    print(f"{group[next(iter(group))].label}: "
                           + ", ".join(f"{n} {common.ms(c.p50())} ms" for n, c in group.items()), file=sys.stderr)
     return cells
 
@@ -460,8 +472,9 @@ def rate_cell(cell: Cell) -> str:
 def sweep_table(cells: Sequence[Cell], sweeps: Sequence[str]) -> str:
     """Latency and throughput per setup (the first fan-in, shards = workers)."""
     rows = []
-    by = {(c.setup, c.shards, c.fanin, c.shape): c for c in cells}
-    for c in cells:
+    plain = [c for c in cells if c.remote_merge_bytes == REMOTE_MERGE_BYTES]
+    by = {(c.setup, c.shards, c.fanin, c.shape): c for c in plain}
+    for c in plain:
         if c.sweep not in sweeps or c.shape != "decode" or c.shards != c.workers or c.fanin != 2:
             continue
         p = by.get((c.setup, c.shards, c.fanin, "prefill"))
@@ -475,11 +488,11 @@ def sweep_table(cells: Sequence[Cell], sweeps: Sequence[str]) -> str:
 def shards_table(cells: Sequence[Cell]) -> str:
     """Shard count and fan-in on the four-worker setup."""
     rows = []
-    by = {(c.shards, c.fanin, c.shape): c for c in cells if c.sweep == "shards"}
-    for (shards, fanin, shape), c in sorted(by.items()):
+    by = {(c.shards, c.fanin, c.remote_merge_bytes, c.shape): c for c in cells if c.sweep == "shards"}
+    for (shards, fanin, limit, shape), c in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1], -kv[0][2])):
         if shape != "decode":
             continue
-        p = by.get((shards, fanin, "prefill"))
+        p = by.get((shards, fanin, limit, "prefill"))
         merge_where = "/".join(("workers" if x.remote_merge else "front end") for x in (c, p) if x)
         rows.append([shards, fanin, c.depth, merge_where, spread(c.rounds), common.ms(c.stages().get("merge", 0.0)),
                      spread(p.rounds) if p else "-", common.ms(p.stages().get("merge", 0.0)) if p else "-"])
