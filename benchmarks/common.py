@@ -10,7 +10,9 @@
 * Server-Timing stages: ``STAGES``, :class:`Record`, :func:`median_stages`, :func:`stage_cells`;
 * in-process runs: :func:`blas_threads`, :func:`time_calls`, :func:`max_diff`, :func:`check_same`;
 * waiting until the shared machine is quiet: :func:`wait_for_quiet` (with
-  :func:`others_running`, :func:`cpu_times`, :func:`busy_fraction`, :func:`cpu_busy`);
+  :func:`others_running`, :func:`cpu_times`, :func:`busy_fraction`, :func:`cpu_busy`); what
+  other processes took meanwhile: :func:`cpu_sample`, :func:`others_cores` (with
+  :func:`process_tree_cpu_s`);
 * server processes: :func:`free_port`, :func:`http_status`, :func:`served`,
   :func:`stop_group`, :func:`splitkey_server`, :func:`raise_on_sigterm`.
 
@@ -358,6 +360,48 @@ def cpu_busy(sample_s: float = 5.0) -> float:
     a = cpu_times()
     time.sleep(sample_s)
     return busy_fraction(a, cpu_times())
+
+
+def process_tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) spent so far by process ``root`` and its live descendants (/proc)."""
+    parent: dict[int, int] = {}
+    spent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{entry}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ... utime, stime
+            parent[int(entry)] = int(fields[1])
+            spent[int(entry)] = int(fields[11]) + int(fields[12])
+    inside = {root}
+    changed = True
+    while changed:  # the descendants: processes whose parent is inside, to a fixed point
+        grown = {pid for pid, ppid in parent.items() if ppid in inside} - inside
+        inside |= grown
+        changed = bool(grown)
+    return sum(spent.get(pid, 0) for pid in inside) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """All CPUs' busy seconds and this process tree's CPU seconds at one moment."""
+
+    busy_s: float
+    ours_s: float
+    t: float
+
+
+def cpu_sample(root: int | None = None) -> CpuSample:
+    times = cpu_times()
+    busy = 0.0 if times is None else (times[1] - times[0]) / os.sysconf("SC_CLK_TCK")
+    return CpuSample(busy, process_tree_cpu_s(os.getpid() if root is None else root), time.monotonic())
+
+
+def others_cores(a: CpuSample, b: CpuSample) -> float:
+    """Cores other processes than this tree kept busy between two samples (0 when unknown)."""
+    if b.t <= a.t:
+        return 0.0
+    return max(0.0, (b.busy_s - a.busy_s) - (b.ours_s - a.ours_s)) / (b.t - a.t)
 
 
 def wait_for_quiet(enabled: bool, poll_s: float = 30.0, max_s: float = 1200.0, pattern: str = QUIET_PATTERN,

@@ -384,6 +384,8 @@ class Observation:
     loop_concurrency: int = 0
     loop_per_s: float = float("nan")
     remote_merge_bytes: int = REMOTE_MERGE_BYTES  # the front end's --remote-merge-bytes
+    others_cores: float = 0.0  # cores other processes kept busy during the cell's rounds
+    loop_others_cores: float = 0.0  # ... during its closed loop
 
     @property
     def remote(self) -> bool:
@@ -411,7 +413,8 @@ def observations(scaling: dict) -> list[Observation]:
         label = f"{c['setup']}, S={c['shards']}, f={c['fanin']}{forced}, {c['shape']}"
         out.append(Observation(label, p, c["n_k"], c["shards"], c["workers"], c["nodes"], c["fanin"], d["frontend"],
                                d["directory"], d["scatter"], d["compute"], d["state_return"], d["merge"], d["total"],
-                               int(loop.get("concurrency", 0)), float(loop.get("per_second", float("nan"))), limit))
+                               int(loop.get("concurrency", 0)), float(loop.get("per_second", float("nan"))), limit,
+                               float(c.get("others_cores", 0.0)), float(loop.get("others_cores", 0.0))))
     return out
 
 
@@ -445,40 +448,53 @@ class Fit:
 
     stack: Stack
     cpu: Device
-    cores: float  # effective cores the workers share (fitted; at most the machine's)
+    core_share: float  # of the cores other processes left, the share the workers got (fitted)
+    machine_cores: float
     loopback: Network | None  # between Ray nodes on loopback (fitted on the multi-node cells)
     notes: list[str] = field(default_factory=list)
 
+    def cores(self, others: float) -> float:
+        """Cores the workers had while others kept ``others`` busy: ``share * (machine - others)``."""
+        return free_cores(self.core_share, self.machine_cores, others)
 
-def fit_cpu(obs: Sequence[Observation], read_bytes_per_s: float, flops_per_s: float, max_cores: float,
+
+def free_cores(share: float, machine: float, others: float) -> float:
+    """``share * (machine - others)``, at least a tenth of a core."""
+    return max(0.1, share * (machine - others))
+
+
+def fit_cpu(obs: Sequence[Observation], read_bytes_per_s: float, flops_per_s: float, machine_cores: float,
             memory_bytes: float) -> tuple[Device, float]:
-    """The per-call constant and the effective cores from the probes' critical compute, with the
-    kernel rates fixed (in-process, one thread): least squared log error over a grid of cores."""
+    """The per-call constant and the share of the free cores the workers got, from the cells' compute
+    (kernel rates fixed: in-process, one thread); least squared log error over a grid of shares.
+    Each cell's free cores are the machine's minus what other processes used meanwhile."""
     single = [o for o in obs if o.nodes == 1 and o.compute > 0]
-    best: tuple[float, float, float] = (float("inf"), 0.0, max_cores)
-    for cores in np.arange(1.0, max_cores + 1e-9, 0.05):
-        base = Device("cpu", read_bytes_per_s, flops_per_s, 0.0, memory_bytes, "")
-        # compute = k/share * (call + work): linear in call for fixed cores
-        scale = [math.ceil(o.shards / o.workers) / cpu_share(o.shards, o.workers, cores) for o in single]
-        work = [compute_s(o.problem, o.n_k, o.shards, base, o.workers, cores) for o in single]
-        resid = [o.compute - w for o, w in zip(single, work)]
-        call = max(0.0, float(np.dot(scale, resid) / max(np.dot(scale, scale), 1e-30))) if single else 0.0
+    base = Device("cpu", read_bytes_per_s, flops_per_s, 0.0, memory_bytes, "")
+    best: tuple[float, float, float] = (float("inf"), 0.0, 1.0)
+    for share in np.arange(0.3, 1.5 + 1e-9, 0.02):
+        cores = [free_cores(float(share), machine_cores, o.others_cores) for o in single]
+        # compute = ceil(S / W) / share * (call + work): linear in call for fixed cores
+        scale = [math.ceil(o.shards / o.workers) / cpu_share(o.shards, o.workers, c) for o, c in zip(single, cores)]
+        work = [compute_s(o.problem, o.n_k, o.shards, base, o.workers, c) for o, c in zip(single, cores)]
+        resid = [(o.compute - w) / o.compute for o, w in zip(single, work)]
+        weights = [s / o.compute for s, o in zip(scale, single)]
+        call = max(0.0, float(np.dot(weights, resid) / max(np.dot(weights, weights), 1e-30))) if single else 0.0
         err = sum((math.log((w + s * call) / o.compute)) ** 2 for o, w, s in zip(single, work, scale))
         if err < best[0]:
-            best = (err, call, float(cores))
-    _, call, cores = best
+            best = (err, call, float(share))
+    _, call, share = best
     dev = Device("this machine's CPU (one worker thread)", read_bytes_per_s, flops_per_s, call, memory_bytes,
-                 "measured here: in-process resident kernel, one thread; call and cores fitted on the probes")
-    return dev, cores
+                 "measured here: in-process resident kernel, one thread; call and core share fitted on the cells")
+    return dev, share
 
 
-def fit(obs: Sequence[Observation], kernel: dict, max_cores: float, memory_bytes: float = 24e9) -> Fit:
+def fit(obs: Sequence[Observation], kernel: dict, machine_cores: float, memory_bytes: float = 24e9) -> Fit:
     """Fit every constant on its own stage (each stage is measured apart), then the cross-node extra
     on the multi-node cells; least squares of errors relative to each cell's total, coefficients
     >= 0. ``kernel``: ``{"decode": {"gb_per_s"}, "prefill": {"gflop_per_s"}}``."""
     notes = []
-    cpu, cores = fit_cpu(obs, kernel["decode"]["gb_per_s"] * 1e9, kernel["prefill"]["gflop_per_s"] * 1e9,
-                         max_cores, memory_bytes)
+    cpu, share = fit_cpu(obs, kernel["decode"]["gb_per_s"] * 1e9, kernel["prefill"]["gflop_per_s"] * 1e9,
+                         machine_cores, memory_bytes)
     one = [o for o in obs if o.nodes == 1]
     rel, rel_one = [1 / o.total for o in obs], [1 / o.total for o in one]
     fe = nnls([[1.0] * len(obs), [http_bytes(o.problem) for o in obs]], [o.frontend for o in obs], rel)
@@ -513,7 +529,7 @@ def fit(obs: Sequence[Observation], kernel: dict, max_cores: float, memory_bytes
         lat, per_byte = nnls([transfers, nbytes], extra, [1 / o.total for o in multi])
         loopback = Network("Ray nodes on loopback", lat, 1 / per_byte if per_byte > 0 else math.inf,
                            f"fitted here on {len(multi)} cells of the multi-node setup (loopback TCP between Ray nodes)")
-    return Fit(stack, cpu, cores, loopback, notes)
+    return Fit(stack, cpu, share, machine_cores, loopback, notes)
 
 
 # ------------------------------------------------------------------ the check
@@ -527,7 +543,7 @@ def on(st: Stack, o: Observation) -> Stack:
 def predict(o: Observation, f: Fit) -> Breakdown:
     """The fitted model's stages for one measured cell."""
     return request_s(o.problem, o.n_k, o.shards, o.fanin, f.cpu, on(f.stack, o), f.loopback if o.nodes > 1 else None,
-                     o.workers, f.cores, o.remote_shards)
+                     o.workers, f.cores(o.others_cores), o.remote_shards)
 
 
 def check_rows(obs: Sequence[Observation], f: Fit) -> list[list[str]]:
@@ -557,11 +573,12 @@ def throughput_table(obs: Sequence[Observation], f: Fit) -> str:
         if not o.loop_concurrency:
             continue
         lat = predict(o, f).total
-        pred = cpu_throughput(o.problem, o.n_k, o.shards, o.workers, o.loop_concurrency, f.cpu, on(f.stack, o), f.cores,
-                              lat)
-        rows.append([o.label, o.loop_concurrency, f"{o.loop_per_s:.2f}", f"{pred:.2f}",
+        pred = cpu_throughput(o.problem, o.n_k, o.shards, o.workers, o.loop_concurrency, f.cpu, on(f.stack, o),
+                              f.cores(o.loop_others_cores), lat)
+        rows.append([o.label, o.loop_concurrency, f"{o.loop_others_cores:.2f}", f"{o.loop_per_s:.2f}", f"{pred:.2f}",
                      f"{(pred - o.loop_per_s) / o.loop_per_s:+.0%}"])
-    return common.markdown_table(["cell", "concurrency", "measured req/s", "model req/s", "error"], rows)
+    return common.markdown_table(["cell", "concurrency", "cores others used", "measured req/s", "model req/s", "error"],
+                                 rows)
 
 
 def error_summary(obs: Sequence[Observation], f: Fit) -> dict[str, float]:
@@ -581,7 +598,8 @@ def fit_table(f: Fit, kernel_note: str) -> str:
         ["decode read rate, one worker thread", f"{f.cpu.read_bytes_per_s / 1e9:.2f} GB/s", kernel_note],
         ["prefill flop rate, one worker thread", f"{f.cpu.flops_per_s / 1e9:.1f} GFLOP/s", kernel_note],
         ["per kernel call (CPU)", f"{f.cpu.call_s * us:.0f} us", "fitted: probes' compute seconds"],
-        ["effective cores for the workers", f"{f.cores:.2f}", "fitted: probes' compute seconds (machine: 2)"],
+        ["workers' share of the free cores", f"{f.core_share:.2f}",
+         f"fitted: cells' compute; free = {f.machine_cores:g} cores - what other processes used (per cell)"],
         ["front end, per request", f"{s.frontend_s * us:.0f} us", "fitted: client time - scatter - compute - merge"],
         ["front end, per MB of q + out", f"{per(s.frontend_s_per_byte, 1e9)} ms/MB", "same fit"],
         ["directory lookup", f"{s.directory_s * us:.0f} us", "probe: the directory actor's get_many"],
@@ -883,7 +901,8 @@ def update_doc(path: Path, parts: dict[str, str]) -> None:
 def to_json(f: Fit, obs: Sequence[Observation], gpu: Device) -> dict[str, Any]:
     p = DECODE_BF16
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "stack": asdict(f.stack), "cpu": asdict(f.cpu), "cores": f.cores,
+            "stack": asdict(f.stack), "cpu": asdict(f.cpu), "core_share": f.core_share,
+            "machine_cores": f.machine_cores,
             "loopback": asdict(f.loopback) if f.loopback else None, "notes": f.notes,
             "errors": error_summary(obs, f),
             "check": [{"label": o.label, "measured_s": o.total, "model": asdict(predict(o, f)),
@@ -916,7 +935,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     assert scaling is not None
     rates, kernel_note = kernel_rates(scaling, load(args.kernel))
     obs = observations(scaling)
-    f = fit(obs, rates, max_cores=float(scaling.get("cores") or 2))
+    f = fit(obs, rates, machine_cores=float(scaling.get("cores") or 2))
     gpu = gpu_device(load(args.gpu))
     parts = blocks(scaling, f, obs, kernel_note, gpu)
     if args.doc:

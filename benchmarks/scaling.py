@@ -44,6 +44,10 @@ Per cell (setup, shard count, fan-in, shape):
 4. where shards = workers (the first fan-in of a setup), a closed loop (decode at concurrency
    4, prefill at 2) for requests per second.
 
+While the rounds run, and again while a closed loop runs, the cores that processes other than
+this benchmark's own (its cluster, servers and clients) kept busy are recorded (``/proc``): the
+machine is shared, and the model takes the cores that were left.
+
 Before any server starts, the resident kernel runs in this process on one thread (BLAS at one
 thread) over one shard's worth of keys for both shapes: the kernel rates the model uses.
 
@@ -235,6 +239,7 @@ class Cell:
     kv_bytes: int
     flops: float
     max_abs_diff: float = float("nan")
+    others_cores: float = 0.0  # cores other processes than this benchmark's kept busy during the rounds
     requests: list[common.Record] = field(default_factory=list)
     rounds: list[float] = field(default_factory=list)  # each round's median client seconds
     loop: dict[str, float] | None = None  # concurrency, requests, errors, seconds, per_second, p50_s
@@ -403,6 +408,7 @@ def measure_cells(url: str, ctx_id: str, cells: dict[str, Cell], queries: dict[s
             out, _ = c.attention(queries[name], contexts=[ctx_id])
             cell.max_abs_diff = common.check_same(cell.label, out, refs[name])
             cell.probe.directory_s = list(directory_s)
+        before = common.cpu_sample()
         for _ in range(rounds):
             for name, cell in cells.items():
                 seconds = []
@@ -416,6 +422,9 @@ def measure_cells(url: str, ctx_id: str, cells: dict[str, Cell], queries: dict[s
                 cell.probe.wall_s.append(wall)
                 cell.probe.shard_s.append(shard_s)
                 cell.probe.shard_workers = workers
+        others = common.others_cores(before, common.cpu_sample())
+        for cell in cells.values():
+            cell.others_cores = others
     if throughput:
         for name, cell in cells.items():
             concurrency, n = LOOP[name]
@@ -423,9 +432,11 @@ def measure_cells(url: str, ctx_id: str, cells: dict[str, Cell], queries: dict[s
             def send(client: TimedClient, q: np.ndarray = queries[name]) -> None:
                 client.attention(q, contexts=[ctx_id])
 
+            before = common.cpu_sample()
             _, level = closed_loop(url, send, concurrency, n, loop_s)
             cell.loop = {"concurrency": concurrency, "requests": level.requests, "errors": level.errors,
-                         "seconds": level.seconds, "per_second": level.per_second, "p50_s": level.p50_ms / 1000}
+                         "seconds": level.seconds, "per_second": level.per_second, "p50_s": level.p50_ms / 1000,
+                         "others_cores": common.others_cores(before, common.cpu_sample())}
 
 
 def run_setup(setup: Setup, args: argparse.Namespace, k: np.ndarray, v: np.ndarray, shapes: Sequence[Shape],
@@ -478,10 +489,11 @@ def sweep_table(cells: Sequence[Cell], sweeps: Sequence[str]) -> str:
         if c.sweep not in sweeps or c.shape != "decode" or c.shards != c.workers or c.fanin != 2:
             continue
         p = by.get((c.setup, c.shards, c.fanin, "prefill"))
+        others = "/".join(f"{x.others_cores:.2f}" for x in (c, p) if x)
         rows.append([c.setup, c.nodes, c.workers, f"{c.worker_cpus:g}", c.shards, spread(c.rounds), rate_cell(c),
-                     spread(p.rounds) if p else "-", rate_cell(p) if p else "-"])
+                     spread(p.rounds) if p else "-", rate_cell(p) if p else "-", others])
     head = ["setup", "nodes", "workers", "CPUs each", "shards", "decode p50 ms (rounds' range)", "decode req/s",
-            "prefill p50 ms (rounds' range)", "prefill req/s"]
+            "prefill p50 ms (rounds' range)", "prefill req/s", "cores others used (decode/prefill)"]
     return common.markdown_table(head, rows)
 
 
@@ -506,8 +518,9 @@ def breakdown_table(cells: Sequence[Cell]) -> str:
     for c in cells:
         d = derived(c)
         rows.append([c.label, *(common.ms(d[k]) for k in ("frontend", "directory", "scatter", "compute",
-                                                          "state_return", "merge", "total"))])
-    head = ["cell", "front end", "directory", "scatter", "compute", "state return", "merge", "client p50"]
+                                                          "state_return", "merge", "total")), f"{c.others_cores:.2f}"])
+    head = ["cell", "front end", "directory", "scatter", "compute", "state return", "merge", "client p50",
+            "cores others used"]
     return common.markdown_table(head, rows)
 
 

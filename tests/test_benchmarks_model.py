@@ -91,16 +91,18 @@ KNOWN_STACK = {"frontend_s": 2e-3, "frontend_s_per_byte": 3e-9, "directory_s": 0
                "hop_s_per_byte": 1.5e-9}
 
 
-def synthetic(model, stack, dev, cores, net):
-    """Cells as scaling.py measures them, made by the model itself from known constants."""
+def synthetic(model, stack, dev, share, net):
+    """Cells as scaling.py measures them, made by the model itself from known constants; other
+    processes take 0 or 0.6 of the 2 cores in turn."""
     obs = []
     for p in (model.Problem(n_q=1), model.Problem(n_q=256)):
         cells = [(s, w, f, 1) for w in (1, 2, 4) for s in (1, 2, 4, 8) for f in (2, 4, 8)]
         cells += [(s, 3, 2, 3) for s in (3, 6)]
-        for shards, workers, fanin, nodes in cells:
-            probe = model.Observation("", p, 65536, shards, workers, nodes, fanin, *[0.0] * 7)
-            b = model.request_s(p, 65536, shards, fanin, dev, stack, net if nodes > 1 else None, workers, cores,
-                                probe.remote_shards)
+        for i, (shards, workers, fanin, nodes) in enumerate(cells):
+            others = 0.6 * (i % 2)
+            probe = model.Observation("", p, 65536, shards, workers, nodes, fanin, *[0.0] * 7, others_cores=others)
+            b = model.request_s(p, 65536, shards, fanin, dev, stack, net if nodes > 1 else None, workers,
+                                model.free_cores(share, 2.0, others), probe.remote_shards)
             obs.append(replace(probe, label=f"S={shards} W={workers} f={fanin} n={nodes}", frontend=b.frontend,
                                directory=b.directory, scatter=b.scatter, compute=b.compute,
                                state_return=b.state_return + b.network, merge=b.merge, total=b.total))
@@ -111,10 +113,10 @@ def test_the_fit_recovers_known_constants_from_synthetic_cells(model):
     stack = model.Stack(**KNOWN_STACK)
     dev = model.Device("cpu", 12e9, 90e9, 0.3e-3, 24e9, "test")
     net = model.Network("loopback", 0.5e-3, 2e9, "test")
-    obs = synthetic(model, stack, dev, 1.6, net)
+    obs = synthetic(model, stack, dev, 0.8, net)
     kernel = {"decode": {"gb_per_s": 12.0}, "prefill": {"gflop_per_s": 90.0}}
-    f = model.fit(obs, kernel, max_cores=2.0)
-    assert f.cores == pytest.approx(1.6, abs=0.01)
+    f = model.fit(obs, kernel, machine_cores=2.0)
+    assert f.core_share == pytest.approx(0.8, abs=0.005)
     assert f.cpu.call_s == pytest.approx(0.3e-3, rel=1e-3)
     for name, value in KNOWN_STACK.items():
         assert getattr(f.stack, name) == pytest.approx(value, rel=1e-3, abs=1e-12), name
