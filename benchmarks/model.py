@@ -122,6 +122,7 @@ class Stack:
 
     frontend_s: float = 0.0
     frontend_s_per_byte: float = 0.0
+    worker_call_s: float = 0.0  # per shard call in the worker around the kernel: Python, the plan, views
     directory_s: float = 0.0
     scatter_s: float = 0.0
     scatter_s_per_byte: float = 0.0
@@ -229,11 +230,12 @@ def cpu_share(shards: int, workers: int, cores: float) -> float:
 
 
 def compute_s(p: Problem, n_k: float, shards: int, dev: Device, workers: int | None = None,
-              cores: float | None = None) -> float:
-    """The busiest worker's compute: ``ceil(S / W)`` shards of ``n_k / S`` keys one after the other, at its share."""
+              cores: float | None = None, call_s: float = 0.0) -> float:
+    """The busiest worker's compute: ``ceil(S / W)`` shard calls of ``n_k / S`` keys one after the other
+    (each ``call_s`` of the worker's own plus the kernel), at its share of the cores."""
     w = shards if workers is None else workers
     share = 1.0 if cores is None else cpu_share(shards, w, cores)
-    return math.ceil(shards / w) * shard_compute_s(p, n_k / shards, dev) / share
+    return math.ceil(shards / w) * (call_s + shard_compute_s(p, n_k / shards, dev)) / share
 
 
 def frontend_s(p: Problem, st: Stack) -> float:
@@ -298,7 +300,8 @@ def request_s(p: Problem, n_k: float, shards: int, fanin: int, dev: Device, st: 
               workers: int | None = None, cores: float | None = None, remote_shards: int | None = None) -> Breakdown:
     """The stages of one request as splitkey runs it (the model's equation in the module docstring)."""
     return Breakdown(frontend=frontend_s(p, st), directory=st.directory_s, scatter=scatter_s(p, st),
-                     compute=compute_s(p, n_k, shards, dev, workers, cores), state_return=return_s(p, shards, fanin, st),
+                     compute=compute_s(p, n_k, shards, dev, workers, cores, st.worker_call_s),
+                     state_return=return_s(p, shards, fanin, st),
                      merge=merge_s(p, shards, fanin, st),
                      network=network_s(p, shards, fanin, net, remote_shards, st.remote_merge_bytes))
 
@@ -342,7 +345,7 @@ def group_throughput(p: Problem, n_k: float, shards: int, dev: Device, st: Stack
                      front_ends: int = 1) -> float:
     """Requests per second of one replica group (``shards`` devices holding one copy), all busy:
     ``min(batch / shard pass, front_ends / front-end CPU per request)``."""
-    device = batch / shard_compute_s(p, n_k / shards, dev, batch)
+    device = batch / (st.worker_call_s + shard_compute_s(p, n_k / shards, dev, batch))
     cpu = st.cpu_s(p, shards)
     return device if cpu <= 0 else min(device, front_ends / cpu)
 
@@ -356,7 +359,7 @@ def cpu_throughput(p: Problem, n_k: float, shards: int, workers: int, concurrenc
                    cores: float, latency_s: float) -> float:
     """A closed loop on this machine: bounded by the clients (``c / latency``), by the workers' compute
     threads (``min(W, cores) / compute core-seconds``) and by all cores together (compute + front end)."""
-    work = shards * shard_compute_s(p, n_k / shards, dev)
+    work = shards * (st.worker_call_s + shard_compute_s(p, n_k / shards, dev))
     return min(concurrency / latency_s, min(workers, cores) / work, cores / (work + st.cpu_s(p, shards)))
 
 
@@ -464,8 +467,8 @@ def free_cores(share: float, machine: float, others: float) -> float:
 
 
 def fit_cpu(obs: Sequence[Observation], read_bytes_per_s: float, flops_per_s: float, machine_cores: float,
-            memory_bytes: float) -> tuple[Device, float]:
-    """The per-call constant and the share of the free cores the workers got, from the cells' compute
+            memory_bytes: float) -> tuple[Device, float, float]:
+    """The CPU device, the share of the free cores the workers got and the worker's per-call seconds, from the cells' compute
     (kernel rates fixed: in-process, one thread); least squared log error over a grid of shares.
     Each cell's free cores are the machine's minus what other processes used meanwhile."""
     single = [o for o in obs if o.nodes == 1 and o.compute > 0]
@@ -483,9 +486,9 @@ def fit_cpu(obs: Sequence[Observation], read_bytes_per_s: float, flops_per_s: fl
         if err < best[0]:
             best = (err, call, float(share))
     _, call, share = best
-    dev = Device("this machine's CPU (one worker thread)", read_bytes_per_s, flops_per_s, call, memory_bytes,
-                 "measured here: in-process resident kernel, one thread; call and core share fitted on the cells")
-    return dev, share
+    dev = Device("this machine's CPU (one worker thread)", read_bytes_per_s, flops_per_s, 0.0, memory_bytes,
+                 "measured here: in-process resident kernel, one thread")
+    return dev, share, call
 
 
 def fit(obs: Sequence[Observation], kernel: dict, machine_cores: float, memory_bytes: float = 24e9) -> Fit:
@@ -493,8 +496,8 @@ def fit(obs: Sequence[Observation], kernel: dict, machine_cores: float, memory_b
     on the multi-node cells; least squares of errors relative to each cell's total, coefficients
     >= 0. ``kernel``: ``{"decode": {"gb_per_s"}, "prefill": {"gflop_per_s"}}``."""
     notes = []
-    cpu, share = fit_cpu(obs, kernel["decode"]["gb_per_s"] * 1e9, kernel["prefill"]["gflop_per_s"] * 1e9,
-                         machine_cores, memory_bytes)
+    cpu, share, call = fit_cpu(obs, kernel["decode"]["gb_per_s"] * 1e9, kernel["prefill"]["gflop_per_s"] * 1e9,
+                               machine_cores, memory_bytes)
     one = [o for o in obs if o.nodes == 1]
     rel, rel_one = [1 / o.total for o in obs], [1 / o.total for o in one]
     fe = nnls([[1.0] * len(obs), [http_bytes(o.problem) for o in obs]], [o.frontend for o in obs], rel)
@@ -507,7 +510,7 @@ def fit(obs: Sequence[Observation], kernel: dict, machine_cores: float, memory_b
                [(1 - lc) * tree_depth(o.shards, o.fanin) for lc, o in zip(local, one)],
                [(1 - lc) * tree_depth(o.shards, o.fanin) * o.fanin * state_bytes(o.problem) for lc, o in zip(local, one)]],
               [o.merge for o in one], rel_one)
-    stack = Stack(frontend_s=fe[0], frontend_s_per_byte=fe[1],
+    stack = Stack(frontend_s=fe[0], frontend_s_per_byte=fe[1], worker_call_s=call,
                   directory_s=statistics.median(o.directory for o in obs) if obs else 0.0,
                   scatter_s=sc[0], scatter_s_per_byte=sc[1], return_s=ret[0], dispatch_s_per_shard=ret[1],
                   return_s_per_byte=ret[2], merge_s=mg[0], merge_s_per_byte=mg[1], hop_s=mg[2], hop_s_per_byte=mg[3])
@@ -597,7 +600,8 @@ def fit_table(f: Fit, kernel_note: str) -> str:
     rows = [
         ["decode read rate, one worker thread", f"{f.cpu.read_bytes_per_s / 1e9:.2f} GB/s", kernel_note],
         ["prefill flop rate, one worker thread", f"{f.cpu.flops_per_s / 1e9:.1f} GFLOP/s", kernel_note],
-        ["per kernel call (CPU)", f"{f.cpu.call_s * us:.0f} us", "fitted: probes' compute seconds"],
+        ["per shard call in the worker (Python, plan)", f"{s.worker_call_s * us:.0f} us",
+         "fitted: cells' compute (with the core share)"],
         ["workers' share of the free cores", f"{f.core_share:.2f}",
          f"fitted: cells' compute; free = {f.machine_cores:g} cores - what other processes used (per cell)"],
         ["front end, per request", f"{s.frontend_s * us:.0f} us", "fitted: client time - scatter - compute - merge"],
@@ -656,7 +660,7 @@ def prediction_rows(p: Problem, dev: Device, st: Stack, net: Network, counts: Se
             fanin, built = best_fanin(p, n_k, g, dev, st, net)
             floor = collective_s(p, n_k, g, 2, dev, net)
             row += [f"{fmt_s(built.total)} (f={fanin})", fmt_s(floor.total),
-                    f"{1 / shard_compute_s(p, n_k / g, dev):.0f}"]
+                    f"{1 / (st.worker_call_s + shard_compute_s(p, n_k / g, dev)):.0f}"]
         rows.append(row)
     return rows
 
@@ -678,8 +682,14 @@ def argmin_g(fn: Callable[[int], float], lo: int, upto: int = 4096) -> int:
     return min(range(lo, upto + 1), key=fn)
 
 
+def software_s(b: Breakdown) -> float:
+    """The stack's own share of a request: everything but the compute, the merge and the network."""
+    return b.frontend + b.directory + b.scatter + b.state_return
+
+
 def crossover_row(p: Problem, n_k: float, dev: Device, st: Stack, net: Network) -> list[str]:
-    """One context's crossovers: devices its memory needs, where each cost passes the compute, the fastest size."""
+    """One context's crossovers: the devices its memory needs; from how many devices the software,
+    and the merge tree with the network, cost more than the compute; the fastest device count."""
     lo = devices_for_memory(p, n_k, dev)
 
     def built(g: int, f: int = 2) -> Breakdown:
@@ -696,10 +706,11 @@ def crossover_row(p: Problem, n_k: float, dev: Device, st: Stack, net: Network) 
 
     best = argmin_g(fastest, lo)
     return [tokens_label(n_k), f"{lo} ({devices_for_memory(p, n_k, dev, MODEL_LAYERS)} for {MODEL_LAYERS} layers)",
+            show(first_g(lambda g: g >= lo and software_s(built(g)) > built(g).compute)),
             show(first_g(lambda g: g >= lo and built(g).merge + built(g).network > built(g).compute)),
-            show(first_g(lambda g: g >= lo and built(g).state_return > built(g).compute)),
+            f"{best} ({fmt_s(fastest(best))})",
             show(first_g(lambda g: g >= lo and floor(g).network + floor(g).merge > floor(g).compute)),
-            f"{best} ({fmt_s(fastest(best))})", str(argmin_g(lambda g: floor(g).total, lo))]
+            f"{(fb := argmin_g(lambda g: floor(g).total, lo))} ({fmt_s(floor(fb).total)})"]
 
 
 def crossover_rows(p: Problem, dev: Device, st: Stack, net: Network) -> list[list[str]]:
@@ -707,10 +718,25 @@ def crossover_rows(p: Problem, dev: Device, st: Stack, net: Network) -> list[lis
 
 
 def crossover_table(p: Problem, dev: Device, st: Stack, net: Network) -> str:
-    head = ["context", "devices it needs (memory)", "as built: merge + network > compute from",
-            "as built: dispatch + return > compute from", "floor: network + merge > compute from",
-            "as built: fastest at (latency)", "floor: fastest at"]
+    head = ["context", "devices its K+V needs", "as built: software > compute from",
+            "as built: merge + network > compute from", "as built: fastest at (latency)",
+            "floor: network + merge > compute from", "floor: fastest at (latency)"]
     return common.markdown_table(head, crossover_rows(p, dev, st, net))
+
+
+def break_even_lines(p: Problem, dev: Device, st: Stack, net: Network) -> list[str]:
+    """The same crossovers as tokens per device: where a fixed cost equals one shard's compute."""
+    per_token_s = kv_bytes(p, 1) / dev.read_bytes_per_s
+    fixed = software_s(request_s(p, 1, 1, 2, dev, st, net)) + st.worker_call_s
+    level = transfer_s(query_bytes(p), net) + transfer_s(2 * state_bytes(p), net) + GPU_HOP_S
+    rate = f"{dev.read_bytes_per_s / 1e12:.1f} TB/s"
+    token = f"one token of one layer costs {per_token_s * 1e9:.2f} ns of {dev.name} compute ({rate})"
+    software = (f"as built, the software's fixed cost per request ({fmt_s(fixed)}) is the compute of "
+                f"{fixed / per_token_s / 1e6:.1f}M tokens per device: shards smaller than that are software-bound")
+    tree = (f"collective floor, one tree level each way ({fmt_s(level)} on {net.name}) is the compute of "
+            f"{level / per_token_s / 1e3:.0f}K tokens per device: below that, one more level of devices costs "
+            "more than it saves")
+    return [token, software, tree]
 
 
 def capacity_line(p: Problem, dev: Device) -> str:
@@ -726,7 +752,7 @@ def replica_rows(p: Problem, dev: Device, st: Stack, net: Network, targets: Sequ
     for n_k in CONTEXTS:
         g = devices_for_memory(p, n_k, dev)
         for batch in batches:
-            dev_only = batch / shard_compute_s(p, n_k / g, dev, batch)
+            dev_only = batch / (st.worker_call_s + shard_compute_s(p, n_k / g, dev, batch))
             fe = 1 / st.cpu_s(p, g) if st.cpu_s(p, g) > 0 else float("inf")
             rows.append([tokens_label(n_k), g, batch, f"{dev_only:.0f}", f"{fe:.0f}",
                          *(f"{replicas_needed(t, dev_only)} x {g} GPU + {math.ceil(t / fe)} FE" for t in targets)])
@@ -739,32 +765,38 @@ def replica_table(p: Problem, dev: Device, st: Stack, net: Network) -> str:
     return common.markdown_table(head, replica_rows(p, dev, st, net))
 
 
-def comparison_rows(p: Problem, dev: Device, st: Stack, net: Network, n_k: float = 1e6,
-                    counts: Sequence[int] = (8, 128)) -> list[list[str]]:
-    q, s, kv = query_bytes(p), state_bytes(p), kv_bytes(p, n_k)
-    one_device = "fits" if devices_for_memory(p, n_k, dev) == 1 else "does not fit"
+COMPARED = ((1e6, 8), (1e6, 128), (1e8, 128))
 
-    def at(fn: Callable[[int], float]) -> list[str]:
-        return [fmt_s(fn(g)) for g in counts]
+
+def comparison_rows(p: Problem, dev: Device, st: Stack, net: Network,
+                    cases: Sequence[tuple[float, int]] = COMPARED) -> list[list[str]]:
+    q, s = query_bytes(p), state_bytes(p)
+
+    def at(fn: Callable[[float, int], float]) -> list[str]:
+        return [fmt_s(fn(n_k, g)) for n_k, g in cases]
+
+    def one_device(n_k: float, g: int) -> float:
+        return shard_compute_s(p, n_k, dev) if devices_for_memory(p, n_k, dev) == 1 else math.inf
 
     return [
         ["splitkey as built (Ray, HTTP)", "q out, states back; tree merge at the front end or on the workers",
-         f"G x ({q} + {s}) B", *at(lambda g: best_fanin(p, n_k, g, dev, st, net)[1].total)],
+         f"G x ({q} + {s}) B", *at(lambda n, g: best_fanin(p, n, g, dev, st, net)[1].total)],
         ["tree reduction (Tree Attention; splitkey's collective floor)", "q broadcast, states reduced over a tree",
-         f"2 x log2(G) hops of {q} B / {2 * s} B", *at(lambda g: collective_s(p, n_k, g, 2, dev, net).total)],
+         f"log2(G) hops of {q} B and of {2 * s} B", *at(lambda n, g: collective_s(p, n, g, 2, dev, net).total)],
         ["states passed along a ring", "states, G - 1 sequential hops", f"(G - 1) x {s} B",
-         *at(lambda g: ring_states_s(p, n_k, g, dev, net))],
-        ["Ring Attention pattern (KV blocks rotate)", "K+V blocks, G - 1 steps, overlapped with compute",
-         f"(G - 1)/G x {kv / 1e9:.2f} GB per device", *at(lambda g: ring_kv_s(p, n_k, g, dev, net))],
+         *at(lambda n, g: ring_states_s(p, n, g, dev, net))],
+        ["Ring Attention pattern (K+V blocks rotate)", "K+V blocks, G - 1 steps, overlapped with compute",
+         "(G - 1) / G of the K+V per device", *at(lambda n, g: ring_kv_s(p, n, g, dev, net))],
         ["move the cache (fetch K+V to the query's device)", "K+V to one device, then one pass",
-         f"(G - 1)/G x {kv / 1e9:.2f} GB into one device", *at(lambda g: move_cache_s(p, n_k, g, dev, net))],
-        [f"Flash-Decoding (one device, split-K within it; context {one_device})", "nothing off the device", "0",
-         *([fmt_s(shard_compute_s(p, n_k, dev))] * len(counts))],
+         "(G - 1) / G of the K+V into one device",
+         *at(lambda n, g: move_cache_s(p, n, g, dev, net) if devices_for_memory(p, n, dev) == 1 else math.inf)],
+        ["Flash-Decoding (one device, split-K within it)", "nothing off the device", "0", *at(one_device)],
     ]
 
 
 def comparison_table(p: Problem, dev: Device, st: Stack, net: Network) -> str:
-    head = ["scheme", "what moves per decode step", "bytes per step", "1M tokens, 8 GPUs", "1M tokens, 128 GPUs"]
+    head = ["scheme", "what moves per decode step", "bytes per step",
+            *(f"{tokens_label(n_k)} tokens, {g} GPUs" for n_k, g in COMPARED)]
     return common.markdown_table(head, comparison_rows(p, dev, st, net))
 
 
@@ -870,7 +902,8 @@ def blocks(scaling: dict, f: Fit, obs: Sequence[Observation], kernel_note: str, 
     p, st = DECODE_BF16, f.stack
     errs = error_summary(obs, f)
     machine = "; ".join(line.removeprefix("- ") for line in scaling.get("machine", []))
-    source = (f"Generated by `benchmarks/model.py` from `{scaling.get('command', 'benchmarks/scaling.py')}` "
+    command = scaling.get("command", "benchmarks/scaling.py").replace(str(ROOT) + "/", "")
+    source = (f"Generated by `benchmarks/model.py` from `{command}` "
               f"({scaling.get('date', '?')}; {machine}).")
     summary = (f"Median |error| {errs['median_abs_error']:.0%}, largest {errs['max_abs_error']:.0%} over {len(obs)} "
                "cells (client p50 against the model's total).")
@@ -882,9 +915,10 @@ def blocks(scaling: dict, f: Fit, obs: Sequence[Observation], kernel_note: str, 
         "predictions": "\n".join([f"{gpu.name}, {NET_400.name}; {PREDICTIONS_NOTE}", "",
                                   prediction_table(p, gpu, st, NET_400), "", f"The same on {NET_100.name}:", "",
                                   prediction_table(p, gpu, st, NET_100)]),
-        "crossovers": "\n".join([f"{gpu.name}, {NET_400.name}, fan-in 2 unless said:", "",
+        "crossovers": "\n".join([f"{gpu.name}, {NET_400.name}, fan-in 2 (the fastest fan-in for 'fastest at'):", "",
                                  crossover_table(p, gpu, st, NET_400), "", f"{H100.name}, {NET_100.name}:", "",
-                                 crossover_table(p, H100, st, NET_100)]),
+                                 crossover_table(p, H100, st, NET_100), "",
+                                 *(f"- {line}" for line in break_even_lines(p, gpu, st, NET_400))]),
         "replicas": "\n".join([f"{gpu.name}, {REPLICAS_NOTE}", "", replica_table(p, gpu, st, NET_400)]),
         "comparison": "\n".join([f"Predicted by this model for the decode shape, {gpu.name}, {NET_400.name}:", "",
                                  comparison_table(p, gpu, st, NET_400)]),

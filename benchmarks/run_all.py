@@ -77,15 +77,15 @@ NAMES = tuple(b.name for b in BENCHES)
 def command(bench: Bench, out: Path, quick: bool) -> list[str]:
     """The benchmark's command line: its own arguments, then where its JSON and report go."""
     return [sys.executable, bench.script, *(bench.quick if quick else bench.full),
-            "--json", str(out / f"{bench.name}.json"), "--out", str(out / f"{bench.name}.md")]
+            "--json", display_path(out / f"{bench.name}.json"), "--out", display_path(out / f"{bench.name}.md")]
 
 
 def model_command(out: Path, doc_root: Path | None) -> list[str]:
     """``benchmarks/model.py`` on this run's scaling.json; with ``doc_root``, it rewrites SCALING.md and the plot."""
-    cmd = [sys.executable, "benchmarks/model.py", "--scaling", str(out / "scaling.json"), "--out", str(out / "model.md"),
-           "--json", str(out / "model.json")]
+    cmd = [sys.executable, "benchmarks/model.py", "--scaling", display_path(out / "scaling.json"),
+           "--out", display_path(out / "model.md"), "--json", display_path(out / "model.json")]
     if doc_root is not None:
-        cmd += ["--doc", str(doc_root / "docs" / "SCALING.md"), "--plot", str(doc_root / PLOT)]
+        cmd += ["--doc", display_path(doc_root / "docs" / "SCALING.md"), "--plot", display_path(doc_root / PLOT)]
     return cmd
 
 
@@ -116,7 +116,7 @@ def block(run: dict, report: str, results: str, machine: Sequence[str]) -> str:
     where = "; ".join(line.removeprefix("- ") for line in machine)
     head = [f"Run {run['date']} ({run['seconds']:.0f} s, exit {run['rc']}); raw results `{results}/{run['name']}.json`.",
             "", f"Machine: {where}; load average before {run['load_before']}, after {run['load_after']}.", ""]
-    return "\n".join(head) + demote(report.strip())
+    return "\n".join(head) + "\n" + demote(report.strip().replace(str(ROOT) + os.sep, ""))
 
 
 def ensure_section(text: str, benches: Sequence[Bench] = BENCHES) -> str:
