@@ -19,8 +19,8 @@ keys, ``W`` workers, merge fan-in ``f``::
     T = frontend + directory + scatter + compute + return + merge (+ network)
     frontend  = a_fe + b_fe * (q_bytes + out_bytes)             parse, encode, HTTP, client
     scatter   = a_sc + b_sc * q_bytes                           q into the object store, jobs
-    compute   = ceil(S / W) * shard(n_k / S) / share            share = min(1, cores / min(S, W))
-    shard(n)  = call + max(kv_bytes(n) / read_rate, flops(n) / flop_rate)
+    compute   = ceil(S / W) * (c_w + shard(n_k / S)) / share   share = min(1, cores / min(S, W))
+    shard(n)  = call + max(kv_bytes(n) / read_rate, batch * flops(n) / flop_rate)
     return    = a_ret + dispatch * S + [local] b_ret * S * state_bytes
     merge     = [local]  a_m + b_m * S * state_bytes
                 [remote] a_m + depth * (hop + b_hop * f * state_bytes),  depth = ceil(log_f S)
@@ -601,7 +601,7 @@ def fit_table(f: Fit, kernel_note: str) -> str:
         ["decode read rate, one worker thread", f"{f.cpu.read_bytes_per_s / 1e9:.2f} GB/s", kernel_note],
         ["prefill flop rate, one worker thread", f"{f.cpu.flops_per_s / 1e9:.1f} GFLOP/s", kernel_note],
         ["per shard call in the worker (Python, plan)", f"{s.worker_call_s * us:.0f} us",
-         "fitted: cells' compute (with the core share)"],
+         "fitted: cells' compute (Server-Timing compute - state return), with the core share"],
         ["workers' share of the free cores", f"{f.core_share:.2f}",
          f"fitted: cells' compute; free = {f.machine_cores:g} cores - what other processes used (per cell)"],
         ["front end, per request", f"{s.frontend_s * us:.0f} us", "fitted: client time - scatter - compute - merge"],
@@ -609,7 +609,8 @@ def fit_table(f: Fit, kernel_note: str) -> str:
         ["directory lookup", f"{s.directory_s * us:.0f} us", "probe: the directory actor's get_many"],
         ["scatter (q put, jobs)", f"{s.scatter_s * us:.0f} us + {per(s.scatter_s_per_byte, 1e9)} ms/MB of q",
          "fitted: Server-Timing scatter - lookup"],
-        ["return, per request", f"{s.return_s * us:.0f} us", "fitted: Server-Timing compute - critical compute"],
+        ["return, per request", f"{s.return_s * us:.0f} us",
+         "fitted: the shard probe's wall time - its busiest worker's compute"],
         ["dispatch, per shard", f"{s.dispatch_s_per_shard * us:.0f} us", "same fit"],
         ["state return, per MB of states", f"{per(s.return_s_per_byte, 1e9)} ms/MB", "same fit (local merges)"],
         ["merge at the front end", f"{s.merge_s * us:.0f} us + {per(s.merge_s_per_byte, 1e9)} ms/MB of states",
