@@ -509,8 +509,9 @@ def plan(args: argparse.Namespace) -> tuple[list[InlineCase], list[InlineCase], 
     return sweep, small, ingest
 
 
-def run(args: argparse.Namespace, workdir: Path) -> tuple[str, dict[str, Any]]:
-    """Measure the chosen sections, starting only the servers they need; the report and the raw results."""
+def run(args: argparse.Namespace, workdir: Path, raw: dict[str, Any] | None = None) -> str:
+    """Measure the chosen sections, starting only the servers they need; the report. ``raw``, when
+    given, receives the raw results (every request, every stage) for ``--json``."""
     notes = [wait_for_quiet(not args.no_wait and not args.quick), f"- load average before: {load_average()}"]
     sweep, small, ingest = plan(args)
     measure_inprocess(sweep + small, args.repeat, args.seed)
@@ -528,10 +529,11 @@ def run(args: argparse.Namespace, workdir: Path) -> tuple[str, dict[str, Any]]:
                 for case in ingest:
                     measure_ingest_bare(url, variant, case, bodies[case.mib], args.repeat)
     notes.append(f"- load average after: {load_average()}")
-    raw = {"benchmark": "service", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-           "command": " ".join(["benchmarks/service.py", *args.argv]), "machine": machine_lines(), "notes": notes,
-           "sweep": sweep, "small": small, "ingest": ingest}
-    return report(args, sweep, small, ingest, notes), raw
+    if raw is not None:
+        raw.update({"benchmark": "service", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                    "command": " ".join(["benchmarks/service.py", *args.argv]), "machine": machine_lines(),
+                    "notes": notes, "sweep": sweep, "small": small, "ingest": ingest})
+    return report(args, sweep, small, ingest, notes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -539,7 +541,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_on_sigterm()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="splitkey-bench-") as tmp:
-        text, raw = run(args, Path(tmp))
+        raw: dict[str, Any] = {}
+        text = run(args, Path(tmp), raw)
     text += f"\nWhole run: {time.monotonic() - t0:.0f} s.\n"
     if args.json:
         write_json(args.json, raw)

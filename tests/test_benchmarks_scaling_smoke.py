@@ -64,8 +64,10 @@ def test_the_model_fits_the_run_and_rewrites_its_blocks(quick_run):
     assert run.returncode == 0, run.stderr[-3000:]
     text = doc.read_text()
     check = text.split("<!-- model:check:begin -->")[1].split("<!-- model:check:end -->")[0]
-    assert "| cell | measured ms | model ms | error |" in check
-    assert check.count("\n| 1 node, 2 workers") == 6  # one row per cell
+    cells, loops = check.split("Closed loops:")
+    assert "| cell | measured ms | model ms | error |" in cells
+    assert cells.count("\n| 1 node, 2 workers") == 6  # one row per cell
+    assert loops.count("\n| 1 node, 2 workers") == 2  # decode and prefill at shards = workers
     for name in ("fit", "inputs", "predictions", "crossovers", "replicas", "comparison"):
         inside = text.split(f"<!-- model:{name}:begin -->")[1].split(f"<!-- model:{name}:end -->")[0]
         assert "| --- |" in inside, name
