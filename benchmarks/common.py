@@ -5,11 +5,14 @@
   :class:`Summary` and :func:`summarize`, :func:`ms`, :func:`ms_spread`,
   :func:`overhead`, :func:`met`;
 * the report: :func:`markdown_table`, :func:`machine_lines` (with :func:`cpu_model`,
-  :func:`meminfo`, :func:`load_average`), :func:`emit_report`;
+  :func:`meminfo`, :func:`load_average`), :func:`emit_report`; raw results: :func:`jsonable`, :func:`write_json`; generated blocks of documents
+  between markers: :func:`marker`, :func:`replace_marked`;
 * Server-Timing stages: ``STAGES``, :class:`Record`, :func:`median_stages`, :func:`stage_cells`;
 * in-process runs: :func:`blas_threads`, :func:`time_calls`, :func:`max_diff`, :func:`check_same`;
 * waiting until the shared machine is quiet: :func:`wait_for_quiet` (with
-  :func:`others_running`, :func:`cpu_times`, :func:`busy_fraction`, :func:`cpu_busy`);
+  :func:`others_running`, :func:`cpu_times`, :func:`busy_fraction`, :func:`cpu_busy`); what
+  other processes took meanwhile: :func:`cpu_sample`, :func:`others_cores` (with
+  :func:`process_tree_cpu_s`);
 * server processes: :func:`free_port`, :func:`http_status`, :func:`served`,
   :func:`stop_group`, :func:`splitkey_server`, :func:`raise_on_sigterm`.
 
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import platform
 import signal
@@ -145,6 +150,47 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join(lines)
 
 
+def marker(name: str, end: bool = False) -> str:
+    """The HTML comment that opens (or closes) the generated block ``name`` of a document."""
+    return f"<!-- {name}:{'end' if end else 'begin'} -->"
+
+
+def replace_marked(text: str, name: str, body: str) -> str:
+    """``text`` with what lies between the markers of block ``name`` replaced by ``body``.
+
+    The markers stay, so the next run finds them; everything outside them is kept as it is.
+    Raises ValueError when the block's markers are missing, repeated or out of order.
+    """
+    begin, end = marker(name), marker(name, end=True)
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"the document must hold {begin} once, then {end} once")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{body.strip()}\n{end}{tail}"
+
+
+def jsonable(obj: Any) -> Any:
+    """Dataclasses (their fields), dicts, lists and numbers as JSON values; numpy scalars as
+    numbers; numpy arrays (answers kept for checks) as None: raw timings, not data."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return None
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """``data`` (through :func:`jsonable`) as indented JSON at ``path``, parent folders created."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(jsonable(data), indent=1))
+
+
 def emit_report(text: str, out: str | None) -> None:
     """Print the report, and also write it to ``out`` (parent folders created) when given."""
     print(text)
@@ -168,6 +214,44 @@ def median_stages(records: Sequence[dict[str, float]]) -> dict[str, float]:
     """Median of each stage over the records that have it."""
     names = {n for r in records for n in r}
     return {n: statistics.median(r[n] for r in records if n in r) for n in names}
+
+
+def critical_seconds(shard_s: Sequence[float], workers: Sequence[str]) -> float:
+    """The busiest worker's summed compute seconds (a worker runs its shards one after the other)."""
+    per_worker: dict[str, float] = {}
+    for w, s in zip(workers, shard_s):
+        per_worker[w] = per_worker.get(w, 0.0) + s
+    return max(per_worker.values())
+
+
+def model_stages(requests: Sequence[tuple[float, dict[str, float]]], directory_s: Sequence[float],
+                 probe_wall_s: Sequence[float], probe_shard_s: Sequence[Sequence[float]],
+                 probe_workers: Sequence[str], rounds: Sequence[float] = ()) -> dict[str, float]:
+    """One cell's stages as the cost model (benchmarks/model.py) names them, in seconds (medians).
+
+    ``requests``: ``(client seconds, Server-Timing stages)``; the probes: directory lookups,
+    and rounds of every shard's compute called at once (wall seconds, each shard's reported
+    compute seconds, its worker). Server-Timing does not split two of the model's stages, so:
+
+    * directory = the lookups' median; scatter = Server-Timing scatter minus that;
+    * state return = the probes' wall minus their busiest worker's compute (dispatch, queueing,
+      the states' way back: both measured in the same call, never negative);
+      compute = Server-Timing compute minus that state return;
+    * front end = client seconds minus scatter, compute and merge (parse, encode, HTTP, client);
+    * total = the median of ``rounds`` (each round's median client seconds), else of every request.
+      ``critical`` is the probes' own busiest-worker compute.
+    """
+    nan = float("nan")
+    st = median_stages([stages for _, stages in requests]) if requests else {}
+    front = [sec - sum(stages.get(x, 0.0) for x in ("scatter", "compute", "merge")) for sec, stages in requests]
+    directory = statistics.median(directory_s) if directory_s else nan
+    critical = [critical_seconds(s, probe_workers) for s in probe_shard_s]
+    back = statistics.median(max(0.0, w - c) for w, c in zip(probe_wall_s, critical)) if critical else nan
+    return {"frontend": statistics.median(front) if front else nan, "directory": directory,
+            "scatter": st.get("scatter", nan) - directory, "compute": st.get("compute", nan) - back,
+            "state_return": back, "merge": st.get("merge", nan),
+            "total": statistics.median(rounds or [sec for sec, _ in requests]) if requests else nan,
+            "critical": statistics.median(critical) if critical else nan}
 
 
 def stage_cells(stages: dict[str, float]) -> list[str]:
@@ -276,6 +360,48 @@ def cpu_busy(sample_s: float = 5.0) -> float:
     a = cpu_times()
     time.sleep(sample_s)
     return busy_fraction(a, cpu_times())
+
+
+def process_tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) spent so far by process ``root`` and its live descendants (/proc)."""
+    parent: dict[int, int] = {}
+    spent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{entry}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ... utime, stime
+            parent[int(entry)] = int(fields[1])
+            spent[int(entry)] = int(fields[11]) + int(fields[12])
+    inside = {root}
+    changed = True
+    while changed:  # the descendants: processes whose parent is inside, to a fixed point
+        grown = {pid for pid, ppid in parent.items() if ppid in inside} - inside
+        inside |= grown
+        changed = bool(grown)
+    return sum(spent.get(pid, 0) for pid in inside) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    """All CPUs' busy seconds and this process tree's CPU seconds at one moment."""
+
+    busy_s: float
+    ours_s: float
+    t: float
+
+
+def cpu_sample(root: int | None = None) -> CpuSample:
+    times = cpu_times()
+    busy = 0.0 if times is None else (times[1] - times[0]) / os.sysconf("SC_CLK_TCK")
+    return CpuSample(busy, process_tree_cpu_s(os.getpid() if root is None else root), time.monotonic())
+
+
+def others_cores(a: CpuSample, b: CpuSample) -> float:
+    """Cores other processes than this tree kept busy between two samples (0 when unknown)."""
+    if b.t <= a.t:
+        return 0.0
+    return max(0.0, (b.busy_s - a.busy_s) - (b.ours_s - a.ours_s)) / (b.t - a.t)
 
 
 def wait_for_quiet(enabled: bool, poll_s: float = 30.0, max_s: float = 1200.0, pattern: str = QUIET_PATTERN,

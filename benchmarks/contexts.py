@@ -364,6 +364,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-wait", action="store_true", help="do not wait for benchmarks/kernel.py to finish")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--out", default=None, help="also write the markdown report here")
+    p.add_argument("--json", default=None, help="also write the raw results here (every request, every stage)")
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     args.levels = [common.positive(x) for x in args.levels.split(",") if x.strip()]
@@ -391,6 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes += [f"- {r.label}: {r.dtype} (float32 would need about "
               f"{common.bytes_label(peak_bytes(r.n_k, 'float32') + HEADROOM)} free)"
               for r in results if r.dtype != args.dtype]
+    if args.json:
+        common.write_json(args.json, {"benchmark": "contexts", "command": " ".join(["benchmarks/contexts.py", *args.argv]),
+                                      "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                                      "machine": common.machine_lines(), "notes": notes, "results": results})
     common.emit_report(report(args, results, notes), args.out)
     return 0
 

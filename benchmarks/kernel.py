@@ -49,6 +49,7 @@ import argparse
 import contextlib
 import datetime
 import gc
+import json
 import math
 import os
 import platform
@@ -101,6 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtypes", default="float32,bfloat16,float16",
                    help="decode K/V dtypes, comma-separated (default float32,bfloat16,float16)")
     p.add_argument("--out", default=None, help="also write the markdown report here (e.g. docs/kernel_bench.md)")
+    p.add_argument("--json", default=None, help="also write the raw timings here (benchmarks/model.py reads them)")
     args = p.parse_args(argv)
     args.dtypes = [dtype_of(name.strip()).name for name in args.dtypes.split(",") if name.strip()]
     if args.quick:
@@ -514,6 +516,25 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
     return "\n".join(lines) + "\n"
 
 
+def row_json(row: Row, **extra: Any) -> dict[str, Any]:
+    """One case's raw timings (seconds per implementation) and the resident kernel's median."""
+    resident = row.cells.get("resident")
+    return {"label": row.label, "work": row.work, **extra, "skipped": row.skipped, "two_phases": row.two_phases,
+            "max_diff": row.max_diff, "seconds": {name: cell.seconds for name, cell in row.cells.items()},
+            "resident_s": resident.median if resident is not None else None}
+
+
+def to_json(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[float, Cell]], decode: list[Row],
+            prefill: list[Row], torch: Any) -> dict[str, Any]:
+    """Everything the report shows, raw: ``kv_bytes`` of each decode case, ``flops`` of each prefill case."""
+    return {"benchmark": "kernel", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": " ".join(["benchmarks/kernel.py", *argv]), "machine": machine(torch), "threads": args.threads,
+            "repeat": args.repeat,
+            "limits": {name: {"work": work, "seconds": cell.seconds} for name, (work, cell) in limits.items()},
+            "decode": [row_json(r, n_k=n_k, kv_bytes=r.work) for n_k, r in zip(args.sizes, decode)],
+            "prefill": [row_json(r, n_q=args.prefill["n_q"], n_k=args.prefill["n_k"], flops=r.work) for r in prefill]}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -530,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         prefill.append(run_prefill(True, args, torch))
     text = report(args, argv, limits, decode, prefill, torch)
     text += f"\nTotal run time: {time.perf_counter() - t0:.0f} s.\n"
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(to_json(args, argv, limits, decode, prefill, torch), indent=1))
     emit_report(text, args.out)
     return 0
 

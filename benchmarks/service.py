@@ -94,6 +94,7 @@ from benchmarks.common import (
     summarize,
     time_calls,
     wait_for_quiet,
+    write_json,
 )
 from service.client import Client
 from service.client.loadtest import Level, run_level
@@ -486,6 +487,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-wait", action="store_true", help="do not wait for benchmarks/kernel.py to finish")
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--out", default=None, help="also write the markdown report here")
+    p.add_argument("--json", default=None, help="also write the raw results here (every request, every stage)")
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     if args.quick:
@@ -507,8 +509,9 @@ def plan(args: argparse.Namespace) -> tuple[list[InlineCase], list[InlineCase], 
     return sweep, small, ingest
 
 
-def run(args: argparse.Namespace, workdir: Path) -> str:
-    """Measure the chosen sections, starting only the servers they need; the report."""
+def run(args: argparse.Namespace, workdir: Path, raw: dict[str, Any] | None = None) -> str:
+    """Measure the chosen sections, starting only the servers they need; the report. ``raw``, when
+    given, receives the raw results (every request, every stage) for ``--json``."""
     notes = [wait_for_quiet(not args.no_wait and not args.quick), f"- load average before: {load_average()}"]
     sweep, small, ingest = plan(args)
     measure_inprocess(sweep + small, args.repeat, args.seed)
@@ -526,6 +529,10 @@ def run(args: argparse.Namespace, workdir: Path) -> str:
                 for case in ingest:
                     measure_ingest_bare(url, variant, case, bodies[case.mib], args.repeat)
     notes.append(f"- load average after: {load_average()}")
+    if raw is not None:
+        raw.update({"benchmark": "service", "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                    "command": " ".join(["benchmarks/service.py", *args.argv]), "machine": machine_lines(),
+                    "notes": notes, "sweep": sweep, "small": small, "ingest": ingest})
     return report(args, sweep, small, ingest, notes)
 
 
@@ -534,8 +541,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_on_sigterm()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="splitkey-bench-") as tmp:
-        text = run(args, Path(tmp))
+        raw: dict[str, Any] = {}
+        text = run(args, Path(tmp), raw)
     text += f"\nWhole run: {time.monotonic() - t0:.0f} s.\n"
+    if args.json:
+        write_json(args.json, raw)
     emit_report(text, args.out)
     return 0
 
