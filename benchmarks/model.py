@@ -141,7 +141,7 @@ class Stack:
                 + self.scatter_s_per_byte * query_bytes(p) + self.dispatch_s_per_shard * shards + self.merge_s)
 
 
-# Assumed hardware, never measured here (docs/GPU.md: no GPU run so far; /work/shared/NOTES.md).
+# Assumed hardware, never measured here (docs/GPU.md: no GPU run so far; the copy rate was read on a lent H200 by an earlier session).
 H200 = Device("H200", read_bytes_per_s=4.3e12, flops_per_s=989e12 * 0.6, call_s=10e-6, memory_bytes=141e9,
               source=("assumed: HBM3e 4.8 TB/s spec; decode streams at the 4.3 TB/s a device-to-device copy "
                       "moved on the lent H200 (field notes); 989 TFLOP/s dense bf16 spec at 60%; 10 us per call"))
