@@ -12,16 +12,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from merge import empty, finalize
 from service.cluster.orchestrator import Job, Orchestrator, inline_shard_count, shard_bounds
 from service.cluster.pool import InlineWork, WorkerPool
 from service.contexts.service import ContextService, Resolved
-from service.errors import InvalidTensor
+from service.errors import ContextLost, InvalidTensor, WorkersUnavailable
 from service.metrics import Timings
 from service.settings import ServiceSettings
 from service.wire.request import AttentionRequest
 from workers.dtypes import accumulation_dtype
 from workers.problem import Arange, check_positions, end_of, last_positions
+from workers.store import RecordStale
 from workers.tasks import ShardQuery
+
 
 
 def union_positions(req: AttentionRequest, next_pos: int) -> tuple[Any, Any]:
@@ -39,6 +42,13 @@ def union_positions(req: AttentionRequest, next_pos: int) -> tuple[Any, Any]:
         raise InvalidTensor(str(exc)) from None
 
 
+def settled(exc: RecordStale) -> WorkersUnavailable:
+    """What a client sees of a stale read that is not run again: a record read from the directory is
+    never older than one a worker was told is committed, so this is a write landing during the
+    query; the client may send it again (503)."""
+    return WorkersUnavailable(f"the context changed while the query read it ({exc}); send it again")
+
+
 class AttentionService:
     def __init__(self, settings: ServiceSettings, pool: WorkerPool, orchestrator: Orchestrator,
                  contexts: ContextService) -> None:
@@ -48,13 +58,37 @@ class AttentionService:
         self.contexts = contexts
 
     async def attention(self, req: AttentionRequest, timings: Timings) -> tuple[Any, Any]:
+        """``(out, lse)`` of the request; a query that read a stale cached record runs again from the directory
+        (its stages then add both runs' time)."""
         t0 = time.perf_counter()
-        # 1. The contexts named, resolved to their committed shards (404 if unknown), and
-        #    the rules that need them: the query's heads read them, inline keys match them.
-        resolved: Resolved | None = None
-        if req.contexts:
-            resolved = await self.contexts.resolve(req.contexts)
-            resolved.check(req)
+        resolved = await self.resolve(req, fresh=False)
+        try:
+            return await self._attention(req, resolved, timings, t0)
+        except RecordStale as exc:
+            if resolved is None or not resolved.cached:
+                raise settled(exc) from exc
+        except ContextLost:
+            if resolved is None or not resolved.cached:
+                raise
+        self.contexts.forget(req.contexts)
+        t0 = time.perf_counter()
+        try:
+            return await self._attention(req, await self.resolve(req, fresh=True), timings, t0)
+        except RecordStale as exc:
+            raise settled(exc) from exc
+
+    async def resolve(self, req: AttentionRequest, *, fresh: bool) -> Resolved | None:
+        """The contexts named, resolved to their committed shards (404 if unknown), and the rules
+        that need them: the query's heads read them, inline keys match them. None: no contexts."""
+        if not req.contexts:
+            return None
+        resolved = await self.contexts.resolve(req.contexts, fresh=fresh)
+        resolved.check(req)
+        return resolved
+
+    async def _attention(self, req: AttentionRequest, resolved: Resolved | None, timings: Timings,
+                         t0: float) -> tuple[Any, Any]:
+        # 1. The contexts were resolved (``t0`` is when that started: the scatter stage includes it).
         # 2. Positions over the union: inline keys continue after the contexts.
         q_pos, k_pos = union_positions(req, resolved.next_pos if resolved is not None else 0)
         query = ShardQuery(q_pos=q_pos, options=req.options)
@@ -75,5 +109,9 @@ class AttentionService:
         dtypes: list[Any] = [req.q.dtype] + ([kv.k.dtype, kv.v.dtype] if kv is not None else [])
         dtypes += resolved.dtypes if resolved is not None else []
         d_v = kv.dims.d_v if kv is not None else resolved.dims.d_v if resolved is not None else 0
-        state_nbytes = req.n_q * req.h_q * (d_v + 2) * accumulation_dtype(*dtypes).itemsize
+        acc_dtype = accumulation_dtype(*dtypes)
+        if not jobs:  # contexts that hold no keys: the state over no keys (m = -inf, l = 0), nothing to send
+            timings.add("compute", 0.0)
+            return finalize(empty(req.n_q, req.h_q, d_v, acc_dtype))
+        state_nbytes = req.n_q * req.h_q * (d_v + 2) * acc_dtype.itemsize
         return await self.orch.run(q, query, jobs, timings, state_nbytes)

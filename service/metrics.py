@@ -63,6 +63,9 @@ class Metrics:
         self.shards = Gauge("splitkey_context_shards", "Context shards below their replica count (under_replicated) "
                             "or with no live replica (lost).", ["state"], registry=r)
         self.repairs = Gauge("splitkey_replicas_rebuilt", "Replicas the repair loop rebuilt since start.", registry=r)
+        self.record_cache = Gauge("splitkey_record_cache", "Context resolutions since start answered from this front "
+                                  "end's record cache (hits), from the directory (misses), and cached records a "
+                                  "worker refused as stale (stale); entries held (entries).", ["event"], registry=r)
 
     def observe_stages(self, route: str, timings: Timings) -> None:
         for stage, sec in timings.stages.items():

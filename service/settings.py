@@ -33,6 +33,8 @@ class ServiceSettings(BaseSettings):
     workers: int | None = Field(None, ge=1, description="Shard workers; default one per CPU (GPU) in the cluster.")
     device: Literal["auto", "cpu", "gpu"] = Field("cpu", description="Kernel device: cpu, gpu, or auto (gpu "
                                                                       "when the cluster has one).")
+    grpc_port: int | None = Field(None, ge=0, le=65535, description="Also serve the KServe v2 gRPC protocol on "
+                                  "this port (0: any free one; needs the grpc extra); unset: HTTP only.")
     api_key_file: pathlib.Path | None = Field(None, description="File holding the bearer token; unset: no auth.")
 
     # Request bounds
@@ -80,6 +82,9 @@ class ServiceSettings(BaseSettings):
     context_shard_keys: int = Field(4096, ge=1, description="Keys a context shard holds at least before a new one "
                                                             "opens; a create uses one shard per worker down to this size.")
     max_replicas: int = Field(8, ge=1, description="Most replicas a context may ask for.")
+    record_cache: int = Field(4096, ge=0, description="Context records a front end keeps to resolve queries "
+                                                      "without asking the directory (workers check their version); "
+                                                      "0: ask it every time.")
     persist_dir: pathlib.Path | None = Field(None, description="Keep resident contexts on disk here and load them "
                                                               "at start (workers.persist); unset: memory only.")
 
@@ -145,12 +150,12 @@ class ServiceSettings(BaseSettings):
 
 #: The settings by topic, in the order ``splitkey serve --help`` and docs/API.md list them.
 GROUPS: dict[str, tuple[str, ...]] = {
-    "network and cluster": ("host", "port", "ray_address", "ray_namespace", "api_key_file"),
+    "network and cluster": ("host", "port", "grpc_port", "ray_address", "ray_namespace", "api_key_file"),
     "request bounds": ("max_body_bytes", "max_inflight", "max_inflight_bytes", "body_timeout_s", "min_body_rate",
                        "body_grace_s", "request_timeout_s", "retry_after_s", "shutdown_grace_s"),
     "workers and kernels": ("workers", "device", "worker_cpus", "worker_memory_bytes", "worker_concurrency",
                             "kernel_threads", "block_size", "batch_rows", "gpu_kernels", "cpu_kernels",
                             "heal_interval_s"),
     "sharding and merge": ("shards", "min_shard_keys", "merge_fanin", "remote_merge_bytes"),
-    "resident contexts": ("context_shard_keys", "max_replicas", "persist_dir"),
+    "resident contexts": ("context_shard_keys", "max_replicas", "record_cache", "persist_dir"),
 }

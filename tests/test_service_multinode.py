@@ -247,3 +247,43 @@ def test_a_context_whose_only_replica_died_reports_lost_and_refuses_appends(clus
             c.delete_context(ctx["id"])
     finally:
         srv.stop()
+
+
+def cache_metric(url: str, event: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(f'splitkey_record_cache{{event="{event}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError(f"no splitkey_record_cache {event} in /metrics")
+
+
+def test_a_front_end_never_answers_from_a_record_another_front_end_changed(cluster, tmp_path_factory):
+    """A's cached record goes stale when B appends (new shards on other workers) and deletes: the
+    workers refuse the old version, A reads the directory again, and answers as of B's writes."""
+    rng = np.random.default_rng(5)
+    k, v = kv(rng, 900)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    a = front_end(cluster, tmp_path_factory, "fe-cache-a")
+    b = front_end(cluster, tmp_path_factory, "fe-cache-b")
+    try:
+        with Client(a.url) as ca, Client(b.url) as cb:
+            ctx = ca.create_context(k[:200], v[:200])
+            for _ in range(2):  # the second is answered from A's cache
+                out, lse = ca.attention(q, contexts=[ctx["id"]], causal=True)
+                assert_close_to_reference(out, lse, q, k[:200], v[:200], causal=True)
+            assert cache_metric(a.url, "hits") >= 1
+            stale = cache_metric(a.url, "stale")
+            assert cb.append(ctx["id"], k[200:], v[200:])["length"] == 900  # shards of 128 keys: new ones open
+            out, lse = ca.attention(q, contexts=[ctx["id"]], causal=True)
+            assert_close_to_reference(out, lse, q, k, v, causal=True)
+            assert cache_metric(a.url, "stale") == stale + 1
+            (out, lse), = ca.attention_batch([{"q": q, "contexts": [ctx["id"]], "causal": True}])
+            assert_close_to_reference(out, lse, q, k, v, causal=True)
+            cb.delete_context(ctx["id"])
+            with pytest.raises(SplitkeyError) as info:
+                ca.attention(q, contexts=[ctx["id"]])
+            assert info.value.status == 404 and info.value.code == "context_not_found"
+            err, = ca.attention_batch([{"q": q, "contexts": [ctx["id"]]}])
+            assert isinstance(err, SplitkeyError) and err.status == 404
+    finally:
+        a.stop()
+        b.stop()

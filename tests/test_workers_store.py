@@ -138,3 +138,23 @@ def test_readers_see_the_committed_prefix_while_a_writer_appends():
         reads += 1
     writer.join()
     assert st.info("c", 0).length == len(k)
+
+
+def test_check_committed_refuses_only_reads_older_than_a_noted_commit():
+    from workers.store import RecordStale
+
+    st = ShardStore(budget_bytes=10**8)
+    k, v = kv(10)
+    # A create's record is not a commit: a failed append's new shard must not make version 1 look stale.
+    st.create(ShardWrite("c1", 0, "float32", 100, np.arange(10)), k, v, context={"version": 2})
+    st.check_committed("c1", 1)
+    st.note_context("c1", {"version": 3})
+    for version in (0, 3, 4):  # 0: not checked; the noted one and newer pass
+        st.check_committed("c1", version)
+    with pytest.raises(RecordStale, match="version 3"):
+        st.check_committed("c1", 2)
+    st.note_context("c1", {"version": 1})  # an older note changes nothing
+    with pytest.raises(RecordStale):
+        st.check_committed("c1", 2)
+    st.drop("c1")  # the context's last shard gone: what was noted goes with it
+    st.check_committed("c1", 1)

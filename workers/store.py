@@ -61,6 +61,16 @@ class ShardMissing(Exception):
     """The worker does not hold the shard (never stored, dropped, or lost in a restart)."""
 
 
+class RecordStale(Exception):
+    """A query read a context record older than one this worker was told is committed.
+
+    The front end caches records (``service.contexts.records_cache``) and names the
+    version it read in each :class:`workers.tasks.ShardRead`; a worker that was noted a
+    newer committed version (``note_context``, sent after every commit and before a
+    write is acknowledged) refuses, and the front end reads the directory again.
+    """
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """What a worker reports about one shard it holds."""
@@ -86,6 +96,9 @@ class ShardStore:
         self.files = files  # every write also on disk, durable before it returns (workers.persist)
         self._shards: dict[tuple[str, int], StreamingKV] = {}
         self._info: dict[str, dict] = {}  # context_id -> the newest committed context record seen
+        #: context_id -> the newest version noted as committed (note_context only: a create's record may
+        #: not be committed yet, so it does not count here); what check_committed compares with.
+        self._committed: dict[str, int] = {}
         self._writing = threading.Lock()  # one write at a time (module doc)
         self._index = threading.Lock()  # the two maps, held briefly
 
@@ -133,7 +146,7 @@ class ShardStore:
             threading.Thread(target=_prefault_ahead, args=(kv,), name="splitkey-prefault", daemon=True).start()
         with self._index:
             self._shards[key] = kv
-        self.note_context(context_id, context)
+        self._remember(context_id, context)  # not a commit: the write may still be undone
         return self.info(context_id, index)
 
     def append(self, write: ShardWrite, k: Any, v: Any, *, committed: int) -> ShardInfo:
@@ -180,13 +193,23 @@ class ShardStore:
                 del self._shards[key]
             if not any(key[0] == context_id for key in self._shards):
                 self._info.pop(context_id, None)
+                self._committed.pop(context_id, None)
             if self.files is not None:
                 for _, i in keys:
                     self.files.drop(context_id, i)
             return len(keys)
 
     def note_context(self, context_id: str, record: dict) -> None:
-        """Remember the context's committed record (kept if its version is the newest seen)."""
+        """Remember the context's committed record (kept if its version is the newest seen); from now on
+        reads of older versions are refused (:meth:`check_committed`)."""
+        with self._index:
+            version = int(record.get("version", 0))
+            if version > self._committed.get(context_id, 0):
+                self._committed[context_id] = version
+        self._remember(context_id, record)
+
+    def _remember(self, context_id: str, record: dict) -> None:
+        """Keep ``record`` for a directory rebuild (``held``) if its version is the newest seen."""
         with self._index:
             old = self._info.get(context_id)
             newest = old is None or record.get("version", 0) >= old.get("version", 0)
@@ -194,6 +217,16 @@ class ShardStore:
                 self._info[context_id] = dict(record)
         if newest and self.files is not None:
             self.files.save_record(context_id, dict(record))
+
+    def check_committed(self, context_id: str, version: int) -> None:
+        """Raise :class:`RecordStale` when a newer version of the context than ``version`` was noted
+        committed here; ``version`` 0 is not checked (a caller that read the directory itself)."""
+        if not version:
+            return
+        with self._index:
+            newest = self._committed.get(context_id, 0)
+        if newest > version:
+            raise RecordStale(f"context {context_id} is at version {newest} or later, the query read {version}")
 
     def view(self, context_id: str, index: int, length: int) -> StreamingView:
         """The first ``length`` keys of a shard (the committed prefix)."""

@@ -55,11 +55,31 @@ class ShardQuery:
 
 @dataclass(frozen=True)
 class ShardRead:
-    """The committed prefix of one resident shard: keys ``[0, length)`` of shard ``index``."""
+    """The committed prefix of one resident shard: keys ``[0, length)`` of shard ``index``.
+
+    ``version`` is the context record's version the front end read the shard from
+    (``workers.store.ShardStore.check_committed``); 0 when it is not to be checked.
+    """
 
     context_id: str
     index: int
     length: int
+    version: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class ResidentQuery:
+    """One query of a batch over resident shards a worker holds (``ShardWorker.partial_resident_many``).
+
+    ``q`` is carried (:func:`carry`); the worker answers one state per read, in the
+    order listed, unmerged: the front end merges every shard's state of the query
+    over the same fixed tree as a single request does, so a batched answer is
+    bitwise the same as the single one.
+    """
+
+    q: Any  # [n_q, h_q, d]
+    query: ShardQuery
+    reads: tuple[ShardRead, ...]
 
 
 @dataclass(frozen=True, eq=False)

@@ -22,6 +22,7 @@ import numpy as np
 
 from service.cluster.orchestrator import Job, shard_bounds
 from service.cluster.pool import ResidentWork, WorkerPool
+from service.contexts.cache import RecordCache
 from service.contexts.directory import Directory
 from service.contexts.placement import WorkerLoad, place
 from service.contexts.records import (
@@ -68,6 +69,7 @@ class Resolved:
     dims: KVDims  #: the contexts' shared [h_kv, d, d_v], and their keys in all
     next_pos: int  #: where keys after these contexts start by default: past every context's positions
     dtypes: tuple[np.dtype, ...]  #: the stored dtypes (they set the accumulation dtype)
+    cached: bool = False  #: read from the front end's cache, not the directory (service.contexts.cache)
 
     def check(self, req: AttentionRequest) -> None:
         """The query's heads read these contexts, and inline keys have their shape."""
@@ -82,9 +84,15 @@ class Resolved:
                 raise InvalidTensor(f"k, v must have [h_kv, d, d_v] = {[dims.h_kv, dims.d, dims.d_v]} as the "
                                     f"contexts, got {[inline.h_kv, inline.d, inline.d_v]}")
 
+    def reads(self) -> list[tuple[ShardRead, tuple[str, ...]]]:
+        """Each non-empty shard in key order, as read from its record's version, with its replicas' names."""
+        return [(ShardRead(rec["id"], shard["index"], shard["length"], rec["version"]), tuple(shard["workers"]))
+                for rec in self.records for shard in rec["shards"] if shard["length"]]
+
     def jobs(self, pool: WorkerPool, fanin: int) -> list[Job]:
         """One job per non-empty shard, in key order; only the shard's replicas may run it."""
-        return [Job(work=ResidentWork((ShardRead(rec["id"], shard["index"], shard["length"]),), fanin),
+        return [Job(work=ResidentWork((ShardRead(rec["id"], shard["index"], shard["length"], rec["version"]),),
+                                      fanin),
                     candidates=tuple(pool.indexes(shard["workers"])),
                     label=f"shard {shard['index']} of context {rec['id']}")
                 for rec in self.records for shard in rec["shards"] if shard["length"]]
@@ -167,23 +175,57 @@ class ContextService:
         self.directory = directory
         self.owner = "frontend-" + secrets.token_hex(8)
         self._turns: dict[str, asyncio.Lock] = {}  # context id -> this front end's writes take turns (_lease)
+        self.cache = RecordCache(settings.record_cache)
 
     # -- queries --------------------------------------------------------------
-    async def resolve(self, ids: Sequence[str]) -> Resolved:
-        """The named contexts as committed now; 404 for an unknown id."""
-        records = await self.directory.get_many(list(ids))
-        found: list[ContextRecord] = []
-        for ctx_id, rec in zip(ids, records):
+    async def resolve(self, ids: Sequence[str], *, fresh: bool = False) -> Resolved:
+        """The named contexts as committed (from the cache unless ``fresh``); 404 for an unknown id."""
+        cached = None if fresh else self.cache.servable(ids)
+        found: list[ContextRecord] = list(cached) if cached is not None else []
+        if cached is None:
+            records = await self.directory.get_many(list(ids))
+            for ctx_id, rec in zip(ids, records):
+                if rec is None:
+                    raise ContextNotFound(f"contexts must name existing contexts, got unknown id {ctx_id!r}")
+                found.append(rec)
+                self.cache.put(rec)
+        return self.resolved(found, cached=cached is not None)
+
+    async def resolve_many(self, ids: Sequence[str]) -> tuple[dict[str, ContextRecord], set[str]]:
+        """The records of those of ``ids`` that exist, and which of them came from the cache: one
+        directory call for all the cache cannot serve (a batch's contexts, ``service.batch``)."""
+        found: dict[str, ContextRecord] = {}
+        from_cache: set[str] = set()
+        missing = []
+        for ctx_id in dict.fromkeys(ids):
+            rec = self.cache.servable([ctx_id])
             if rec is None:
-                raise ContextNotFound(f"contexts must name existing contexts, got unknown id {ctx_id!r}")
-            found.append(rec)
+                missing.append(ctx_id)
+            else:
+                found[ctx_id] = rec[0]
+                from_cache.add(ctx_id)
+        if missing:
+            for ctx_id, got in zip(missing, await self.directory.get_many(missing)):
+                if got is not None:
+                    found[ctx_id] = got
+                    self.cache.put(got)
+        return found, from_cache
+
+    def forget(self, ids: Sequence[str]) -> None:
+        """Drop cached records a query found stale (the next resolution asks the directory)."""
+        self.cache.drop_stale(ids)
+
+    @staticmethod
+    def resolved(found: Sequence[ContextRecord], *, cached: bool) -> Resolved:
+        """The :class:`Resolved` of records found for a query's ids (in its order); 422 if their shapes differ."""
         dims = {(r["h_kv"], r["d"], r["d_v"]) for r in found}
         if len(dims) > 1:
             raise InvalidOption(f"contexts must share [h_kv, d, d_v], got {sorted(dims)}")
         (h_kv, d, d_v), = dims
         return Resolved(records=tuple(found),
                         dims=KVDims(n_k=sum(s["length"] for r in found for s in r["shards"]), h_kv=h_kv, d=d, d_v=d_v),
-                        next_pos=max(r["next_pos"] for r in found), dtypes=tuple(dtype_of(r["dtype"]) for r in found))
+                        next_pos=max(r["next_pos"] for r in found), dtypes=tuple(dtype_of(r["dtype"]) for r in found),
+                        cached=cached)
 
     # -- reads ----------------------------------------------------------------
     async def get(self, ctx_id: str) -> dict:
@@ -240,6 +282,7 @@ class ContextService:
             raise
         with timings.measure("commit"):
             await self.directory.commit(record, None)
+        self.cache.put(record)
         return self.describe(record)
 
     async def append(self, ctx_id: str, write: ContextWrite, timings: Timings) -> dict:
@@ -276,14 +319,18 @@ class ContextService:
                 raise
             with timings.measure("commit"):
                 await self.directory.commit(new, owner)
+        self.cache.put(new)
         with timings.measure("commit"):
-            await self._note(new)  # outside the lease: a holder keeps the newest version it is told
+            # Outside the lease: a holder keeps the newest version it is told. Before the answer: a
+            # front end's cached record older than this one is refused by the holders from now on.
+            await self._note(new)
         return self.describe(new)
 
     async def delete(self, ctx_id: str) -> dict:
         async with self._lease(ctx_id, Timings()):
             rec = await self.directory.remove(ctx_id)  # the lease goes with the record
         self._turns.pop(ctx_id, None)
+        self.cache.drop([ctx_id])
         if rec is None:
             raise ContextNotFound(f"id must name an existing context, got {ctx_id!r}")
         await self._drop_everywhere(ctx_id)
@@ -415,6 +462,7 @@ class ContextService:
 
     async def commit(self, record: ContextRecord, owner: str) -> None:
         await self.directory.commit(record, owner)
+        self.cache.put(record)
 
     async def drop_quietly(self, worker: int, ctx_id: str, shard: int) -> None:
         """Drop a shard from a worker if it holds one."""

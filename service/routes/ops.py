@@ -49,6 +49,10 @@ async def metrics(request: Request) -> Response:
         state.metrics.shards.labels(state="under_replicated").set(stats.under_replicated_shards)
         state.metrics.shards.labels(state="lost").set(stats.lost_shards)
         state.metrics.repairs.set(stats.replicas_rebuilt)
+        cache = rt.contexts.cache
+        for event, value in (("hits", cache.hits), ("misses", cache.misses), ("stale", cache.stale),
+                             ("entries", len(cache))):
+            state.metrics.record_cache.labels(event=event).set(value)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
