@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from service import request_id
 from service.admission import Admission
 from service.attention import AttentionService
+from service.batch import BatchService
 from service.cluster.connect import connect, disconnect, start_reaper
 from service.cluster.orchestrator import Orchestrator
 from service.cluster.pool import WorkerPool
@@ -31,7 +32,7 @@ from service.drain import Drain
 from service.errors import InvalidOption, ServiceError, WorkersUnavailable, render
 from service.metrics import Metrics
 from service.middleware import FRONTEND, ServiceMiddleware
-from service.routes import attention, contexts, kserve, ops
+from service.routes import attention, batch, contexts, kserve, ops
 from service.runtime import AppState, Runtime
 from service.settings import ServiceSettings
 from service.wire.body import ClientClosed
@@ -56,14 +57,22 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     context_service = ContextService(settings, pool, directory)
     orchestrator = Orchestrator(pool, fanin=settings.merge_fanin, remote_merge_bytes=settings.remote_merge_bytes)
     repair = Repairer(pool, directory, context_service)
-    state.runtime = Runtime(pool=pool, attention=AttentionService(settings, pool, orchestrator, context_service),
-                            contexts=context_service, repair=repair)
+    attention_service = AttentionService(settings, pool, orchestrator, context_service)
+    state.runtime = Runtime(pool=pool, attention=attention_service, contexts=context_service, repair=repair,
+                            batch=BatchService(settings, pool, attention_service, context_service))
     state.metrics.workers.labels(state="alive").set(pool.size)
     log.info("splitkey ready: %d %s workers; this front end is %s", pool.size, pool.device, FRONTEND)
     healer = asyncio.create_task(repair.run_forever(settings.heal_interval_s))
+    grpc_server = None
+    if settings.grpc_port is not None:
+        from service import grpc_server as grpc_module  # grpcio only when asked for
+
+        grpc_server, state.grpc_port = await grpc_module.start(state, settings.host, settings.grpc_port)
     try:
         yield
     finally:
+        if grpc_server is not None:
+            await grpc_server.stop(grace=5.0)
         healer.cancel()
         state.runtime = None
         pool.shutdown()
@@ -122,10 +131,12 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
 
     app.include_router(ops.router)
     app.include_router(attention.router)
+    app.include_router(batch.router)
     app.include_router(contexts.router)
     app.include_router(kserve.router)
     admission = Admission(max_inflight=settings.max_inflight, max_inflight_bytes=settings.max_inflight_bytes,
                           retry_after_s=settings.retry_after_s, metrics=metrics)
+    app.state.splitkey.admission = admission
     app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), admission=admission, drain=drain,
                        metrics=metrics, request_id_header=request_id_header)
     return app

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from service.admission import Admission
 from service.attention import AttentionService
+from service.batch import BatchService
 from service.cluster.pool import WorkerPool
 from service.contexts.repair import Repairer
 from service.contexts.service import ContextService
@@ -28,6 +30,7 @@ class Runtime:
     attention: AttentionService
     contexts: ContextService
     repair: Repairer
+    batch: BatchService
 
 
 @dataclass
@@ -40,3 +43,5 @@ class AppState:
     metrics: Metrics
     drain: Drain
     runtime: Runtime | None = None
+    admission: Admission | None = None  #: the HTTP routes' admission control, shared by the gRPC server
+    grpc_port: int | None = None  #: where the KServe v2 gRPC server listens (service.grpc_server), if it runs

@@ -89,3 +89,13 @@ def test_loadtest_doc_library_example_runs(server):
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert len(lines) == 2 * 2 * 2 and all(line.endswith(" 0") for line in lines)  # 8 points, none wrong
+
+
+@pytest.mark.ray
+def test_engine_doc_decode_loop_runs_and_prints_what_it_says(server):
+    [code] = [b for b in blocks("docs/ENGINE.md", "python") if "AsyncClient(" in b]
+    said = re.search(r"^# (decoded .*)$", code, flags=re.MULTILINE).group(1)
+    run = subprocess.run([sys.executable, "-c", code.replace(DOC_URL, server.url)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == said

@@ -38,7 +38,7 @@ from workers.fused import warm
 from workers.options import CpuKernels
 from workers.persist import ShardFiles
 from workers.store import ShardStore
-from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite, arrive, carry
+from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, arrive, carry
 
 
 def _host_state(st: State) -> State:
@@ -69,12 +69,13 @@ class InlineJob:
 
 @dataclass(frozen=True, eq=False)
 class ResidentJob:
-    """A state over the committed prefixes of resident shards, merged here in key order."""
+    """States over the committed prefixes of resident shards: merged here in key order over ``fanin``,
+    or (``fanin`` None) one per read, unmerged, for the front end's merge."""
 
     q: Any
     query: ShardQuery
     reads: tuple[ShardRead, ...]
-    fanin: int
+    fanin: int | None
 
     def key(self) -> Hashable:
         """Jobs with equal keys have queries that may share a pass over a shard (workers.plan.batchable)."""
@@ -160,12 +161,34 @@ class ShardWorker:
                                                                 rows=int(job.q.shape[0]) * int(job.q.shape[1]))
         return result
 
-    def _run(self, jobs: Sequence[InlineJob | ResidentJob]) -> list[tuple[ComputeStatus, State]]:
+    def partial_resident_many(self, items: Sequence[ResidentQuery]) -> list[tuple[ComputeStatus, list[State]] | Exception]:
+        """Each item's states, one per read in the order listed (unmerged), or the exception it raised.
+
+        One call for every query of a batch request this worker serves: all go to the
+        compute thread at once, so those over the same shards share a pass (as queries
+        that arrive together do), and one item's failure (a shard missing, a stale
+        record) is that item's answer, not the call's.
+        """
+        self.calls += 1
+        futures = []
+        for item in items:
+            job = ResidentJob(arrive(item.q), item.query, tuple(item.reads), None)
+            futures.append(self.compute.submit(job, key=job.key(), rows=int(job.q.shape[0]) * int(job.q.shape[1])))
+        results: list[tuple[ComputeStatus, list[State]] | Exception] = []
+        for future in futures:
+            try:
+                results.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - the item's own answer
+                results.append(exc)
+        return results
+
+    def _run(self, jobs: Sequence[InlineJob | ResidentJob]) -> list[tuple[ComputeStatus, Any]]:
         """One batch on the compute thread: a single inline job, or resident jobs of one key that share shards."""
         t0 = time.perf_counter()
         xp = self.xp
         kernel = self.config.kernel
         job = jobs[0]
+        states: list[Any]  # per job: a State, or (fanin None) a State per read
         if isinstance(job, InlineJob):  # alone: its key is None
             q, k, v, q_pos = job.q, job.k, job.v, job.query.q_pos
             if xp is not np:
@@ -182,16 +205,22 @@ class ShardWorker:
             for i, j in enumerate(resident):
                 for r in j.reads:
                     readers.setdefault(r, []).append(i)
+            for r in readers:  # a record older than one noted committed here: the front end reads it again
+                self.store.check_committed(r.context_id, r.version)
             views = {r: self.store.view(r.context_id, r.index, r.length) for r in readers}  # ShardMissing first
             state_of: dict[tuple[int, ShardRead], State] = {}
             for r, idx in readers.items():
                 for i, st in zip(idx, partial_attention_resident_many([queries[i] for i in idx], views[r],
                                                                       kernel=kernel)):
                     state_of[(i, r)] = st
-            states = [merge_all([state_of[(i, r)] for r in j.reads], fanin=j.fanin) for i, j in enumerate(resident)]
+            states = [[_host_state(state_of[(i, r)]) for r in j.reads] if j.fanin is None
+                      else merge_all([state_of[(i, r)] for r in j.reads], fanin=j.fanin) for i, j in enumerate(resident)]
         seconds = time.perf_counter() - t0
-        out = []
+        out: list[tuple[ComputeStatus, Any]] = []
         for st in states:
+            if isinstance(st, list):  # unmerged, one per read (partial_resident_many)
+                out.append((ComputeStatus(self.name, seconds, sum(s.nbytes for s in st), batch=len(jobs)), st))
+                continue
             st = _host_state(st)
             out.append((ComputeStatus(self.name, seconds, st.nbytes, batch=len(jobs)), st))
         return out

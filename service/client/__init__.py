@@ -4,7 +4,8 @@ Imports only ``service.wire`` (the body formats) from the service: no Ray, no
 FastAPI, nothing of the server.
 """
 
+from service.client.aio import AsyncClient
 from service.client.errors import SplitkeyError, UploadError
 from service.client.sync import Client
 
-__all__ = ["Client", "SplitkeyError", "UploadError"]
+__all__ = ["AsyncClient", "Client", "SplitkeyError", "UploadError"]

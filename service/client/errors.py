@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 class SplitkeyError(Exception):
     """An error answer of the service: HTTP ``status``, contract ``code`` and ``detail`` (docs/API.md section 7).
@@ -35,3 +37,15 @@ class UploadError(SplitkeyError):
         self.context_id, self.committed, self.total = context_id, committed, total
         where = f"keys [0, {committed}) are stored in context {context_id}" if context_id else "no context was created"
         self.args = (f"upload stopped with {committed} of {total} keys committed ({where}): {status} {code}: {detail}",)
+
+
+def from_answer(status: int, data: bytes, retry_after: str | None) -> SplitkeyError:
+    """The error an answer of ``status`` with body ``data`` (and ``Retry-After`` header) stands for."""
+    wait = float(retry_after) if retry_after is not None and retry_after.strip().isdigit() else None
+    try:
+        err = json.loads(data)
+        rid = err.get("request_id")
+        return SplitkeyError(status, str(err.get("code", "")), str(err.get("detail", "")), wait,
+                             request_id=str(rid) if rid is not None else None)
+    except (ValueError, AttributeError):
+        return SplitkeyError(status, "", data[:200].decode(errors="replace"), wait)

@@ -23,16 +23,16 @@ from typing import Any
 
 import numpy as np
 
-from service.client.errors import SplitkeyError, UploadError
+from service.client.batch import BatchAnswer, decode_batch, encode_batch
+from service.client.errors import SplitkeyError, UploadError, from_answer
 from service.client.pipeline import Chunk, SendChunk, send_pipelined
 from service.client.upload import (
     ATTEMPT_ERRORS,
     TRANSPORT_ERRORS,
     Progress,
     Upload,
-    chunk_bounds,
-    chunk_keys,
     is_length_mismatch,
+    plan_chunks,
     retry_delay,
 )
 from service.wire.rules import DEFAULT_LIMITS, Limits
@@ -90,6 +90,17 @@ class Client:
         body = self._request("POST", "/v1/attention", query, tensors)
         res = decode_safetensors(body, {"out", "lse"})
         return np.array(res["out"]), np.array(res["lse"])
+
+    def attention_batch(self, items: Sequence[Mapping[str, Any]]) -> list[BatchAnswer]:
+        """Many attention items in one request (``POST /v1/attention/batch``, docs/API.md section 10).
+
+        Each item is a mapping of :meth:`attention`'s arguments (``q`` and any of ``k``,
+        ``v``, ``contexts``, ``q_pos``, ``k_pos``, ``alibi_slopes``, ``scale``, ``causal``,
+        ``window``, ``softcap``); each answer is ``(out, lse)`` or the :class:`SplitkeyError`
+        of that item alone. An error of the whole request raises.
+        """
+        body = encode_batch(items)
+        return decode_batch(self._request("POST", "/v1/attention/batch", body=body), len(items))
 
     # -- contexts ----------------------------------------------------------------
     def create_context(self, k: Any, v: Any, k_pos: Any = None, *, replicas: int | None = None,
@@ -194,13 +205,7 @@ class Client:
             limits = self.limits()
         except ATTEMPT_ERRORS as exc:
             raise upload.stopped(exc) from exc
-        n = _keys(k)
-        bounds = chunk_bounds(n, chunk_keys(limits, k, v, k_pos, requested))
-        if len(bounds) > 1:
-            for name, a in (("v", v), ("k_pos", k_pos)):
-                if a is not None and _keys(a) != n:
-                    raise ValueError(f"{name} must have the n_k = {n} keys of k, got {_keys(a)}")
-        return bounds
+        return plan_chunks(limits, k, v, k_pos, requested)
 
     def _append_chunks(self, upload: Upload, chunks: Iterator[tuple[int, dict[str, Any]]], base: int,
                        pipeline: int) -> dict:
@@ -294,8 +299,11 @@ class Client:
         return self._conn
 
     def _request(self, method: str, path: str, query: str = "", tensors: Mapping[str, Any] | None = None, *,
-                 resend: bool = True, sent: Callable[[], None] | None = None) -> bytes:
+                 resend: bool = True, sent: Callable[[], None] | None = None,
+                 body: list[bytes | memoryview] | None = None) -> bytes:
         """The answer's body; an error answer raises :class:`SplitkeyError`.
+
+        The request body is the safetensors of ``tensors``, or ``body`` (buffers of one) as it is.
 
         ``resend``: send once more on a fresh connection when the keep-alive one turns
         out closed (the server closed it while idle); a lost connection otherwise raises.
@@ -304,10 +312,10 @@ class Client:
         headers = {"Accept": BINARY + ", application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        body: list[Any] | None = None
         if tensors is not None:
             arrays = {n: np.asarray(a) for n, a in tensors.items() if a is not None}
             body = encode_safetensors(arrays)
+        if body is not None:
             headers["Content-Type"] = BINARY
             headers["Content-Length"] = str(sum(memoryview(b).nbytes for b in body))
         url = self.base + path + (f"?{query}" if query else "")
@@ -330,20 +338,8 @@ class Client:
                 self.close()  # in no known state: the next request starts a fresh one
                 raise
         if resp.status >= 400:
-            raise _error(resp.status, data, resp.getheader("Retry-After"))
+            raise from_answer(resp.status, data, resp.getheader("Retry-After"))
         return data
-
-
-def _error(status: int, data: bytes, retry_after: str | None) -> SplitkeyError:
-    """The error an answer of ``status`` with body ``data`` stands for."""
-    wait = float(retry_after) if retry_after is not None and retry_after.strip().isdigit() else None
-    try:
-        err = json.loads(data)
-        rid = err.get("request_id")
-        return SplitkeyError(status, str(err.get("code", "")), str(err.get("detail", "")), wait,
-                             request_id=str(rid) if rid is not None else None)
-    except (ValueError, AttributeError):
-        return SplitkeyError(status, "", data[:200].decode(errors="replace"), wait)
 
 
 def _arrays(k: Any, v: Any, k_pos: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

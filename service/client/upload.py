@@ -68,6 +68,19 @@ def chunk_bounds(n: int, size: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + size, n)) for lo in range(0, n, size)] or [(0, 0)]
 
 
+def plan_chunks(limits: Limits, k: np.ndarray, v: np.ndarray, k_pos: np.ndarray | None,
+                requested: int | None) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each chunk of an upload under ``limits``; k, v and k_pos must agree on ``n_k``
+    when there are several (one chunk goes as it is: the server judges it)."""
+    n = int(k.shape[0]) if k.ndim else 0
+    bounds = chunk_bounds(n, chunk_keys(limits, k, v, k_pos, requested))
+    if len(bounds) > 1:
+        for name, a in (("v", v), ("k_pos", k_pos)):
+            if a is not None and (int(a.shape[0]) if a.ndim else 0) != n:
+                raise ValueError(f"{name} must have the n_k = {n} keys of k, got {int(a.shape[0]) if a.ndim else 0}")
+    return bounds
+
+
 def retry_delay(error: BaseException, attempt: int) -> float | None:
     """Seconds to wait before sending a chunk again after ``error`` ended attempt ``attempt`` (0: the
     first), or None when the chunk must not be sent again.

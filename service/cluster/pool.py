@@ -30,7 +30,7 @@ from service.settings import ServiceSettings
 from workers.actor import ShardWorker
 from workers.config import WorkerConfig
 from workers.options import KernelOptions
-from workers.tasks import ComputeStatus, ShardQuery, ShardRead, ShardWrite, carry
+from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, carry
 
 log = logging.getLogger(__name__)
 
@@ -321,3 +321,8 @@ class WorkerPool:
     def drop(self, index: int, context_id: str, shard: int | None = None) -> Awaitable[Any]:
         return self._call(index, lambda h: h.drop.remote(context_id, shard))
 
+
+    def compute_many(self, index: int, items: Sequence[ResidentQuery]) -> Awaitable[list[Any]]:
+        """Every item's states over the resident shards it names on this worker, in one call: per item,
+        ``(status, [State per read])`` or the exception it raised (``ShardWorker.partial_resident_many``)."""
+        return self._call(index, lambda h: h.partial_resident_many.remote(list(items)))

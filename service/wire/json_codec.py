@@ -94,6 +94,11 @@ def decode_json_request(body: bytes | bytearray | memoryview, limits: Limits = D
     obj = load_json(body, "JSON body")
     if type(obj) is not dict:
         raise InvalidBody(f"JSON body must be an object, got {show(obj)}")
+    return decode_json_object(obj, limits, kind)
+
+
+def decode_json_object(obj: dict, limits: Limits = DEFAULT_LIMITS, kind: BodyKind = ATTENTION) -> Decoded:
+    """The tensors and options of one parsed JSON object of ``kind`` (a body, or an item of a batch)."""
     fields = kind.tensors | kind.options | {"dtype"}
     for name in obj:
         if name not in fields:

@@ -39,6 +39,7 @@ class Limits:
     max_context_id_chars: int = 128  #: characters of one context id
     max_shards: int = 1024  #: shards of one context
     max_replicas: int = 8  #: replicas of one context
+    max_batch_items: int = 256  #: items of one batch request (``POST /v1/attention/batch``)
 
     def __post_init__(self) -> None:
         for f in fields(self):

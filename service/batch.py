@@ -1,0 +1,167 @@
+"""Many attention items in one request (``POST /v1/attention/batch``; docs/API.md section 10).
+
+An inference engine sends, at every layer of every decode step, the queries of all
+its running sequences, each over its own resident context. One request carries
+them all, and the per-call costs are paid once per batch:
+
+1. the contexts of every item are resolved together (the front end's record cache,
+   then one directory call for what it does not hold);
+2. every shard of every item is assigned to one of its live replicas, spreading
+   the reads over the workers; each worker gets **one** call with all the items'
+   reads it serves (``ShardWorker.partial_resident_many``), and its compute thread
+   batches the items over the same shards into one pass (``workers.batch``);
+3. each item's states, one per shard, merge in key order over the same fixed tree
+   as a single request (``merge.merge_all``), so an item's answer is bitwise the
+   answer the same query gets alone.
+
+Items the grouped path does not take (inline keys, contexts holding no keys) and
+items whose grouped read failed (a worker gone, a shard missing, a stale cached
+record) run through the single-request path (``AttentionService.attention``),
+which retries on other replicas and re-reads the directory. An item's failure is
+its own answer; the others are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from merge import State, finalize, merge_all
+from service.attention import AttentionService, union_positions
+from service.cluster.orchestrator import LOCAL_MERGE_INLINE_BYTES
+from service.cluster.pool import WorkerPool
+from service.contexts.service import ContextService, Resolved
+from service.errors import ContextNotFound, Internal, ServiceError, WorkersUnavailable
+from service.metrics import Timings
+from service.settings import ServiceSettings
+from service.wire.batch import Answer, Item, ItemError
+from service.wire.request import AttentionRequest
+from workers.tasks import ResidentQuery, ShardQuery, ShardRead, carry
+
+
+@dataclass
+class Planned:
+    """One item on the grouped path: its query, its shards in key order and, once back, a state for each."""
+
+    index: int
+    req: AttentionRequest
+    query: ShardQuery
+    reads: list[tuple[ShardRead, tuple[int, ...]]]  #: each shard and its live replicas (pool indexes)
+    cached: bool  #: its records came from the front end's cache
+    states: list[State | None] = field(default_factory=list)
+    failed: bool = False
+
+
+class BatchService:
+    def __init__(self, settings: ServiceSettings, pool: WorkerPool, attention: AttentionService,
+                 contexts: ContextService) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.attention = attention
+        self.contexts = contexts
+
+    async def run(self, items: Sequence[Item], timings: Timings) -> list[Answer]:
+        """Each item's ``(out, lse)`` or error, in order."""
+        t0 = time.perf_counter()
+        answers: list[Answer | None] = [it if isinstance(it, ItemError) else None for it in items]
+        grouped = [(i, it) for i, it in enumerate(items) if isinstance(it, AttentionRequest)
+                   and it.contexts and it.kv is None]
+        single = [i for i, it in enumerate(items) if isinstance(it, AttentionRequest) and (not it.contexts or it.kv is not None)]
+        planned = await self._plan(grouped, answers, single)
+        timings.add("scatter", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        alone = asyncio.gather(*(self._single(i, items[i]) for i in single))  # type: ignore[arg-type]
+        await self._compute(planned)
+        t2 = time.perf_counter()
+        timings.add("compute", t2 - t1)
+        retry = [p for p in planned if p.failed]
+        for p in retry:  # a cached record may be why: the single path reads the directory
+            if p.cached:
+                self.contexts.forget(p.req.contexts)
+        done = [p for p in planned if not p.failed]
+        nbytes = sum(st.nbytes for p in done for st in p.states if st is not None)
+        merged = (await asyncio.to_thread(self._merge, done) if nbytes > LOCAL_MERGE_INLINE_BYTES
+                  else self._merge(done))
+        for p, answer in zip(done, merged):
+            answers[p.index] = answer
+        timings.add("merge", time.perf_counter() - t2)
+        for i, answer in zip(single, await alone):
+            answers[i] = answer
+        for p, answer in zip(retry, await asyncio.gather(*(self._single(p.index, p.req) for p in retry))):
+            answers[p.index] = answer
+        answered = [a for a in answers if a is not None]
+        if len(answered) != len(items):  # every item is answered above: an item left out would shift the others
+            raise Internal(f"batch answered {len(answered)} of {len(items)} items")
+        return answered
+
+    def _merge(self, done: list[Planned]) -> list[Answer]:
+        """Each item's states merged in key order over the single request's fixed tree, finalized."""
+        return [finalize(merge_all(p.states, self.settings.merge_fanin)) for p in done]  # type: ignore[arg-type]
+
+    async def _single(self, index: int, req: AttentionRequest) -> Answer:
+        """One item through the single-request path; its error is its answer."""
+        try:
+            out, lse = await self.attention.attention(req, Timings())
+            return out, lse
+        except ServiceError as exc:
+            return ItemError.of(index, exc)
+
+    async def _plan(self, grouped: list[tuple[int, AttentionRequest]], answers: list[Answer | None],
+                    single: list[int]) -> list[Planned]:
+        """The grouped items with their shards; items refused here get their error in ``answers``, items
+        without keys in a context go to ``single``."""
+        records, from_cache = await self.contexts.resolve_many([c for _, req in grouped for c in req.contexts])
+        planned = []
+        for i, req in grouped:
+            try:
+                missing = next((c for c in req.contexts if c not in records), None)
+                if missing is not None:
+                    raise ContextNotFound(f"contexts must name existing contexts, got unknown id {missing!r}")
+                resolved: Resolved = self.contexts.resolved([records[c] for c in req.contexts],
+                                                            cached=any(c in from_cache for c in req.contexts))
+                resolved.check(req)
+                q_pos, _ = union_positions(req, resolved.next_pos)
+            except ServiceError as exc:
+                answers[i] = ItemError.of(i, exc)
+                continue
+            reads = [(r, tuple(self.pool.indexes(names, alive=True))) for r, names in resolved.reads()]
+            if not reads or any(not live for _, live in reads):  # no keys, or a shard to look for elsewhere
+                single.append(i)
+                continue
+            planned.append(Planned(i, req, ShardQuery(q_pos=q_pos, options=req.options), reads, resolved.cached,
+                                   states=[None] * len(reads)))
+        return planned
+
+    async def _compute(self, planned: list[Planned]) -> None:
+        """Every planned read on one live replica, one call per worker; fills ``states`` or marks ``failed``."""
+        load = {s.index: s.outstanding for s in self.pool.slots}
+        calls: dict[int, list[tuple[Planned, list[int]]]] = {}
+        for p in planned:
+            mine: dict[int, list[int]] = {}
+            for j, (_, live) in enumerate(p.reads):
+                w = min(live, key=lambda x: (load[x], x))  # the least loaded replica, counting this batch
+                load[w] += 1
+                mine.setdefault(w, []).append(j)
+            for w, js in mine.items():
+                calls.setdefault(w, []).append((p, js))
+        workers = list(calls)
+        results = await asyncio.gather(*(self._call(w, calls[w]) for w in workers), return_exceptions=True)
+        for w, result in zip(workers, results):
+            for k, (p, js) in enumerate(calls[w]):
+                got = result[k] if isinstance(result, list) else result
+                if isinstance(got, BaseException):
+                    p.failed = True
+                    continue
+                _, states = got
+                for j, st in zip(js, states):
+                    p.states[j] = st
+
+    async def _call(self, worker: int, work: list[tuple[Planned, list[int]]]) -> list[Any]:
+        items = [ResidentQuery(carry(p.req.q), p.query, tuple(p.reads[j][0] for j in js)) for p, js in work]
+        try:
+            return await self.pool.compute_many(worker, items)
+        except WorkersUnavailable as exc:
+            return [exc] * len(items)

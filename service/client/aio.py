@@ -1,0 +1,262 @@
+"""An asyncio client: the same calls as :class:`service.client.sync.Client`, awaitable, over httpx.
+
+Made for an engine's decode loop, which calls many times per second from one event
+loop: one connection pool reused by every call (HTTP keep-alive), the batch call,
+chunked uploads, and retries that are safe for what they retry:
+
+* queries (``attention``, ``attention_batch``) only read, so they are sent again
+  after a 429 (waiting at least its ``Retry-After``), a 503 (backing off: 0.25 s,
+  doubled per attempt, at most 4 s) or a lost connection, ``retries`` times;
+* upload chunks follow the upload protocol of the synchronous client
+  (``service.client.upload``): a create, then appends with ``after``, so a chunk
+  sent twice is stored once;
+* ``deadline`` (seconds, per call, retries included) ends a call that takes longer
+  with :class:`TimeoutError`.
+
+    >>> async with AsyncClient("http://127.0.0.1:8000") as c:
+    ...     out, lse = await c.attention(q, contexts=[ctx_id])
+
+docs/SERVICE.md, "The asyncio client", has an engine's decode loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+
+from service.client.batch import BatchAnswer, decode_batch, encode_batch
+from service.client.errors import SplitkeyError, UploadError, from_answer
+from service.client.sync import BINARY, CREATE, _arrays, _chunks, _keys, _query
+from service.client.upload import (
+    BACKOFF_S,
+    MAX_BACKOFF_S,
+    Progress,
+    Upload,
+    is_length_mismatch,
+    plan_chunks,
+    retry_delay,
+)
+from service.wire.rules import DEFAULT_LIMITS, Limits
+from service.wire.safetensors import decode_safetensors, encode_safetensors
+
+__all__ = ["AsyncClient", "SplitkeyError", "UploadError"]
+
+#: Answers after which a query is sent again: not admitted now (429), workers not ready (503).
+QUERY_RETRY_STATUSES = frozenset({429, 503})
+#: A failed connection: the request may be sent again (queries always; chunks as the upload protocol allows).
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (httpx.TransportError,)
+#: What ends one attempt: an error answer or a failed connection.
+ATTEMPT_ERRORS: tuple[type[Exception], ...] = (SplitkeyError, httpx.TransportError)
+
+
+class AsyncClient:
+    def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 600.0, retries: int = 2,
+                 max_connections: int = 16) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url must be http(s)://HOST[:PORT], got {url!r}")
+        if type(retries) is not int or retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.retries = retries
+        headers = {"Accept": BINARY + ", application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout,
+                                       limits=httpx.Limits(max_connections=max_connections,
+                                                           max_keepalive_connections=max_connections))
+        self._limits: Limits | None = None
+        #: The ``Server-Timing`` header of the last answer ("" if it had none).
+        self.last_server_timing = ""
+
+    # -- queries -----------------------------------------------------------------
+    async def attention(self, q: Any, k: Any = None, v: Any = None, contexts: Sequence[str] | None = None, *,
+                        q_pos: Any = None, k_pos: Any = None, alibi_slopes: Any = None, scale: float | None = None,
+                        causal: bool | None = None, window: tuple[int | None, int | None] | None = None,
+                        softcap: float | None = None, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(out [n_q, h_q, d_v], lse [n_q, h_q])`` of ``q`` over inline ``k, v`` and/or ``contexts``."""
+        tensors = {"q": q, "k": k, "v": v, "q_pos": q_pos, "k_pos": k_pos, "alibi_slopes": alibi_slopes}
+        query = _query({"scale": scale, "causal": causal, "window": window, "softcap": softcap,
+                        "contexts": list(contexts) if contexts else None})
+        body = _join(encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None}))
+        data = await self._query("/v1/attention", query, body, deadline)
+        res = decode_safetensors(data, {"out", "lse"})
+        return np.array(res["out"]), np.array(res["lse"])
+
+    async def attention_batch(self, items: Sequence[Mapping[str, Any]], *,
+                              deadline: float | None = None) -> list[BatchAnswer]:
+        """Many items in one request; each answer ``(out, lse)`` or that item's :class:`SplitkeyError`
+        (``service.client.sync.Client.attention_batch``)."""
+        data = await self._query("/v1/attention/batch", "", _join(encode_batch(items)), deadline)
+        return decode_batch(data, len(items))
+
+    async def _query(self, path: str, query: str, body: bytes, deadline: float | None) -> bytes:
+        """POST a query, sent again after 429/503/a lost connection up to ``retries`` times, within ``deadline``."""
+        if deadline is not None and not deadline > 0:
+            raise ValueError(f"deadline must be > 0 seconds, got {deadline!r}")
+
+        async def attempts() -> bytes:
+            attempt = 0
+            while True:
+                try:
+                    return await self._request("POST", path, query, body)
+                except SplitkeyError as exc:
+                    if exc.status not in QUERY_RETRY_STATUSES or attempt >= self.retries:
+                        raise
+                    delay = max(_backoff(attempt), exc.retry_after or 0.0)
+                except TRANSPORT_ERRORS:
+                    if attempt >= self.retries:
+                        raise
+                    delay = 0.0 if attempt == 0 else _backoff(attempt)
+                await asyncio.sleep(delay)
+                attempt += 1
+        return await _within(attempts(), deadline)
+
+    # -- contexts ----------------------------------------------------------------
+    async def create_context(self, k: Any, v: Any, k_pos: Any = None, *, replicas: int | None = None,
+                             shards: int | None = None, chunk_keys: int | None = None,
+                             progress: Progress | None = None, retries: int = 3,
+                             expected_length: int | None = None) -> dict:
+        """Store ``k``, ``v`` (any ``n_k``) as a new context, in chunks; its description. As
+        ``Client.create_context`` (one chunk in flight at a time); raises :class:`UploadError`."""
+        k, v, k_pos = _arrays(k, v, k_pos)
+        upload = Upload(total=_keys(k), progress=progress, retries=retries)
+        if expected_length is not None and (type(expected_length) is not int or expected_length < upload.total):
+            raise ValueError(f"expected_length must be an int >= the {upload.total} keys given, got {expected_length!r}")
+        bounds = await self._chunk_bounds(upload, k, v, k_pos, chunk_keys)
+        chunks = _chunks(k, v, k_pos, bounds)
+        first, tensors = next(chunks)
+        planned = expected_length if expected_length is not None else upload.total if len(bounds) > 1 else None
+        desc = await self._send(upload, CREATE, _query({"replicas": replicas, "shards": shards,
+                                                        "expected_length": planned}), tensors)
+        upload.context_id = desc["id"]
+        upload.commit(first)
+        after = upload.committed
+        for keys, tensors in chunks:
+            desc = await self._send(upload, f"{CREATE}/{desc['id']}/append", _query({"after": after}), tensors,
+                                    after=after, keys=keys)
+            upload.commit(keys)
+            after += keys
+        return desc
+
+    async def append(self, context_id: str, k: Any, v: Any, k_pos: Any = None, *, chunk_keys: int | None = None,
+                     progress: Progress | None = None, retries: int = 3) -> dict:
+        """Append ``k``, ``v`` (any ``n_k``) to a context, in chunks; its new description (as ``Client.append``)."""
+        k, v, k_pos = _arrays(k, v, k_pos)
+        upload = Upload(total=_keys(k), progress=progress, retries=retries, context_id=context_id)
+        bounds = await self._chunk_bounds(upload, k, v, k_pos, chunk_keys)
+        path = f"{CREATE}/{context_id}/append"
+        if len(bounds) == 1:  # one plain append, sent again only when surely not stored
+            only = await self._send(upload, path, "", {"k": k, "v": v, "k_pos": k_pos})
+            upload.commit(upload.total)
+            return only
+        try:
+            after = int((await self.get_context(context_id))["length"])
+        except ATTEMPT_ERRORS as exc:
+            raise upload.stopped(exc) from exc
+        desc: dict = {}
+        for keys, tensors in _chunks(k, v, k_pos, bounds):
+            desc = await self._send(upload, path, _query({"after": after}), tensors, after=after, keys=keys)
+            upload.commit(keys)
+            after += keys
+        return desc
+
+    async def get_context(self, context_id: str) -> dict:
+        return json.loads(await self._request("GET", f"/v1/contexts/{context_id}"))
+
+    async def list_contexts(self) -> list[dict]:
+        return json.loads(await self._request("GET", "/v1/contexts"))["contexts"]
+
+    async def delete_context(self, context_id: str) -> dict:
+        return json.loads(await self._request("DELETE", f"/v1/contexts/{context_id}"))
+
+    async def cluster(self) -> dict:
+        return json.loads(await self._request("GET", "/v1/cluster"))
+
+    async def limits(self) -> Limits:
+        """The server's request limits (``GET /v1/limits``), fetched once; the defaults for a server without it."""
+        if self._limits is None:
+            try:
+                self._limits = Limits.from_json(json.loads(await self._request("GET", "/v1/limits")))
+            except SplitkeyError as exc:
+                if exc.status != 404 or exc.code:
+                    raise
+                self._limits = DEFAULT_LIMITS
+        return self._limits
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- uploads -----------------------------------------------------------------
+    async def _chunk_bounds(self, upload: Upload, k: np.ndarray, v: np.ndarray, k_pos: np.ndarray | None,
+                            requested: int | None) -> list[tuple[int, int]]:
+        try:
+            limits = await self.limits()
+        except ATTEMPT_ERRORS as exc:
+            raise upload.stopped(exc) from exc
+        return plan_chunks(limits, k, v, k_pos, requested)
+
+    async def _send(self, upload: Upload, path: str, query: str, tensors: Mapping[str, Any], *,
+                    after: int | None = None, keys: int = 0) -> dict:
+        """One chunk, sent again after a retryable failure as ``Client._send`` decides (``service.client.upload``)."""
+        resendable = after is not None or path == CREATE
+        body = _join(encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None}))
+        attempt = 0
+        while True:
+            try:
+                return json.loads(await self._request("POST", path, query, body))
+            except ATTEMPT_ERRORS as exc:
+                if attempt and after is not None and is_length_mismatch(exc):
+                    try:
+                        desc = await self.get_context(str(upload.context_id))
+                    except ATTEMPT_ERRORS:
+                        desc = None
+                    if desc is not None and desc["length"] == after + keys:
+                        return desc
+                transport = isinstance(exc, TRANSPORT_ERRORS)
+                may_resend = resendable or not transport
+                # retry_delay knows SplitkeyError; a failed connection waits as the sync client's does
+                delay = ((0.0 if attempt == 0 else _backoff(attempt)) if transport else retry_delay(exc, attempt))
+                if attempt >= upload.retries or not may_resend or delay is None:
+                    raise upload.stopped(exc) from exc
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    # -- transport ---------------------------------------------------------------
+    async def _request(self, method: str, path: str, query: str = "", body: bytes | None = None) -> bytes:
+        """The answer's body; an error answer raises :class:`SplitkeyError`."""
+        headers = {"Content-Type": BINARY} if body is not None else None
+        resp = await self._http.request(method, path + (f"?{query}" if query else ""), content=body, headers=headers)
+        self.last_server_timing = resp.headers.get("server-timing", "")
+        if resp.status_code >= 400:
+            raise from_answer(resp.status_code, resp.content, resp.headers.get("retry-after"))
+        return resp.content
+
+
+def _join(buffers: Sequence[bytes | memoryview]) -> bytes:
+    return b"".join(buffers)
+
+
+def _backoff(attempt: int) -> float:
+    return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** attempt)
+
+
+async def _within(work: Any, deadline: float | None) -> Any:
+    """``await work``, cut with :class:`TimeoutError` after ``deadline`` seconds (None: no deadline)."""
+    if deadline is None:
+        return await work
+    return await asyncio.wait_for(work, deadline)
+

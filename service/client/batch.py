@@ -1,0 +1,78 @@
+"""Batch bodies on the client side (``POST /v1/attention/batch``; docs/API.md section 10): pure, no I/O.
+
+An item is a mapping with ``q`` and any of ``k``, ``v``, ``q_pos``, ``k_pos``,
+``alibi_slopes`` (arrays) and ``contexts``, ``scale``, ``causal``, ``window``,
+``softcap`` (options), as the keyword arguments of ``Client.attention``. Its
+answer is ``(out, lse)``, or the :class:`SplitkeyError` the server gave that item
+alone (``status``, ``code``, ``detail``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from service.client.errors import SplitkeyError
+from service.wire.safetensors import decode_safetensors, encode_safetensors, peek_safetensors_header
+from service.wire.rules import DEFAULT_LIMITS
+
+TENSORS = ("q", "k", "v", "q_pos", "k_pos", "alibi_slopes")
+OPTIONS = ("contexts", "scale", "causal", "window", "softcap")
+
+#: One item's answer: ``(out [n_q, h_q, d_v], lse [n_q, h_q])`` or its error.
+BatchAnswer = tuple[np.ndarray, np.ndarray] | SplitkeyError
+
+
+def encode_batch(items: Sequence[Mapping[str, Any]]) -> list[bytes | memoryview]:
+    """The safetensors body of ``items`` (tensors ``{i}.{name}``, options in ``__metadata__["items"]``)."""
+    if isinstance(items, Mapping) or not len(items):
+        raise ValueError(f"items must be a non-empty sequence of mappings, got {type(items).__name__} "
+                         f"of {len(items)}")
+    tensors: dict[str, np.ndarray] = {}
+    options: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        unknown = sorted(set(item) - set(TENSORS) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"items[{i}] keys must be among {', '.join(TENSORS + OPTIONS)}, got {unknown}")
+        if item.get("q") is None:
+            raise ValueError(f"items[{i}] must have q, got none")
+        tensors.update({f"{i}.{name}": np.asarray(item[name]) for name in TENSORS if item.get(name) is not None})
+        opts: dict[str, Any] = {}
+        for name in OPTIONS:
+            value = item.get(name)
+            if value is None:
+                continue
+            if name == "contexts":
+                value = list(value)
+            elif name == "window":
+                value = [None if b is None else int(b) for b in value]
+            elif name == "causal":
+                value = bool(value)
+            else:
+                value = float(value)
+            opts[name] = value
+        options.append(opts)
+    return encode_safetensors(tensors, {"items": json.dumps(options, separators=(",", ":"))})
+
+
+def decode_batch(body: bytes, count: int) -> list[BatchAnswer]:
+    """Each item's answer from a safetensors batch answer of ``count`` items."""
+    header = peek_safetensors_header(body, len(body), DEFAULT_LIMITS, _names(count))
+    status = json.loads(header.metadata["items"])
+    if type(status) is not list or len(status) != count:
+        raise ValueError(f"the answer must hold {count} item statuses, got {status!r:.200}")
+    arrays = decode_safetensors(body, _names(count))
+    answers: list[BatchAnswer] = []
+    for i, st in enumerate(status):
+        if st.get("status") == 200:
+            answers.append((np.array(arrays[f"{i}.out"]), np.array(arrays[f"{i}.lse"])))
+        else:
+            answers.append(SplitkeyError(int(st.get("status", 0)), str(st.get("code", "")), str(st.get("detail", ""))))
+    return answers
+
+
+def _names(count: int) -> list[str]:
+    return [f"{i}.{name}" for i in range(count) for name in ("out", "lse")]

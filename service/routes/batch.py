@@ -1,0 +1,87 @@
+"""POST /v1/attention/batch: many independent attention items in one request (service.batch)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from service.errors import error_responses
+from service.metrics import Timings
+from service.routes.common import app_state, body_limit, off_loop, read_body, runtime, with_deadline
+from service.wire.batch import Item, decode_binary_batch, decode_json_batch, encode_binary_batch, encode_json_batch
+from service.wire.negotiation import Format, content_type, request_format, response_format
+from service.wire.rules import Limits
+from service.wire.safetensors import to_bytes
+
+router = APIRouter(tags=["attention"])
+
+ROUTE = "/v1/attention/batch"
+
+
+class BatchRequestModel(BaseModel):
+    """``POST /v1/attention/batch`` with ``Content-Type: application/json`` (documentation only)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    # Each item is checked on its own and a bad one is answered on its own (200): the schema of an item is
+    # AttentionRequestModel, but for the batch only "an object" is a rule of the whole body.
+    items: list[dict[str, Any]] = Field(min_length=1, max_length=Limits().max_batch_items,
+                                        description="1 to max_batch_items objects, each the body of POST "
+                                                    "/v1/attention (AttentionRequestModel); each answered or "
+                                                    "refused on its own")
+
+
+class ItemErrorModel(BaseModel):
+    status: int
+    code: str
+    detail: str
+
+
+class BatchItemResult(BaseModel):
+    out: list[list[list[float | None]]] | None = None
+    lse: list[list[float | None]] | None = None
+    error: ItemErrorModel | None = None
+
+
+class BatchResult(BaseModel):
+    items: list[BatchItemResult]
+
+
+BODY_DOC = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": BatchRequestModel.model_json_schema()},
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary", "description":
+                                            "safetensors: tensors ITEM.NAME (0.q, 0.q_pos, ...); "
+                                            "__metadata__.items: JSON array of each item's options"}}}}}
+
+
+def _decode(fmt: Format, body: memoryview, limits: Limits) -> list[Item]:
+    return decode_json_batch(body, limits) if fmt == "json" else decode_binary_batch(body, limits)
+
+
+@router.post(
+    ROUTE,
+    summary="Many attention items in one request, each answered (or refused) on its own",
+    responses={200: {"content": {"application/json": {"schema": BatchResult.model_json_schema()},
+                                 "application/octet-stream": {}},
+                     "description": "per item: out and lse, or its error"},
+               **error_responses(400, 401, 413, 415, 422, 429, 503, 504)},
+    openapi_extra=BODY_DOC,
+)
+async def attention_batch(request: Request) -> Response:
+    state, rt = app_state(request), runtime(request)
+    t0 = time.perf_counter()
+    timings = Timings()
+    fmt = request_format(request.headers.get("content-type"))
+    body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
+    items = await off_loop(len(body), _decode, fmt, body, state.limits)
+    timings.add("parse", time.perf_counter() - t0)
+    answers = await with_deadline(rt.batch.run(items, timings), state.settings.request_timeout_s)
+    t1 = time.perf_counter()
+    resp_fmt = response_format(request.headers.get("accept"), fmt)
+    content = encode_json_batch(answers) if resp_fmt == "json" else to_bytes(encode_binary_batch(answers))
+    timings.add("encode", time.perf_counter() - t1)
+    timings.add("total", time.perf_counter() - t0)
+    state.metrics.observe_stages(ROUTE, timings)
+    return Response(content=content, media_type=content_type(resp_fmt), headers={"Server-Timing": timings.header()})

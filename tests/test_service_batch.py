@@ -1,0 +1,179 @@
+"""POST /v1/attention/batch end to end: many items per request, each answered (or refused) on its own."""
+
+import json
+import struct
+
+import httpx
+import numpy as np
+import pytest
+from reference import assert_close_to_reference
+
+from service.client import Client, SplitkeyError
+from service.client.batch import encode_batch
+from service.wire.safetensors import decode_safetensors, encode_safetensors, to_bytes
+
+pytestmark = pytest.mark.ray
+
+BINARY = "application/octet-stream"
+
+
+def kv(rng, n, h_kv=2, d=16, d_v=8, dtype=np.float32):
+    return rng.standard_normal((n, h_kv, d)).astype(dtype), rng.standard_normal((n, h_kv, d_v)).astype(dtype)
+
+
+@pytest.fixture(scope="module")
+def contexts(server):
+    """Three contexts (one over several shards, one float16) and their keys."""
+    rng = np.random.default_rng(17)
+    made = {}
+    with Client(server.url) as c:
+        for name, n, dtype in (("long", 900, np.float32), ("short", 70, np.float32), ("half", 300, np.float16)):
+            k, v = kv(rng, n, dtype=dtype)
+            made[name] = (c.create_context(k, v)["id"], k, v)
+    yield made
+    with Client(server.url) as c:
+        for ctx_id, _, _ in made.values():
+            c.delete_context(ctx_id)
+
+
+def items_of_every_kind(rng, contexts):
+    """Items over one or two contexts with every option, and inline ones; the keys each reads."""
+    (long_id, lk, lv), (short_id, sk, sv), (half_id, hk, hv) = (contexts[n] for n in ("long", "short", "half"))
+    q = lambda n_q, h_q=4, dtype=np.float32: rng.standard_normal((n_q, h_q, 16)).astype(dtype)  # noqa: E731
+    ik, iv = kv(rng, 130)
+    items = [
+        ({"q": q(1), "contexts": [long_id]}, (lk, lv), {}),
+        ({"q": q(3), "contexts": [long_id], "causal": True}, (lk, lv), {"causal": True}),
+        ({"q": q(2), "contexts": [short_id], "window": (20, 0), "q_pos": np.array([40, 69])}, (sk, sv),
+         {"window": (20, 0), "q_pos": np.array([40, 69])}),
+        ({"q": q(1), "contexts": [long_id, short_id], "softcap": 5.0, "scale": 0.3},
+         (np.concatenate([lk, sk]), np.concatenate([lv, sv])),
+         {"softcap": 5.0, "scale": 0.3, "k_pos": np.concatenate([np.arange(900), np.arange(70)])}),
+        ({"q": q(2, dtype=np.float16), "contexts": [half_id]}, (hk, hv), {}),
+        ({"q": q(2), "k": ik, "v": iv, "causal": True}, (ik, iv), {"causal": True}),
+        ({"q": q(1, h_q=2), "contexts": [short_id], "alibi_slopes": np.array([0.5, 0.25])}, (sk, sv),
+         {"alibi_slopes": np.array([0.5, 0.25])}),
+    ]
+    return items
+
+
+def test_batch_answers_each_item_exactly_and_bitwise_as_alone(client, contexts, rng):
+    items = items_of_every_kind(rng, contexts)
+    answers = client.attention_batch([item for item, _, _ in items])
+    assert len(answers) == len(items)
+    for (item, (k, v), ref_opts), answer in zip(items, answers):
+        assert not isinstance(answer, SplitkeyError), answer
+        out, lse = answer
+        assert_close_to_reference(out, lse, item["q"], k, v, **ref_opts)
+        alone = client.attention(**item)
+        assert np.array_equal(out, alone[0]) and np.array_equal(lse, alone[1]), item.get("contexts")
+
+
+def test_batch_of_many_items_over_the_same_context_shares_the_workers(client, contexts, rng):
+    ctx_id, k, v = contexts["long"]
+    qs = [rng.standard_normal((1, 4, 16)).astype(np.float32) for _ in range(64)]
+    answers = client.attention_batch([{"q": q, "contexts": [ctx_id], "causal": True} for q in qs])
+    for q, (out, lse) in zip(qs, answers):
+        assert_close_to_reference(out, lse, q, k, v, causal=True)
+    assert "scatter;dur=" in client.last_server_timing and "compute;dur=" in client.last_server_timing
+
+
+def test_batch_item_errors_are_their_own_and_the_others_are_answered(client, contexts, rng):
+    ctx_id, k, v = contexts["short"]
+    good = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    items = [
+        {"q": good, "contexts": [ctx_id]},
+        {"q": good, "contexts": ["ctx_does_not_exist"]},
+        {"q": rng.standard_normal((1, 4, 12)).astype(np.float32), "contexts": [ctx_id]},  # d 12 != 16
+        {"q": good, "contexts": [ctx_id], "window": (-1, 0)},
+        {"q": good, "k": k[:5], "v": v[:6]},
+        {"q": good, "contexts": [ctx_id], "causal": True},
+    ]
+    answers = client.attention_batch(items)
+    for i in (0, 5):
+        out, lse = answers[i]
+        assert_close_to_reference(out, lse, good, k, v, causal=i == 5)
+    expected = {1: (404, "context_not_found", "ctx_does_not_exist"), 2: (422, "invalid_tensor", "d"),
+                3: (422, "invalid_option", "window"), 4: (422, "invalid_tensor", "v")}
+    for i, (status, code, word) in expected.items():
+        err = answers[i]
+        assert isinstance(err, SplitkeyError), (i, err)
+        assert (err.status, err.code) == (status, code), err
+        assert err.detail.startswith(f"items[{i}]: ") and word in err.detail, err.detail
+
+
+def test_batch_in_json_answers_per_item(server, contexts, rng):
+    ctx_id, k, v = contexts["short"]
+    q = rng.standard_normal((2, 4, 16))
+    body = {"items": [{"q": q.tolist(), "contexts": [ctx_id], "causal": True},
+                      {"q": q.tolist(), "contexts": [ctx_id], "causal": "yes"},
+                      {"q": q[:1].tolist(), "k": k[:10].tolist(), "v": v[:10].tolist()}]}
+    r = httpx.post(server.url + "/v1/attention/batch", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()["items"]
+    out = np.array(got[0]["out"], dtype=np.float32)
+    lse = np.array(got[0]["lse"], dtype=np.float32)
+    assert_close_to_reference(out, lse, q.astype(np.float32), k, v, causal=True)
+    assert got[1]["error"]["status"] == 422 and got[1]["error"]["code"] == "invalid_option"
+    assert "causal" in got[1]["error"]["detail"] and got[1].keys() == {"error"}
+    out = np.array(got[2]["out"], dtype=np.float32)
+    lse = np.array(got[2]["lse"], dtype=np.float32)
+    assert_close_to_reference(out, lse, q[:1].astype(np.float32), k[:10], v[:10])
+
+
+def post(server, body, content_type=BINARY):
+    return httpx.post(server.url + "/v1/attention/batch", content=body, headers={"Content-Type": content_type},
+                      timeout=60)
+
+
+def header_of(buffers) -> dict:
+    raw = to_bytes(buffers)
+    (n,) = struct.unpack_from("<Q", raw)
+    return json.loads(raw[8:8 + n])
+
+
+@pytest.mark.parametrize("case", ["no_metadata", "items_not_a_list", "no_items", "too_many", "item_out_of_range",
+                                  "bad_name", "truncated", "json_not_items"])
+def test_batch_body_that_is_not_a_batch_is_refused_whole_and_the_server_stays_up(server, client, contexts, case):
+    q = np.ones((1, 4, 16), np.float32)
+    ctx_id = contexts["short"][0]
+    one = {"items": json.dumps([{"contexts": [ctx_id]}])}
+    bodies = {
+        "no_metadata": (to_bytes(encode_safetensors({"0.q": q})), 400, "invalid_body", "__metadata__"),
+        "items_not_a_list": (to_bytes(encode_safetensors({"0.q": q}, {"items": "{}"})), 422, "invalid_option", "items"),
+        "no_items": (to_bytes(encode_safetensors({}, {"items": "[]"})), 422, "invalid_option", "items"),
+        "too_many": (to_bytes(encode_safetensors({"0.q": q}, {"items": json.dumps([{}] * 257)})), 422,
+                     "invalid_option", "256"),
+        "item_out_of_range": (to_bytes(encode_safetensors({"0.q": q, "1.q": q}, one)), 422, "invalid_tensor", "1.q"),
+        "bad_name": (to_bytes(encode_safetensors({"q": q}, one)), 422, "invalid_tensor", "ITEM.NAME"),
+        "truncated": (to_bytes(encode_batch([{"q": q, "contexts": [ctx_id]}]))[:-3], 400, "invalid_body", ""),
+        "json_not_items": (json.dumps({"q": [[[1.0]]]}).encode(), 400, "invalid_body", "items"),
+    }
+    body, status, code, word = bodies[case]
+    r = post(server, body, "application/json" if case.startswith("json") else BINARY)
+    assert r.status_code == status, r.text
+    assert r.json()["code"] == code and word in r.json()["detail"], r.json()
+    out, _ = client.attention(q, contexts=[ctx_id])  # the server answers the next request
+    assert out.shape == (1, 4, 8)
+
+
+def test_batch_item_over_an_empty_context_goes_the_single_way(client, rng):
+    k, v = kv(rng, 0)
+    empty = client.create_context(k, v)
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    (out, lse), = client.attention_batch([{"q": q, "contexts": [empty["id"]]}])
+    alone = client.attention(q, contexts=[empty["id"]])  # alone too (this was a 500 before the batch work)
+    assert np.array_equal(out, alone[0]) and np.array_equal(lse, alone[1])
+    assert out.shape == (1, 4, 8) and not out.any() and np.all(np.isneginf(lse))  # attention over no keys
+    client.delete_context(empty["id"])
+
+
+def test_batch_answers_carry_the_item_statuses_in_safetensors(server, contexts):
+    q = np.ones((1, 4, 16), np.float32)
+    r = post(server, to_bytes(encode_batch([{"q": q, "contexts": [contexts["short"][0]]},
+                                            {"q": q, "contexts": ["nope"]}])))
+    assert r.status_code == 200
+    statuses = json.loads(header_of([r.content])["__metadata__"]["items"])
+    assert statuses[0] == {"status": 200} and statuses[1]["status"] == 404
+    tensors = decode_safetensors(r.content, {"0.out", "0.lse"})
+    assert tensors["0.out"].shape == (1, 4, 8) and tensors["0.lse"].shape == (1, 4)

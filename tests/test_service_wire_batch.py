@@ -1,0 +1,107 @@
+"""service.wire.batch: batch bodies read into items (each checked, or refused alone) and answers written."""
+
+import json
+
+import numpy as np
+import pytest
+from expect import service_error
+
+from service.client.batch import decode_batch, encode_batch
+from service.client.errors import SplitkeyError
+from service.wire.batch import (
+    ItemError,
+    decode_binary_batch,
+    decode_json_batch,
+    encode_binary_batch,
+    encode_json_batch,
+)
+from service.wire.request import AttentionRequest
+from service.wire.rules import Limits
+from service.wire.safetensors import encode_safetensors, to_bytes
+
+Q = np.ones((2, 4, 8), np.float32)
+
+
+def body(items):
+    return to_bytes(encode_batch(items))
+
+
+def test_binary_batch_items_carry_their_own_tensors_and_options():
+    k = np.zeros((5, 2, 8), np.float32)
+    items = decode_binary_batch(body([
+        {"q": Q, "contexts": ["a", "b"], "causal": True, "window": (4, None)},
+        {"q": Q[:1], "k": k, "v": k[..., :3], "q_pos": np.array([9]), "scale": 0.5, "softcap": 3.0},
+    ]))
+    first, second = items
+    assert isinstance(first, AttentionRequest) and first.contexts == ("a", "b") and first.kv is None
+    assert first.options.causal and first.options.window == (4, None)
+    assert second.kv.dims.n_k == 5 and second.kv.dims.d_v == 3 and second.options.scale == 0.5
+    assert second.q_pos.tolist() == [9] and second.options.softcap == 3.0 and second.contexts == ()
+
+
+@pytest.mark.parametrize("item, status, code, word", [
+    ({"q": Q}, 422, "invalid_tensor", "k and v"),  # neither keys nor contexts
+    ({"q": Q, "contexts": ["a"], "causal": "yes"}, 422, "invalid_option", "causal"),
+    ({"q": Q, "contexts": ["a"], "window": (-2, 0)}, 422, "invalid_option", "window"),
+    ({"q": np.ones((2, 8), np.float32), "contexts": ["a"]}, 422, "invalid_tensor", "q"),
+    ({"q": Q, "contexts": ["bad id!"]}, 422, "invalid_option", "contexts[0]"),
+    ({"q": Q * np.nan, "contexts": ["a"]}, 422, "invalid_tensor", "finite"),
+])
+def test_a_bad_item_is_refused_alone_naming_the_item_and_field(item, status, code, word):
+    # The bad item second, encoded by hand: the client's own encoding would refuse or convert it.
+    tensors = {"0.q": Q, "1.q": np.asarray(item["q"])}
+    opts = [{"contexts": ["a"]}, {n: (list(x) if isinstance(x, tuple) else x) for n, x in item.items() if n != "q"}]
+    good, bad = decode_binary_batch(to_bytes(encode_safetensors(tensors, {"items": json.dumps(opts)})))
+    assert isinstance(good, AttentionRequest)
+    assert isinstance(bad, ItemError) and (bad.status, bad.code) == (status, code), bad
+    assert bad.detail.startswith("items[1]: ") and word in bad.detail
+
+
+@pytest.mark.parametrize("make, code, word", [
+    (lambda: to_bytes(encode_safetensors({"0.q": Q})), "invalid_body", "__metadata__"),
+    (lambda: to_bytes(encode_safetensors({"0.q": Q}, {"items": "[}"})), "invalid_body", "items"),
+    (lambda: to_bytes(encode_safetensors({"0.q": Q}, {"items": "3"})), "invalid_option", "items"),
+    (lambda: to_bytes(encode_safetensors({"0.q": Q}, {"items": json.dumps([{}] * 5)})), "invalid_option", "1 to 4"),
+    (lambda: to_bytes(encode_safetensors({"0.q": Q, "2.q": Q}, {"items": "[{}, {}]"})), "invalid_tensor", "2.q"),
+    (lambda: to_bytes(encode_safetensors({"0.out": Q}, {"items": "[{}]"})), "invalid_tensor", "0.out"),
+    (lambda: to_bytes(encode_safetensors({"00.q": Q}, {"items": "[{}]"})), "invalid_tensor", "00.q"),
+    (lambda: body([{"q": Q, "contexts": ["a"]}])[:-1], "invalid_body", ""),
+    (lambda: to_bytes(encode_safetensors({"0.q": Q}, {"items": "[3]"})), "invalid_body", "items\"][0]"),
+])
+def test_a_body_that_is_not_a_batch_is_refused_whole(make, code, word):
+    with service_error(code, word):
+        decode_binary_batch(make(), Limits(max_batch_items=4))
+
+
+def test_json_batch_items_and_errors():
+    items = decode_json_batch(json.dumps({"items": [
+        {"q": Q.tolist(), "contexts": ["a"], "dtype": "float16"},
+        {"q": Q.tolist(), "k": [[[1.0] * 8] * 2], "v": [[[1.0] * 8] * 2], "wrong": 1},
+    ]}).encode())
+    assert isinstance(items[0], AttentionRequest) and items[0].q.dtype == np.float16
+    assert isinstance(items[1], ItemError) and "wrong" in items[1].detail and items[1].detail.startswith("items[1]")
+    for doc, code in (({"items": []}, "invalid_option"), ({"items": {}}, "invalid_option"),
+                      ({"items": [], "x": 1}, "invalid_body"), ([], "invalid_body"),
+                      ({"items": [{}, [1, 2]]}, "invalid_body")):
+        with service_error(code):
+            decode_json_batch(json.dumps(doc).encode())
+
+
+def test_answers_round_trip_through_the_client_and_json():
+    out, lse = np.full((1, 4, 3), 0.5, np.float32), np.array([[1.0, -np.inf, 2.0, 3.0]], np.float32)
+    answers = [(out, lse), ItemError(404, "context_not_found", "items[1]: gone")]
+    got = decode_batch(to_bytes(encode_binary_batch(answers)), 2)
+    assert np.array_equal(got[0][0], out) and np.array_equal(got[0][1], lse)
+    assert isinstance(got[1], SplitkeyError) and (got[1].status, got[1].code) == (404, "context_not_found")
+    doc = json.loads(encode_json_batch(answers))
+    assert doc["items"][0]["lse"] == [[1.0, None, 2.0, 3.0]]
+    assert doc["items"][1] == {"error": {"status": 404, "code": "context_not_found", "detail": "items[1]: gone"}}
+
+
+def test_an_item_tensor_of_the_wrong_rank_or_kind_is_refused_alone_as_a_single_body_would_be():
+    opts = json.dumps([{"contexts": ["a"]}, {"contexts": ["a"]}, {"contexts": ["a"]}])
+    tensors = {"0.q": Q, "1.q": Q.astype(np.int32), "2.q": Q, "2.q_pos": np.array([1.0, 2.0])}
+    good, wrong_kind, wrong_pos = decode_binary_batch(to_bytes(encode_safetensors(tensors, {"items": opts})))
+    assert isinstance(good, AttentionRequest)
+    assert wrong_kind.code == "invalid_tensor" and "1.q dtype must be F16" in wrong_kind.detail
+    assert wrong_pos.code == "invalid_tensor" and "2.q_pos dtype must be I32 or I64" in wrong_pos.detail
