@@ -1,0 +1,181 @@
+"""The KServe v2 gRPC protocol (``inference.GRPCInferenceService``) beside HTTP: a persistent channel.
+
+``splitkey serve --grpc-port PORT`` also serves the Open Inference Protocol over gRPC
+on ``--host``, for clients that call many times per second (``tritonclient.grpc``, any
+client generated from KServe's ``grpc_predict_v2.proto``). It is the same service as
+the HTTP routes, in the same process and event loop: the same auth (``authorization:
+Bearer KEY`` metadata; the health RPCs are open, as the HTTP probes are), admission
+control (``--max-inflight``, the in-flight byte budget), deadline (``--request-timeout``,
+shortened by the call's own gRPC deadline or ``timeout`` parameter), request ids
+(``x-request-id`` metadata in and out), errors (the contract's code and message, in the
+status details and the ``splitkey-code`` trailing metadata) and metrics (route
+``grpc:ModelInfer``). A request is translated into the HTTP binary form and read by the
+same decoder (``service.wire.kserve_grpc``). docs/KSERVE.md, "gRPC", lists the RPCs.
+
+Only imported when the port is set: grpcio and the generated messages (``tritonclient[grpc]``,
+the ``grpc`` extra) are not needed otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from service import request_id
+from service.errors import ERRORS, Internal, ServiceError, ShuttingDown, Unauthorized, internals
+from service.metrics import Timings
+from service.routes.common import off_loop, with_deadline
+from service.runtime import AppState
+from service.wire.kserve import MODEL_NAME, MODEL_VERSION, PLATFORM, decode_infer_request, model_metadata
+from service.wire.kserve_grpc import infer_body, infer_response
+from service.wire.request import attention_request
+
+log = logging.getLogger(__name__)
+
+ROUTE = "grpc:ModelInfer"
+#: The gRPC status of each HTTP status the service answers with.
+STATUS: dict[int, grpc.StatusCode] = {
+    400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED, 409: grpc.StatusCode.FAILED_PRECONDITION,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED, 415: grpc.StatusCode.INVALID_ARGUMENT,
+    422: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED, 507: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The RPCs splitkey answers; the others are UNIMPLEMENTED (the generated base class)."""
+
+    def __init__(self, state: AppState) -> None:
+        self.state = state
+        key = state.settings.api_key()
+        self.api_key = key.encode() if key else None
+
+    # -- health and metadata (open, as the HTTP probes are) --------------------------------
+    async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - the protocol's names
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return service_pb2.ServerReadyResponse(ready=self._ready())
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return service_pb2.ModelReadyResponse(ready=request.name == MODEL_NAME and self._ready())
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        return service_pb2.ServerMetadataResponse(name=PLATFORM, version="0.1.0", extensions=[])
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        await self._authorize(context)
+        if request.name != MODEL_NAME:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"name must be {MODEL_NAME}, got {request.name[:64]!r}")
+        meta = model_metadata()
+        tensor = service_pb2.ModelMetadataResponse.TensorMetadata
+        return service_pb2.ModelMetadataResponse(
+            name=meta["name"], versions=meta["versions"], platform=meta["platform"],
+            inputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["inputs"]],
+            outputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["outputs"]])
+
+    def _ready(self) -> bool:
+        rt = self.state.runtime
+        return rt is not None and not self.state.drain.draining and len(rt.pool.alive) == rt.pool.size
+
+    # -- inference -------------------------------------------------------------------------
+    async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
+        metadata = [(k.encode(), v.encode()) for k, v in context.invocation_metadata() if isinstance(v, str)]
+        rid = request_id.assign(metadata)
+        context.set_trailing_metadata((("x-request-id", rid),))
+        state, t0, timings = self.state, time.perf_counter(), Timings()
+        code = 200
+        ticket = state.admission.ticket() if state.admission is not None else None
+        try:
+            await self._authorize(context)
+            if state.drain.draining:
+                raise ShuttingDown("the service must be running to take work, got a request while it drains "
+                                   "before it stops")
+            rt = state.runtime
+            if rt is None:
+                raise ShuttingDown("workers must be started before requests are served, got none yet")
+            size = request.ByteSize()
+            if ticket is not None:
+                ticket.charge(size)
+                ticket.admit()
+            parsed, req = await off_loop(size, _decode, request, state)
+            timings.add("parse", time.perf_counter() - t0)
+            deadline = state.settings.request_timeout_s
+            for limit in (parsed.timeout_s, context.time_remaining()):
+                if limit is not None:
+                    deadline = min(deadline, max(limit, 1e-3))
+            out, lse = await with_deadline(rt.attention.attention(req, timings), deadline)
+            t1 = time.perf_counter()
+            response = infer_response(service_pb2.ModelInferResponse, parsed.id, {"out": out, "lse": lse},
+                                      parsed.outputs)
+            timings.add("encode", time.perf_counter() - t1)
+            timings.add("total", time.perf_counter() - t0)
+            state.metrics.observe_stages(ROUTE, timings)
+            context.set_trailing_metadata((("x-request-id", rid), ("server-timing", timings.header())))
+            return response
+        except ServiceError as err:
+            code = err.status
+            await self._abort(context, err, rid)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception:  # noqa: BLE001 - answered as the HTTP routes answer an unexpected failure
+            code = 500
+            log.exception("request %s: gRPC ModelInfer failed inside the service", rid)
+            await self._abort(context, Internal(f"the service failed on this request; the server log has the "
+                                                f"details under request id {rid}"), rid)
+        finally:
+            if ticket is not None:
+                ticket.release()
+            state.metrics.requests.labels(route=ROUTE, code=str(code)).inc()
+        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    async def _authorize(self, context: Any) -> None:
+        if self.api_key is None:
+            return
+        for name, value in context.invocation_metadata():
+            if name == "authorization" and isinstance(value, str):
+                scheme, _, token = value.partition(" ")
+                if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key):
+                    return
+        raise Unauthorized()
+
+    @staticmethod
+    async def _abort(context: Any, err: ServiceError, rid: str) -> None:
+        """End the call with ``err``'s gRPC status, its message (machine internals withheld, as
+        ``service.errors.render`` does) and its contract code in the trailing metadata."""
+        detail = err.detail
+        leak = internals(detail)
+        if leak is not None:
+            log.warning("request %s: %s detail withheld from the client (it held %s): %s", rid, err.code, leak, detail)
+            detail = f"{err.code.replace('_', ' ')}: the server log has the details under request id {rid}"
+        context.set_trailing_metadata((("x-request-id", rid), ("splitkey-code", ERRORS[type(err)].code)))
+        await context.abort(STATUS.get(err.status, grpc.StatusCode.UNKNOWN), detail)
+
+
+def _decode(request: Any, state: AppState) -> tuple[Any, Any]:
+    body, header_len = infer_body(request, state.limits)
+    parsed = decode_infer_request(body, header_len, state.limits)
+    return parsed, attention_request(parsed.decoded)
+
+
+async def start(state: AppState, host: str, port: int) -> tuple[Any, int]:
+    """A started ``grpc.aio`` server on ``host:port`` (0: any free port): ``(server, bound port)``."""
+    # The body limit and room for the message's framing; gRPC takes at most 2**31 - 1.
+    size = min(state.limits.max_body_bytes + (1 << 20), 2**31 - 1)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
+                                      ("grpc.max_send_message_length", size),
+                                      ("grpc.max_concurrent_streams", max(16, state.settings.max_inflight))])
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(state), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise RuntimeError(f"grpc_port must be free on {host}, got {port} in use")
+    await server.start()
+    log.info("KServe v2 gRPC on %s:%d (model %s, version %s)", host, bound, MODEL_NAME, MODEL_VERSION)
+    return server, bound

@@ -1,0 +1,139 @@
+"""The KServe v2 gRPC protocol end to end: `splitkey serve --grpc-port` with the real tritonclient.grpc."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as triton
+from reference import assert_close_to_reference
+from server import Server, free_port
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from service.client import Client
+from workers import BFLOAT16
+
+pytestmark = pytest.mark.ray
+
+KEY = "grpc-test-key-0123456789"
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def grpc_server(tmp_path_factory):
+    """A server with the gRPC port open and a key set (so auth is tested on both transports)."""
+    home = tmp_path_factory.mktemp("grpc-server")
+    key_file = home / "key"
+    key_file.write_text(KEY)
+    key_file.chmod(0o600)
+    port = free_port()
+    srv = Server(home, args=("--workers", "2", "--grpc-port", str(port), "--api-key-file", str(key_file)),
+                 env={"SPLITKEY_CONTEXT_SHARD_KEYS": "128"})
+    srv.start(api_key=KEY)
+    srv.grpc = f"127.0.0.1:{port}"
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tc(grpc_server):
+    client = triton.InferenceServerClient(grpc_server.grpc)
+    yield client
+    client.close()
+
+
+def infer_inputs(**tensors):
+    out = []
+    for name, a in tensors.items():
+        t = triton.InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype))
+        t.set_data_from_numpy(a)
+        out.append(t)
+    return out
+
+
+def infer(tc, parameters=None, headers=AUTH, **tensors):
+    outputs = [triton.InferRequestedOutput(n) for n in ("out", "lse")]
+    result = tc.infer("attention", infer_inputs(**tensors), outputs=outputs, parameters=parameters, headers=headers)
+    return result.as_numpy("out"), result.as_numpy("lse")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BFLOAT16, np.float32, np.float64], ids=lambda t: np.dtype(t).name)
+def test_grpc_answers_are_exact_and_bitwise_the_http_answers(grpc_server, tc, rng, dtype):
+    q = rng.standard_normal((3, 8, 16)).astype(dtype)
+    k = rng.standard_normal((300, 2, 16)).astype(dtype)
+    v = rng.standard_normal((300, 2, 8)).astype(dtype)
+    with Client(grpc_server.url, api_key=KEY) as c:
+        ctx = c.create_context(k[:200], v[:200])["id"]
+        want = c.attention(q, k[200:], v[200:], contexts=[ctx], causal=True, window=(50, None))
+        out, lse = infer(tc, parameters={"contexts": ctx, "causal": True, "window": "50,"}, q=q, k=k[200:], v=v[200:])
+        c.delete_context(ctx)
+    assert np.array_equal(out, want[0]) and np.array_equal(lse, want[1])
+    assert_close_to_reference(out, lse, q, k, v, causal=True, window=(50, None))
+    out, lse = infer(tc, q=q, k=k, v=v, q_pos=np.arange(297, 300))
+    assert_close_to_reference(out, lse, q, k, v, q_pos=np.arange(297, 300))
+
+
+def test_grpc_health_is_open_and_metadata_describes_the_model(tc):
+    assert tc.is_server_live() and tc.is_server_ready() and tc.is_model_ready("attention")
+    assert not tc.is_model_ready("other")
+    meta = tc.get_model_metadata("attention", headers=AUTH, as_json=True)
+    assert meta["name"] == "attention" and [t["name"] for t in meta["inputs"]][:3] == ["q", "k", "v"]
+    assert tc.get_server_metadata(as_json=True)["name"] == "splitkey"
+
+
+@pytest.mark.parametrize("case, status, word", [
+    ("no_key", "StatusCode.UNAUTHENTICATED", ""),
+    ("unknown_context", "StatusCode.NOT_FOUND", "ctx_nope"),
+    ("bad_shape", "StatusCode.INVALID_ARGUMENT", "q"),
+    ("bad_option", "StatusCode.INVALID_ARGUMENT", "causal"),
+    ("typed_contents", "StatusCode.INVALID_ARGUMENT", "raw_input_contents"),
+])
+def test_grpc_errors_have_the_status_and_message_and_the_server_stays_up(grpc_server, tc, rng, case, status, word):
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((10, 2, 16)).astype(np.float32)
+    calls = {
+        "no_key": lambda: infer(tc, headers={}, q=q, k=k, v=k),
+        "unknown_context": lambda: infer(tc, parameters={"contexts": "ctx_nope"}, q=q),
+        "bad_shape": lambda: infer(tc, q=q[0], k=k, v=k),
+        "bad_option": lambda: infer(tc, parameters={"causal": "maybe"}, q=q, k=k, v=k),
+        "typed_contents": lambda: tc.infer("attention", [_typed_input(q)], headers=AUTH),
+    }
+    with pytest.raises(InferenceServerException) as info:
+        calls[case]()
+    assert info.value.status() == status, info.value
+    assert word in info.value.message()
+    out, _ = infer(tc, q=q, k=k, v=k)  # answered after the error
+    assert out.shape == (1, 4, 16)
+
+
+def _typed_input(q):
+    t = triton.InferInput("q", list(q.shape), "FP32")
+    t._get_tensor().contents.fp32_contents.extend(q.reshape(-1).tolist())
+    return t
+
+
+def test_grpc_requests_are_counted_with_the_http_ones(grpc_server, tc, rng):
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    infer(tc, q=q, k=q.reshape(4, 1, 16)[:, :, :], v=q.reshape(4, 1, 16))
+    text = httpx.get(grpc_server.url + "/metrics", headers=AUTH, timeout=10).text
+    assert 'splitkey_requests_total{code="200",route="grpc:ModelInfer"}' in text
+
+
+def test_grpc_error_names_its_contract_code_and_request_id_in_trailing_metadata(grpc_server, rng):
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    req = service_pb2.ModelInferRequest(model_name="attention")
+    q = req.inputs.add()
+    q.name, q.datatype = "q", "FP32"
+    q.shape.extend([1, 4, 16])
+    req.raw_input_contents.append(np.ones((1, 4, 16), np.float32).tobytes())
+    req.parameters["contexts"].string_param = "ctx_missing"
+    with grpc.insecure_channel(grpc_server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ModelInfer(req, metadata=(("authorization", f"Bearer {KEY}"), ("x-request-id", "grpc-rid-1")))
+    err = info.value
+    trailing = dict(err.trailing_metadata())
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "ctx_missing" in err.details()
+    assert trailing["splitkey-code"] == "context_not_found" and trailing["x-request-id"] == "grpc-rid-1"
