@@ -446,10 +446,10 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
 
 @contextlib.contextmanager
 def served(cmd: Sequence[str], env: dict[str, str], ready_url: str, log: Path,
-           startup_s: float = 180.0) -> Iterator[None]:
-    """Run ``cmd`` in its own process group until ``ready_url`` answers 200; always stop it."""
+           startup_s: float = 180.0, cwd: Path = ROOT) -> Iterator[None]:
+    """Run ``cmd`` in ``cwd``, in its own process group, until ``ready_url`` answers 200; always stop it."""
     with log.open("w") as out:
-        proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             deadline = time.monotonic() + startup_s
@@ -480,15 +480,20 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 @contextlib.contextmanager
 def splitkey_server(workdir: Path, workers: int = 2, args: Sequence[str] = (),
-                    env: dict[str, str] | None = None) -> Iterator[str]:
-    """``splitkey serve`` (embedded Ray, its own HOME under ``workdir``) on a free loopback port; yields its URL."""
+                    env: dict[str, str] | None = None, cwd: Path = ROOT) -> Iterator[str]:
+    """``splitkey serve`` (embedded Ray, its own HOME under ``workdir``) on a free loopback port; yields its URL.
+
+    ``cwd``: the checkout whose ``service`` package runs (another commit's, for a side-by-side run).
+    """
     port = free_port()
     home = workdir / f"home-{port}"
     home.mkdir(parents=True)
     full_env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
     cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--workers", str(workers), *args]
     url = f"http://127.0.0.1:{port}"
-    with served(cmd, full_env, url + "/readyz", workdir / f"splitkey-{port}.log"):
+    if cwd != ROOT:  # its own packages first, whatever the venv's editable install points to
+        full_env["PYTHONPATH"] = os.pathsep.join([str(cwd), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with served(cmd, full_env, url + "/readyz", workdir / f"splitkey-{port}.log", cwd=cwd):
         yield url
 
 

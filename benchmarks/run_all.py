@@ -2,7 +2,7 @@
 
 Run from the repository root (``benchmarks/run_all`` is the same, with the repository's Python)::
 
-    benchmarks/run_all                      # all four benchmarks, medians of several runs each, then the docs
+    benchmarks/run_all                      # every benchmark, medians of several runs each, then the docs
     benchmarks/run_all --quick              # every benchmark's own --quick: a smoke run, docs left alone
     benchmarks/run_all --only scaling       # one benchmark (and the model), the others' tables kept
     benchmarks/run_all --render benchmarks/results/2026-12-01   # the docs again from stored results, no runs
@@ -70,6 +70,7 @@ BENCHES = (
     Bench("service", "Service", "benchmarks/service.py", ("--repeat", "5"), ("--quick",)),
     Bench("contexts", "Resident contexts", "benchmarks/contexts.py", ("--repeat", "10"), ("--quick",)),
     Bench("scaling", "Scaling", "benchmarks/scaling.py", ("--rounds", "3"), ("--quick",)),
+    Bench("engine", "Engine calls", "benchmarks/engine.py", ("--rounds", "3"), ("--quick",)),
 )
 NAMES = tuple(b.name for b in BENCHES)
 

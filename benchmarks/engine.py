@@ -1,0 +1,289 @@
+"""An inference engine's calls (issue 17): per-call overhead of single decode queries and per-item cost of
+batches over resident contexts, against the in-process kernel, side by side in one run.
+
+Run from the repository root (``pip install -e '.[bench]'``)::
+
+    .venv/bin/python benchmarks/engine.py --rounds 3 --out /tmp/engine.md --json /tmp/engine.json
+    .venv/bin/python benchmarks/engine.py --baseline /tmp/base   # also a checkout of another commit
+    .venv/bin/python benchmarks/engine.py --quick                # smoke run
+
+Decode shape ``h_q=32, h_kv=8, d=128`` float32, ``n_q=1``; ``splitkey serve --workers 2``
+with the default settings. Per round (rounds alternate the servers, each started fresh):
+
+1. **in-process**: ``partial_attention_resident`` + ``finalize`` on the same keys in the
+   resident layout, one kernel thread and BLAS at one thread (what one worker runs), median
+   of ``--calls``; for the single context (``--n-k``, 4096 keys: one shard, as a create of
+   that size makes) and for one small context (``--small-n-k``);
+2. **single calls**: ``--calls`` sequential ``Client.attention(q, contexts=[id])`` (sync
+   client, one keep-alive connection), the same with ``AsyncClient`` from one event loop, and
+   over the KServe v2 gRPC channel with ``tritonclient.grpc`` (``--grpc-port``); p50/p99,
+   Server-Timing stage medians; overhead = p50 - in-process median;
+3. **batches** (this tree only): ``--contexts`` small contexts, ``POST /v1/attention/batch``
+   of B items (B in ``--batch``), item i over context i mod ``--contexts``; per-item cost =
+   (p50 of the batch - B x the small context's in-process time) / B; and B over one context
+   (a shared scan). Every answer of the warm-up is checked against the in-process answer.
+
+``--baseline DIR`` runs step 2 with the server of another checkout (its ``service`` package,
+same Python) beside this one's, in the same rounds, so "before" and "after" share the machine's
+state. Targets (issue 17): single-call overhead <= 2 ms p50; per item <= 0.3 ms at 64 items.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # see benchmarks/service.py
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import common
+from merge import finalize
+from service.client import AsyncClient, Client, SplitkeyError
+from service.client.timing import parse_server_timing
+from workers import StreamingKV, partial_attention_resident
+from workers.options import AttentionOptions, KernelOptions
+
+HEADS = {"h_q": 32, "h_kv": 8, "d": 128}
+
+
+def keys(n_k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shape = (n_k, HEADS["h_kv"], HEADS["d"])
+    return rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32)
+
+
+def query(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, HEADS["h_q"], HEADS["d"]), dtype=np.float32)
+
+
+def inprocess(k: np.ndarray, v: np.ndarray, q: np.ndarray, calls: int) -> tuple[float, tuple[Any, Any]]:
+    """Median seconds of one worker's kernel call on these keys (resident layout, one thread), and its answer."""
+    view = StreamingKV.from_arrays(k, v, np.arange(k.shape[0])).snapshot()
+    q_pos = np.array([k.shape[0]])
+
+    def once() -> tuple[Any, Any]:
+        return finalize(partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(),
+                                                   kernel=KernelOptions(threads=1)))
+    with common.blas_threads(1):
+        seconds, answer = common.time_calls(once, calls)
+    return statistics.median(seconds), answer
+
+
+def quantiles(seconds: Sequence[float]) -> dict[str, float]:
+    s = sorted(seconds)
+    return {"p50": statistics.median(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "n": len(s)}
+
+
+def single_calls(url: str, ctx_id: str, q: np.ndarray, calls: int) -> dict[str, Any]:
+    """Sequential sync-client calls: latency quantiles and median Server-Timing stages."""
+    seconds, stages = [], []
+    with Client(url) as c:
+        for _ in range(5):
+            c.attention(q, contexts=[ctx_id])
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            c.attention(q, contexts=[ctx_id])
+            seconds.append(time.perf_counter() - t0)
+            stages.append(parse_server_timing(c.last_server_timing))
+    return {**quantiles(seconds), "stages": common.median_stages(stages)}
+
+
+def async_calls(url: str, ctx_id: str, q: np.ndarray, calls: int) -> dict[str, Any]:
+    async def main() -> list[float]:
+        out = []
+        async with AsyncClient(url) as c:
+            for _ in range(5):
+                await c.attention(q, contexts=[ctx_id])
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                await c.attention(q, contexts=[ctx_id])
+                out.append(time.perf_counter() - t0)
+        return out
+    return quantiles(asyncio.run(main()))
+
+
+def grpc_calls(target: str, ctx_id: str, q: np.ndarray, calls: int) -> dict[str, Any]:
+    """Sequential ``tritonclient.grpc`` unary calls on one channel (the persistent channel)."""
+    import tritonclient.grpc as triton
+
+    client = triton.InferenceServerClient(target)
+    inp = triton.InferInput("q", list(q.shape), "FP32")
+    inp.set_data_from_numpy(q)
+    outputs = [triton.InferRequestedOutput(n) for n in ("out", "lse")]
+    seconds = []
+    try:
+        for i in range(calls + 5):
+            t0 = time.perf_counter()
+            client.infer("attention", [inp], outputs=outputs, parameters={"contexts": ctx_id})
+            if i >= 5:
+                seconds.append(time.perf_counter() - t0)
+    finally:
+        client.close()
+    return quantiles(seconds)
+
+
+def batch_calls(c: Client, items: list[dict], calls: int, check: Callable[[list], None]) -> dict[str, Any]:
+    check(c.attention_batch(items))
+    seconds, stages = [], []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        answers = c.attention_batch(items)
+        seconds.append(time.perf_counter() - t0)
+        stages.append(parse_server_timing(c.last_server_timing))
+        if any(isinstance(a, SplitkeyError) for a in answers):
+            raise RuntimeError(f"a batch item failed: {next(a for a in answers if isinstance(a, SplitkeyError))}")
+    return {**quantiles(seconds), "stages": common.median_stages(stages)}
+
+
+def run_server(root: Path, workdir: Path, fn: Callable[[str, str | None], Any], grpc: bool) -> Any:
+    port = common.free_port() if grpc else None
+    args = ("--grpc-port", str(port)) if grpc else ()
+    with common.splitkey_server(workdir, workers=2, cwd=root, args=args) as url:
+        return fn(url, f"127.0.0.1:{port}" if grpc else None)
+
+
+def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool, data: dict) -> dict[str, Any]:
+    def work(url: str, grpc_target: str | None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        with Client(url) as c:
+            ctx = c.create_context(*data["single"])["id"]
+            want = data["single_answer"]
+            got = c.attention(data["q"], contexts=[ctx])
+            out["single_max_diff"] = max(common.max_diff(got[0], want[0]), common.max_diff(got[1], want[1]))
+            if out["single_max_diff"] > 1e-5:
+                raise RuntimeError(f"the service's answer differs from the in-process one by {out['single_max_diff']}")
+            out["single"] = single_calls(url, ctx, data["q"], args.calls)
+            if batches:
+                out["async"] = async_calls(url, ctx, data["q"], args.calls)
+                out["grpc"] = grpc_calls(str(grpc_target), ctx, data["q"], args.calls)
+                small = [c.create_context(*kv)["id"] for kv in data["small"]]
+                out["batch"] = {}
+                for b in args.batch:
+                    items = [{"q": data["q"], "contexts": [small[i % len(small)]]} for i in range(b)]
+
+                    def check(answers: list, b: int = b) -> None:
+                        for i, a in enumerate(answers):
+                            ref = data["small_answers"][i % len(small)]
+                            if isinstance(a, SplitkeyError) or common.max_diff(a[0], ref[0]) > 1e-5:
+                                raise RuntimeError(f"batch of {b}: item {i} is wrong: {a}")
+                    out["batch"][b] = batch_calls(c, items, max(5, args.calls // max(1, b // 4)), check)
+                same = [{"q": query(100 + i), "contexts": [ctx]} for i in range(64)]
+                out["batch_same_context"] = batch_calls(c, same, max(5, args.calls // 16), lambda a: None)
+                for cid in small:
+                    c.delete_context(cid)
+            c.delete_context(ctx)
+        return out
+    return run_server(root, workdir, work, grpc=batches)
+
+
+def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
+    kern, small_kern = result["inprocess_s"], result["inprocess_small_s"]
+    lines = [f"### Engine calls: decode n_q=1, h_q=32, h_kv=8, d=128 float32, 2 workers ({result['date']})", "",
+             f"Command: `{result['command']}`", "",
+             f"In-process kernel (one thread, resident layout), median: {common.ms(kern)} for {args.n_k} keys, "
+             f"{common.ms(small_kern)} for {args.small_n_k} keys. Service answers vs in-process: max abs diff "
+             f"{max(result['max_diff']):.1e}.", ""]
+    rows = []
+    for name, rounds in result["single"].items():
+        p50 = statistics.median(r["p50"] for r in rounds)
+        p99 = statistics.median(r["p99"] for r in rounds)
+        stages = common.median_stages([r["stages"] for r in rounds])
+        rows.append([name, common.ms(p50), common.ms(p99), common.ms(p50 - kern),
+                     ", ".join(f"{k} {v * 1e3:.2f}" for k, v in stages.items())])
+    if result["async"]:
+        p50 = statistics.median(r["p50"] for r in result["async"])
+        p99 = statistics.median(r["p99"] for r in result["async"])
+        rows.append(["this tree, AsyncClient", common.ms(p50), common.ms(p99), common.ms(p50 - kern), "-"])
+        p50 = statistics.median(r["p50"] for r in result["grpc"])
+        p99 = statistics.median(r["p99"] for r in result["grpc"])
+        rows.append(["this tree, gRPC (tritonclient.grpc)", common.ms(p50), common.ms(p99), common.ms(p50 - kern),
+                     "-"])
+    lines += ["#### Single calls (sequential, medians of the rounds' p50 and p99)", "",
+              common.markdown_table(["server, client", "p50", "p99", "p50 - kernel", "Server-Timing medians (ms)"],
+                                    rows), ""]
+    if result["batch"]:
+        rows = []
+        for b in args.batch:
+            p50 = statistics.median(r[str(b)]["p50"] if str(b) in r else r[b]["p50"] for r in result["batch"])
+            rows.append([b, common.ms(p50), common.ms(p50 / b), common.ms((p50 - b * small_kern) / b)])
+        lines += [f"#### Batches over {args.contexts} contexts of {args.small_n_k} keys (item i over context i mod "
+                  f"{args.contexts})", "",
+                  common.markdown_table(["items", "batch p50", "per item", "per item - kernel"], rows), ""]
+        same = statistics.median(r["p50"] for r in result["batch_same_context"])
+        lines += [f"64 items over the one {args.n_k}-key context (a shared scan): p50 {common.ms(same)}, "
+                  f"{common.ms(same / 64)} per item; one single call {common.ms(kern)} of kernel.", ""]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=common.positive, default=3)
+    p.add_argument("--calls", type=common.positive, default=300)
+    p.add_argument("--n-k", type=common.positive, default=4096)
+    p.add_argument("--small-n-k", type=common.positive, default=512)
+    p.add_argument("--contexts", type=common.positive, default=64)
+    p.add_argument("--batch", type=common.parse_keys, default=[1, 4, 16, 64, 256])
+    p.add_argument("--baseline", default=None, help="a checkout of another commit: its server too, step 2 only")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 round, few calls, small batches")
+    p.add_argument("--out", default=None)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.calls, args.contexts, args.batch = 1, 20, 4, [1, 8]
+        args.small_n_k = 256
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    common.raise_on_sigterm()
+    k, v = keys(args.n_k, 1)
+    q = query(2)
+    small = [keys(args.small_n_k, 10 + i) for i in range(args.contexts)]
+    kern, answer = inprocess(k, v, q, args.calls)
+    small_kern, _ = inprocess(*small[0], q, args.calls)
+    data = {"single": (k, v), "single_answer": answer, "q": q, "small": small,
+            "small_answers": [inprocess(*kv, q, 3)[1] for kv in small]}
+    servers = [("this tree, Client", ROOT, True)]
+    if args.baseline:
+        servers.append(("baseline, Client", Path(args.baseline).resolve(), False))
+    result: dict[str, Any] = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+                              "command": " ".join([".venv/bin/python", "benchmarks/engine.py", *(argv or sys.argv[1:])]),
+                              "inprocess_s": kern, "inprocess_small_s": small_kern, "machine": common.machine_lines(),
+                              "single": {name: [] for name, _, _ in servers}, "max_diff": [], "async": [], "grpc": [], "batch": [],
+                              "batch_same_context": []}
+    with tempfile.TemporaryDirectory(prefix="splitkey-engine-") as tmp:
+        for r in range(args.rounds):
+            for name, root, batches in (servers if r % 2 == 0 else servers[::-1]):
+                got = round_for(args, root, Path(tmp) / f"r{r}-{len(result['single'][name])}-{batches}", batches, data)
+                result["single"][name].append(got["single"])
+                result["max_diff"].append(got["single_max_diff"])
+                if batches:
+                    result["async"].append(got["async"])
+                    result["grpc"].append(got["grpc"])
+                    result["batch"].append(got["batch"])
+                    result["batch_same_context"].append(got["batch_same_context"])
+                print(f"round {r + 1}: {name} p50 {common.ms(got['single']['p50'])}", file=sys.stderr, flush=True)
+    text = report(args, result)
+    common.emit_report(text, args.out)
+    if args.json:
+        common.write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+"""benchmarks/engine.py --quick: single calls (HTTP, AsyncClient, gRPC) and batches, answers checked."""
+
+import json
+
+import pytest
+from benchloader import benchmark_module
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_the_engine_benchmark_reports_single_calls_and_batches(tmp_path):
+    with benchmark_module("engine.py") as bench:
+        assert bench.main(["--quick", "--out", str(tmp_path / "engine.md"), "--json", str(tmp_path / "e.json")]) == 0
+    text = (tmp_path / "engine.md").read_text()
+    for row in ("| this tree, Client |", "| this tree, AsyncClient |", "| this tree, gRPC (tritonclient.grpc) |",
+                "| 1 |", "| 8 |"):
+        assert row in text, row
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert result["single"]["this tree, Client"][0]["n"] == 20 and max(result["max_diff"]) < 1e-5
