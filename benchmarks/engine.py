@@ -70,10 +70,14 @@ def query(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, HEADS["h_q"], HEADS["d"]), dtype=np.float32)
 
 
-def inprocess(k: np.ndarray, v: np.ndarray, q: np.ndarray, calls: int) -> tuple[float, tuple[Any, Any]]:
+def resident(k: np.ndarray, v: np.ndarray) -> Any:
+    """The keys in the resident layout, as a worker holds them."""
+    return StreamingKV.from_arrays(k, v, np.arange(k.shape[0])).snapshot()
+
+
+def inprocess(view: Any, q: np.ndarray, calls: int) -> tuple[float, tuple[Any, Any]]:
     """Median seconds of one worker's kernel call on these keys (resident layout, one thread), and its answer."""
-    view = StreamingKV.from_arrays(k, v, np.arange(k.shape[0])).snapshot()
-    q_pos = np.array([k.shape[0]])
+    q_pos = np.array([view.k_pos.shape[0]])
 
     def once() -> tuple[Any, Any]:
         return finalize(partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(),
@@ -81,6 +85,13 @@ def inprocess(k: np.ndarray, v: np.ndarray, q: np.ndarray, calls: int) -> tuple[
     with common.blas_threads(1):
         seconds, answer = common.time_calls(once, calls)
     return statistics.median(seconds), answer
+
+
+def kernel_times(data: dict, calls: int) -> dict[str, float]:
+    """The in-process kernel now, for the single context and one small one (what a round's calls are
+    compared with: this machine's speed drifts over minutes)."""
+    return {"single": inprocess(data["view"], data["q"], calls)[0],
+            "small": inprocess(data["small_view"], data["q"], calls)[0]}
 
 
 def quantiles(seconds: Sequence[float]) -> dict[str, float]:
@@ -158,7 +169,7 @@ def run_server(root: Path, workdir: Path, fn: Callable[[str, str | None], Any], 
 
 def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool, data: dict) -> dict[str, Any]:
     def work(url: str, grpc_target: str | None) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"kernel": [kernel_times(data, max(10, args.calls // 5))]}
         with Client(url) as c:
             ctx = c.create_context(*data["single"])["id"]
             want = data["single_answer"]
@@ -186,46 +197,57 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
                 for cid in small:
                     c.delete_context(cid)
             c.delete_context(ctx)
+        out["kernel"].append(kernel_times(data, max(10, args.calls // 5)))
         return out
     return run_server(root, workdir, work, grpc=batches)
 
 
+def round_kernel(r: dict[str, Any], which: str) -> float:
+    """The round's in-process kernel time: the median of its measurements before and after its calls."""
+    return statistics.median(k[which] for k in r["kernel"])
+
+
 def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
-    kern, small_kern = result["inprocess_s"], result["inprocess_small_s"]
+    kern = statistics.median(round_kernel(r, "single") for rounds in result["single"].values() for r in rounds)
+    small_kern = statistics.median(round_kernel(r, "small") for r in result["this_tree_rounds"]) if result["this_tree_rounds"] else 0.0
     lines = [f"### Engine calls: decode n_q=1, h_q=32, h_kv=8, d=128 float32, 2 workers ({result['date']})", "",
              f"Command: `{result['command']}`", "",
-             f"In-process kernel (one thread, resident layout), median: {common.ms(kern)} for {args.n_k} keys, "
-             f"{common.ms(small_kern)} for {args.small_n_k} keys. Service answers vs in-process: max abs diff "
-             f"{max(result['max_diff']):.1e}.", ""]
-    rows = []
-    for name, rounds in result["single"].items():
-        p50 = statistics.median(r["p50"] for r in rounds)
-        p99 = statistics.median(r["p99"] for r in rounds)
-        stages = common.median_stages([r["stages"] for r in rounds])
-        rows.append([name, common.ms(p50), common.ms(p99), common.ms(p50 - kern),
-                     ", ".join(f"{k} {v * 1e3:.2f}" for k, v in stages.items())])
-    if result["async"]:
-        p50 = statistics.median(r["p50"] for r in result["async"])
-        p99 = statistics.median(r["p99"] for r in result["async"])
-        rows.append(["this tree, AsyncClient", common.ms(p50), common.ms(p99), common.ms(p50 - kern), "-"])
-        p50 = statistics.median(r["p50"] for r in result["grpc"])
-        p99 = statistics.median(r["p99"] for r in result["grpc"])
-        rows.append(["this tree, gRPC (tritonclient.grpc)", common.ms(p50), common.ms(p99), common.ms(p50 - kern),
-                     "-"])
-    lines += ["#### Single calls (sequential, medians of the rounds' p50 and p99)", "",
-              common.markdown_table(["server, client", "p50", "p99", "p50 - kernel", "Server-Timing medians (ms)"],
-                                    rows), ""]
-    if result["batch"]:
+             f"In-process kernel (one thread, resident layout), measured before and after each round's calls, "
+             f"median over the rounds: {common.ms(kern)} for {args.n_k} keys, {common.ms(small_kern)} for "
+             f"{args.small_n_k} keys; each round's calls are compared with its own. Service answers vs in-process: "
+             f"max abs diff {max(result['max_diff']):.1e}. Times in ms.", ""]
+
+    def row(name: str, rounds: list[dict], kernels: list[float], stages: bool) -> list[Any]:
+        over = statistics.median(r["p50"] - k for r, k in zip(rounds, kernels))
+        cells = [name, common.ms(statistics.median(r["p50"] for r in rounds)),
+                 common.ms(statistics.median(r["p99"] for r in rounds)), common.ms(over)]
+        st = common.median_stages([r["stages"] for r in rounds]) if stages else {}
+        return cells + [", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(st.items())) or "-"]
+
+    rows = [row(name, [r["single"] for r in rounds], [round_kernel(r, "single") for r in rounds], True)
+            for name, rounds in result["single"].items()]
+    own = result["this_tree_rounds"]
+    if own:
+        kernels = [round_kernel(r, "single") for r in own]
+        rows.append(row("this tree, AsyncClient", [r["async"] for r in own], kernels, False))
+        rows.append(row("this tree, gRPC (tritonclient.grpc)", [r["grpc"] for r in own], kernels, False))
+    lines += ["#### Single calls (sequential; medians over the rounds)", "",
+              common.markdown_table(["server, client", "p50", "p99", "p50 - kernel", "Server-Timing medians"], rows),
+              ""]
+    if own:
         rows = []
         for b in args.batch:
-            p50 = statistics.median(r[str(b)]["p50"] if str(b) in r else r[b]["p50"] for r in result["batch"])
-            rows.append([b, common.ms(p50), common.ms(p50 / b), common.ms((p50 - b * small_kern) / b)])
+            p50s = [r["batch"][str(b)]["p50"] if str(b) in r["batch"] else r["batch"][b]["p50"] for r in own]
+            per = statistics.median((p - b * round_kernel(r, "small")) / b for p, r in zip(p50s, own))
+            rows.append([b, common.ms(statistics.median(p50s)), common.ms(statistics.median(p50s) / b), common.ms(per)])
         lines += [f"#### Batches over {args.contexts} contexts of {args.small_n_k} keys (item i over context i mod "
                   f"{args.contexts})", "",
+                  "per item - kernel: (batch p50 - items x the round's in-process kernel time of one item) / items; "
+                  "the items' kernels counted one after another, as one worker thread would run them.", "",
                   common.markdown_table(["items", "batch p50", "per item", "per item - kernel"], rows), ""]
-        same = statistics.median(r["p50"] for r in result["batch_same_context"])
+        same = statistics.median(r["batch_same_context"]["p50"] for r in own)
         lines += [f"64 items over the one {args.n_k}-key context (a shared scan): p50 {common.ms(same)}, "
-                  f"{common.ms(same / 64)} per item; one single call {common.ms(kern)} of kernel.", ""]
+                  f"{common.ms(same / 64)} per item, against {common.ms(kern)} for one item's kernel alone.", ""]
     return "\n".join(lines)
 
 
@@ -254,29 +276,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     k, v = keys(args.n_k, 1)
     q = query(2)
     small = [keys(args.small_n_k, 10 + i) for i in range(args.contexts)]
-    kern, answer = inprocess(k, v, q, args.calls)
-    small_kern, _ = inprocess(*small[0], q, args.calls)
-    data = {"single": (k, v), "single_answer": answer, "q": q, "small": small,
-            "small_answers": [inprocess(*kv, q, 3)[1] for kv in small]}
+    view = resident(k, v)
+    data = {"single": (k, v), "view": view, "single_answer": inprocess(view, q, 3)[1], "q": q, "small": small,
+            "small_view": resident(*small[0]),
+            "small_answers": [inprocess(resident(*kv), q, 3)[1] for kv in small]}
     servers = [("this tree, Client", ROOT, True)]
     if args.baseline:
         servers.append(("baseline, Client", Path(args.baseline).resolve(), False))
     result: dict[str, Any] = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                               "command": " ".join([".venv/bin/python", "benchmarks/engine.py", *(argv or sys.argv[1:])]),
-                              "inprocess_s": kern, "inprocess_small_s": small_kern, "machine": common.machine_lines(),
-                              "single": {name: [] for name, _, _ in servers}, "max_diff": [], "async": [], "grpc": [], "batch": [],
-                              "batch_same_context": []}
+                              "machine": common.machine_lines(),
+                              "single": {name: [] for name, _, _ in servers}, "max_diff": [],
+                              "this_tree_rounds": []}
     with tempfile.TemporaryDirectory(prefix="splitkey-engine-") as tmp:
         for r in range(args.rounds):
             for name, root, batches in (servers if r % 2 == 0 else servers[::-1]):
                 got = round_for(args, root, Path(tmp) / f"r{r}-{len(result['single'][name])}-{batches}", batches, data)
-                result["single"][name].append(got["single"])
+                result["single"][name].append({"single": got["single"], "kernel": got["kernel"]})
                 result["max_diff"].append(got["single_max_diff"])
                 if batches:
-                    result["async"].append(got["async"])
-                    result["grpc"].append(got["grpc"])
-                    result["batch"].append(got["batch"])
-                    result["batch_same_context"].append(got["batch_same_context"])
+                    result["this_tree_rounds"].append(got)
                 print(f"round {r + 1}: {name} p50 {common.ms(got['single']['p50'])}", file=sys.stderr, flush=True)
     text = report(args, result)
     common.emit_report(text, args.out)

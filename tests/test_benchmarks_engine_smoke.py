@@ -16,4 +16,4 @@ def test_the_engine_benchmark_reports_single_calls_and_batches(tmp_path):
                 "| 1 |", "| 8 |"):
         assert row in text, row
     result = json.loads((tmp_path / "e.json").read_text())
-    assert result["single"]["this tree, Client"][0]["n"] == 20 and max(result["max_diff"]) < 1e-5
+    assert result["single"]["this tree, Client"][0]["single"]["n"] == 20 and max(result["max_diff"]) < 1e-5
