@@ -1,7 +1,8 @@
-"""An asyncio client: the same calls as :class:`service.client.sync.Client`, awaitable, over httpx.
+"""An asyncio client: the same calls as :class:`service.client.sync.Client`, awaitable.
 
 Made for an engine's decode loop, which calls many times per second from one event
-loop: one connection pool reused by every call (HTTP keep-alive), the batch call,
+loop: one pool of keep-alive connections reused by every call (``service.client.aio_http``,
+a small HTTP/1.1 transport: a general-purpose one cost 3 ms per call here), the batch call,
 chunked uploads, and retries that are safe for what they retry:
 
 * queries (``attention``, ``attention_batch``) only read, so they are sent again
@@ -27,9 +28,9 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
 import numpy as np
 
+from service.client.aio_http import HttpPool, TransportError
 from service.client.batch import BatchAnswer, decode_batch, encode_batch
 from service.client.errors import SplitkeyError, UploadError, from_answer
 from service.client.sync import BINARY, CREATE, _arrays, _chunks, _keys, _query
@@ -45,14 +46,15 @@ from service.client.upload import (
 from service.wire.rules import DEFAULT_LIMITS, Limits
 from service.wire.safetensors import decode_safetensors, encode_safetensors
 
-__all__ = ["AsyncClient", "SplitkeyError", "UploadError"]
+__all__ = ["AsyncClient", "SplitkeyError", "TransportError", "UploadError"]
 
 #: Answers after which a query is sent again: not admitted now (429), workers not ready (503).
 QUERY_RETRY_STATUSES = frozenset({429, 503})
-#: A failed connection: the request may be sent again (queries always; chunks as the upload protocol allows).
-TRANSPORT_ERRORS: tuple[type[Exception], ...] = (httpx.TransportError,)
+#: A failed connection, or no answer within ``timeout``: the request may be sent again (queries always;
+#: chunks as the upload protocol allows).
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (TransportError, TimeoutError)
 #: What ends one attempt: an error answer or a failed connection.
-ATTEMPT_ERRORS: tuple[type[Exception], ...] = (SplitkeyError, httpx.TransportError)
+ATTEMPT_ERRORS: tuple[type[Exception], ...] = (SplitkeyError, TransportError, TimeoutError)
 
 
 class AsyncClient:
@@ -63,15 +65,18 @@ class AsyncClient:
             raise ValueError(f"url must be http(s)://HOST[:PORT], got {url!r}")
         if type(retries) is not int or retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.retries = retries
-        headers = {"Accept": BINARY + ", application/json"}
+        self.timeout = timeout
+        self.base = parts.path.rstrip("/")
+        self._headers = {"Accept": BINARY + ", application/json"}
         if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout,
-                                       limits=httpx.Limits(max_connections=max_connections,
-                                                           max_keepalive_connections=max_connections))
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._pool = HttpPool(parts.hostname, parts.port or (443 if parts.scheme == "https" else 80),
+                              https=parts.scheme == "https", max_connections=max_connections)
         self._limits: Limits | None = None
         #: The ``Server-Timing`` header of the last answer ("" if it had none).
         self.last_server_timing = ""
@@ -85,7 +90,7 @@ class AsyncClient:
         tensors = {"q": q, "k": k, "v": v, "q_pos": q_pos, "k_pos": k_pos, "alibi_slopes": alibi_slopes}
         query = _query({"scale": scale, "causal": causal, "window": window, "softcap": softcap,
                         "contexts": list(contexts) if contexts else None})
-        body = _join(encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None}))
+        body = encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None})
         data = await self._query("/v1/attention", query, body, deadline)
         res = decode_safetensors(data, {"out", "lse"})
         return np.array(res["out"]), np.array(res["lse"])
@@ -94,10 +99,10 @@ class AsyncClient:
                               deadline: float | None = None) -> list[BatchAnswer]:
         """Many items in one request; each answer ``(out, lse)`` or that item's :class:`SplitkeyError`
         (``service.client.sync.Client.attention_batch``)."""
-        data = await self._query("/v1/attention/batch", "", _join(encode_batch(items)), deadline)
+        data = await self._query("/v1/attention/batch", "", encode_batch(items), deadline)
         return decode_batch(data, len(items))
 
-    async def _query(self, path: str, query: str, body: bytes, deadline: float | None) -> bytes:
+    async def _query(self, path: str, query: str, body: list[bytes | memoryview], deadline: float | None) -> bytes:
         """POST a query, sent again after 429/503/a lost connection up to ``retries`` times, within ``deadline``."""
         if deadline is not None and not deadline > 0:
             raise ValueError(f"deadline must be > 0 seconds, got {deadline!r}")
@@ -192,7 +197,7 @@ class AsyncClient:
         return self._limits
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._pool.aclose()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -213,7 +218,7 @@ class AsyncClient:
                     after: int | None = None, keys: int = 0) -> dict:
         """One chunk, sent again after a retryable failure as ``Client._send`` decides (``service.client.upload``)."""
         resendable = after is not None or path == CREATE
-        body = _join(encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None}))
+        body = encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None})
         attempt = 0
         while True:
             try:
@@ -236,18 +241,19 @@ class AsyncClient:
             attempt += 1
 
     # -- transport ---------------------------------------------------------------
-    async def _request(self, method: str, path: str, query: str = "", body: bytes | None = None) -> bytes:
-        """The answer's body; an error answer raises :class:`SplitkeyError`."""
-        headers = {"Content-Type": BINARY} if body is not None else None
-        resp = await self._http.request(method, path + (f"?{query}" if query else ""), content=body, headers=headers)
+    async def _request(self, method: str, path: str, query: str = "",
+                       body: list[bytes | memoryview] | None = None) -> bytes:
+        """The answer's body; an error answer raises :class:`SplitkeyError`, no answer within ``timeout``
+        :class:`TimeoutError`, a failed connection :class:`TransportError`."""
+        headers = dict(self._headers)
+        if body is not None:
+            headers["Content-Type"] = BINARY
+        target = urllib.parse.quote(self.base + path, safe="/") + (f"?{query}" if query else "")
+        resp = await asyncio.wait_for(self._pool.request(method, target, headers, body or ()), self.timeout)
         self.last_server_timing = resp.headers.get("server-timing", "")
-        if resp.status_code >= 400:
-            raise from_answer(resp.status_code, resp.content, resp.headers.get("retry-after"))
-        return resp.content
-
-
-def _join(buffers: Sequence[bytes | memoryview]) -> bytes:
-    return b"".join(buffers)
+        if resp.status >= 400:
+            raise from_answer(resp.status, resp.body, resp.headers.get("retry-after"))
+        return resp.body
 
 
 def _backoff(attempt: int) -> float:

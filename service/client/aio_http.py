@@ -1,0 +1,149 @@
+"""A small HTTP/1.1 client on asyncio streams: the transport of ``service.client.AsyncClient``.
+
+The service's answers are plain HTTP/1.1 (uvicorn): a status line, headers, a body with
+``Content-Length`` (or chunked). A general-purpose client (httpx) spends about 3 ms of
+Python per call on this machine (docs/BENCHMARKS.md, "Engine calls"); this one writes the
+request in one buffer list and reads exactly the answer, keeping connections alive for
+the next call. One pool per client, at most ``max_connections`` at once (callers wait for
+a free one), each used by one request at a time.
+
+A connection found closed by the server before any byte of the answer arrived (an idle
+keep-alive connection the server dropped) is replaced and the request sent once more,
+as the synchronous client does; any other failure is :class:`TransportError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl as ssl_module
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+#: Bytes the status line and headers of an answer may take.
+MAX_HEAD_BYTES = 64 * 2**10
+
+
+class TransportError(ConnectionError):
+    """The connection failed or the answer was not HTTP/1.1 as expected; no answer was read."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: Mapping[str, str]  #: lower-case names
+    body: bytes
+
+
+class _Stale(Exception):
+    """A reused connection was closed by the server before the answer began."""
+
+
+class HttpPool:
+    def __init__(self, host: str, port: int, *, https: bool = False, max_connections: int = 16) -> None:
+        if type(max_connections) is not int or max_connections < 1:
+            raise ValueError(f"max_connections must be an int >= 1, got {max_connections!r}")
+        self.host, self.port = host, port
+        self.ssl = ssl_module.create_default_context() if https else None
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._slots = asyncio.Semaphore(max_connections)
+        self._closed = False
+
+    async def request(self, method: str, target: str, headers: Mapping[str, str],
+                      body: Sequence[bytes | memoryview] = ()) -> Answer:
+        """Send one request and read its whole answer (``body`` as buffers, sent unjoined)."""
+        if self._closed:
+            raise TransportError("the client is closed")
+        size = sum(memoryview(b).nbytes for b in body)
+        head = [f"{method} {target} HTTP/1.1", f"Host: {self.host}:{self.port}"]
+        head += [f"{name}: {value}" for name, value in headers.items()]
+        if size or method in ("POST", "PUT"):
+            head.append(f"Content-Length: {size}")
+        data = [("\r\n".join(head) + "\r\n\r\n").encode("latin-1"), *body]
+        async with self._slots:
+            for attempt in (0, 1):
+                reused = bool(self._idle)
+                reader, writer = self._idle.pop() if reused else await self._connect()
+                try:
+                    answer, keep = await self._exchange(reader, writer, data)
+                except _Stale:
+                    writer.close()
+                    if attempt == 0 and reused:
+                        continue  # an idle connection the server closed: once more on a new one
+                    raise TransportError("the server closed the connection before answering") from None
+                except BaseException:
+                    writer.close()
+                    raise
+                if keep:
+                    self._idle.append((reader, writer))
+                else:
+                    writer.close()
+                return answer
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        try:
+            return await asyncio.open_connection(self.host, self.port, ssl=self.ssl, limit=MAX_HEAD_BYTES)
+        except OSError as exc:
+            raise TransportError(f"could not connect to {self.host}:{self.port}: {exc}") from exc
+
+    @staticmethod
+    async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        data: list[bytes | memoryview]) -> tuple[Answer, bool]:
+        """Write the request, read the answer; ``(answer, whether the connection may be reused)``."""
+        begun = False  # whether any byte of the answer arrived
+        try:
+            writer.writelines(data)
+            await writer.drain()
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:
+                    raise _Stale() from None
+                raise TransportError("the answer ended inside its headers") from None
+            begun = True
+            lines = head.decode("latin-1").split("\r\n")
+            parts = lines[0].split(" ", 2)
+            if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+                raise TransportError(f"the answer must start with an HTTP/1.x status line, got {lines[0][:80]!r}")
+            headers: dict[str, str] = {}
+            for line in lines[1:]:
+                if line:
+                    name, _, value = line.partition(":")
+                    headers[name.strip().lower()] = value.strip()
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                body = await _chunked(reader)
+            elif "content-length" in headers:
+                body = await reader.readexactly(int(headers["content-length"]))
+            else:
+                body = await reader.read()
+                return Answer(int(parts[1]), headers, body), False
+            keep = headers.get("connection", "").lower() != "close" and parts[0] == "HTTP/1.1"
+            return Answer(int(parts[1]), headers, body), keep
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            if isinstance(exc, TransportError):
+                raise
+            if not begun and isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+                raise _Stale() from None
+            raise TransportError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            writer.close()
+        for _, writer in idle:
+            try:
+                await writer.wait_closed()
+            except (ConnectionError, OSError):
+                pass
+
+
+async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    parts: list[bytes] = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")  # the empty trailer
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)
