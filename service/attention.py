@@ -43,9 +43,9 @@ def union_positions(req: AttentionRequest, next_pos: int) -> tuple[Any, Any]:
 
 
 def settled(exc: RecordStale) -> WorkersUnavailable:
-    """What a client sees of a stale read that is not run again: a record read from the directory is
-    never older than one a worker was told is committed, so this is a write landing during the
-    query; the client may send it again (503)."""
+    """What a client sees of a stale read that is not run again (503, to send again): reads of records
+    just taken from the directory name no version (``Resolved.version``), so none is refused; this
+    guards a refusal that should not happen."""
     return WorkersUnavailable(f"the context changed while the query read it ({exc}); send it again")
 
 

@@ -84,14 +84,20 @@ class Resolved:
                 raise InvalidTensor(f"k, v must have [h_kv, d, d_v] = {[dims.h_kv, dims.d, dims.d_v]} as the "
                                     f"contexts, got {[inline.h_kv, inline.d, inline.d_v]}")
 
+    def version(self, rec: ContextRecord) -> int:
+        """The version a read of ``rec``'s shards names for the workers to check: a cached record's, or
+        0 for one just read from the directory (committed when the query began: whatever commits while
+        it runs, the answer is of a whole committed state, and no check could refuse it rightly)."""
+        return int(rec["version"]) if self.cached else 0
+
     def reads(self) -> list[tuple[ShardRead, tuple[str, ...]]]:
-        """Each non-empty shard in key order, as read from its record's version, with its replicas' names."""
-        return [(ShardRead(rec["id"], shard["index"], shard["length"], rec["version"]), tuple(shard["workers"]))
+        """Each non-empty shard in key order, as read from its record, with its replicas' names."""
+        return [(ShardRead(rec["id"], shard["index"], shard["length"], self.version(rec)), tuple(shard["workers"]))
                 for rec in self.records for shard in rec["shards"] if shard["length"]]
 
     def jobs(self, pool: WorkerPool, fanin: int) -> list[Job]:
         """One job per non-empty shard, in key order; only the shard's replicas may run it."""
-        return [Job(work=ResidentWork((ShardRead(rec["id"], shard["index"], shard["length"], rec["version"]),),
+        return [Job(work=ResidentWork((ShardRead(rec["id"], shard["index"], shard["length"], self.version(rec)),),
                                       fanin),
                     candidates=tuple(pool.indexes(shard["workers"])),
                     label=f"shard {shard['index']} of context {rec['id']}")
