@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--calls", type=common.positive, default=100)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a cluster of its own, whatever RAY_ADDRESS a parent process left in the environment
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         h = ray.remote(Probe).options(max_concurrency=64, num_cpus=1).remote(WorkerConfig(), "probe")
         rng = np.random.default_rng(0)
