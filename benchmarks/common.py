@@ -48,7 +48,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 #: Server-Timing stages of the service, in the order of a request.
-STAGES = ("parse", "scatter", "compute", "merge", "encode", "total")
+STAGES = ("parse", "lookup", "scatter", "compute", "merge", "encode", "total")
 #: The benchmark the service benchmarks wait for: it loads every core.
 QUIET_PATTERN = "benchmarks/kernel.py"
 
@@ -233,7 +233,9 @@ def model_stages(requests: Sequence[tuple[float, dict[str, float]]], directory_s
     and rounds of every shard's compute called at once (wall seconds, each shard's reported
     compute seconds, its worker). Server-Timing does not split two of the model's stages, so:
 
-    * directory = the lookups' median; scatter = Server-Timing scatter minus that;
+    * directory = Server-Timing ``lookup`` (the record from the front end's cache or the
+      directory actor), measured by the server; for results from before that stage existed
+      (scatter then included the lookup), the probe lookups' median, and scatter minus that;
     * state return = the probes' wall minus their busiest worker's compute (dispatch, queueing,
       the states' way back: both measured in the same call, never negative);
       compute = Server-Timing compute minus that state return;
@@ -243,12 +245,16 @@ def model_stages(requests: Sequence[tuple[float, dict[str, float]]], directory_s
     """
     nan = float("nan")
     st = median_stages([stages for _, stages in requests]) if requests else {}
-    front = [sec - sum(stages.get(x, 0.0) for x in ("scatter", "compute", "merge")) for sec, stages in requests]
-    directory = statistics.median(directory_s) if directory_s else nan
+    front = [sec - sum(stages.get(x, 0.0) for x in ("lookup", "scatter", "compute", "merge")) for sec, stages in requests]
+    if "lookup" in st:
+        directory, scatter = st["lookup"], st.get("scatter", nan)
+    else:
+        directory = statistics.median(directory_s) if directory_s else nan
+        scatter = st.get("scatter", nan) - directory
     critical = [critical_seconds(s, probe_workers) for s in probe_shard_s]
     back = statistics.median(max(0.0, w - c) for w, c in zip(probe_wall_s, critical)) if critical else nan
     return {"frontend": statistics.median(front) if front else nan, "directory": directory,
-            "scatter": st.get("scatter", nan) - directory, "compute": st.get("compute", nan) - back,
+            "scatter": scatter, "compute": st.get("compute", nan) - back,
             "state_return": back, "merge": st.get("merge", nan),
             "total": statistics.median(rounds or [sec for sec, _ in requests]) if requests else nan,
             "critical": statistics.median(critical) if critical else nan}

@@ -34,9 +34,10 @@ Per cell (setup, shard count, fan-in, shape):
 1. a warm-up answer checked against the in-process one (``workers.attention``);
 2. ``--rounds`` rounds of requests at concurrency 1 (decode 4, prefill 2 per round): client
    seconds and the ``Server-Timing`` stages of every request;
-3. **probes** of the stages Server-Timing does not split: the directory lookup (the directory
-   actor's ``get_many``, the call ``scatter`` starts with; 20 calls from this process before the
-   rounds) and, in each round right after the shape's requests, the shards' compute (each
+3. **probes** of the stages Server-Timing does not split: the directory actor's ``get_many``
+   (20 calls from this process before the rounds: what a query whose record is not in the
+   front end's cache pays; Server-Timing ``lookup`` is what the cell's queries paid, cache
+   hits after the first) and, in each round right after the shape's requests, the shards' compute (each
    shard's ``partial_resident`` called directly on its worker, all at once as the orchestrator
    does; each worker reports the seconds its compute thread spent, ``ComputeStatus.seconds``).
    The critical compute is the busiest worker's sum; the rest of the probe's wall time is
@@ -557,9 +558,10 @@ def report(args: argparse.Namespace, cells: Sequence[Cell], rates: dict[str, Any
              sweep_table(cells, ("workers", "shards", "nodes")), "",
              "Shards and merge fan-in (one node, 4 workers; 8 shards are two per worker):", "",
              shards_table(cells), "",
-             ("Per request, the model's stages (median ms): front end = client time minus scatter, compute and "
-              "merge; directory = the directory actor's lookup (probe); scatter = Server-Timing scatter minus the "
-              "lookup; state return = the shard probe's wall time minus its busiest worker's compute seconds; "
+             ("Per request, the model's stages (median ms): front end = client time minus lookup, scatter, compute "
+              "and merge; directory = Server-Timing lookup (the record, from the front end's cache after the first "
+              "query; results from before that stage: the directory actor's lookup, probed, and scatter minus it); "
+              "state return = the shard probe's wall time minus its busiest worker's compute seconds; "
               "compute = Server-Timing compute minus that state return:"), "", breakdown_table(cells), "",
              "Server-Timing (median ms), and the shard probe (median ms):", "", timing_table(cells), ""]
     return "\n".join(lines)

@@ -60,10 +60,9 @@ class AttentionService:
     async def attention(self, req: AttentionRequest, timings: Timings) -> tuple[Any, Any]:
         """``(out, lse)`` of the request; a query that read a stale cached record runs again from the directory
         (its stages then add both runs' time)."""
-        t0 = time.perf_counter()
-        resolved = await self.resolve(req, fresh=False)
+        resolved = await self.resolve(req, timings, fresh=False)
         try:
-            return await self._attention(req, resolved, timings, t0)
+            return await self._attention(req, resolved, timings)
         except RecordStale as exc:
             if resolved is None or not resolved.cached:
                 raise settled(exc) from exc
@@ -71,24 +70,25 @@ class AttentionService:
             if resolved is None or not resolved.cached:
                 raise
         self.contexts.forget(req.contexts)
-        t0 = time.perf_counter()
         try:
-            return await self._attention(req, await self.resolve(req, fresh=True), timings, t0)
+            return await self._attention(req, await self.resolve(req, timings, fresh=True), timings)
         except RecordStale as exc:
             raise settled(exc) from exc
 
-    async def resolve(self, req: AttentionRequest, *, fresh: bool) -> Resolved | None:
-        """The contexts named, resolved to their committed shards (404 if unknown), and the rules
-        that need them: the query's heads read them, inline keys match them. None: no contexts."""
+    async def resolve(self, req: AttentionRequest, timings: Timings, *, fresh: bool) -> Resolved | None:
+        """The contexts named, resolved to their committed shards (404 if unknown; the ``lookup``
+        stage), and the rules that need them: the query's heads read them, inline keys match them.
+        None: no contexts."""
         if not req.contexts:
             return None
-        resolved = await self.contexts.resolve(req.contexts, fresh=fresh)
+        with timings.measure("lookup"):
+            resolved = await self.contexts.resolve(req.contexts, fresh=fresh)
         resolved.check(req)
         return resolved
 
-    async def _attention(self, req: AttentionRequest, resolved: Resolved | None, timings: Timings,
-                         t0: float) -> tuple[Any, Any]:
-        # 1. The contexts were resolved (``t0`` is when that started: the scatter stage includes it).
+    async def _attention(self, req: AttentionRequest, resolved: Resolved | None, timings: Timings) -> tuple[Any, Any]:
+        # 1. The contexts were resolved (the lookup stage).
+        t0 = time.perf_counter()
         # 2. Positions over the union: inline keys continue after the contexts.
         q_pos, k_pos = union_positions(req, resolved.next_pos if resolved is not None else 0)
         query = ShardQuery(q_pos=q_pos, options=req.options)

@@ -33,6 +33,7 @@ from merge import State, finalize, merge_all
 from service.attention import AttentionService, union_positions
 from service.cluster.orchestrator import LOCAL_MERGE_INLINE_BYTES
 from service.cluster.pool import WorkerPool
+from service.contexts.records import ContextRecord
 from service.contexts.service import ContextService, Resolved
 from service.errors import ContextNotFound, Internal, ServiceError, WorkersUnavailable
 from service.metrics import Timings
@@ -65,12 +66,15 @@ class BatchService:
 
     async def run(self, items: Sequence[Item], timings: Timings) -> list[Answer]:
         """Each item's ``(out, lse)`` or error, in order."""
-        t0 = time.perf_counter()
         answers: list[Answer | None] = [it if isinstance(it, ItemError) else None for it in items]
         grouped = [(i, it) for i, it in enumerate(items) if isinstance(it, AttentionRequest)
                    and it.contexts and it.kv is None]
         single = [i for i, it in enumerate(items) if isinstance(it, AttentionRequest) and (not it.contexts or it.kv is not None)]
-        planned = await self._plan(grouped, answers, single)
+        if grouped:
+            with timings.measure("lookup"):
+                found = await self.contexts.resolve_many([c for _, req in grouped for c in req.contexts])
+        t0 = time.perf_counter()
+        planned = self._plan(grouped, found if grouped else ({}, set()), answers, single)
         timings.add("scatter", time.perf_counter() - t0)
         t1 = time.perf_counter()
         alone = asyncio.gather(*(self._single(i, items[i]) for i in single))  # type: ignore[arg-type]
@@ -109,11 +113,12 @@ class BatchService:
         except ServiceError as exc:
             return ItemError.of(index, exc)
 
-    async def _plan(self, grouped: list[tuple[int, AttentionRequest]], answers: list[Answer | None],
-                    single: list[int]) -> list[Planned]:
-        """The grouped items with their shards; items refused here get their error in ``answers``, items
-        without keys in a context go to ``single``."""
-        records, from_cache = await self.contexts.resolve_many([c for _, req in grouped for c in req.contexts])
+    def _plan(self, grouped: list[tuple[int, AttentionRequest]], found: tuple[dict[str, ContextRecord], set[str]],
+              answers: list[Answer | None], single: list[int]) -> list[Planned]:
+        """The grouped items with their shards (``found``: the records of their contexts, and which came
+        from the cache); items refused here get their error in ``answers``, items without keys in a
+        context go to ``single``."""
+        records, from_cache = found
         planned = []
         for i, req in grouped:
             try:

@@ -48,7 +48,7 @@ def test_every_cell_has_requests_stages_and_probes(quick_run):
 def test_the_report_has_its_tables(quick_run):
     text = (quick_run / "scaling.md").read_text()
     for head in ("| shape | n_q | keys |", "| setup | nodes | workers |", "| cell | front end | directory |",
-                 "| cell | parse | scatter | compute | merge | encode | total |"):
+                 "| cell | parse | lookup | scatter | compute | merge | encode | total |"):
         assert head in text, head
     assert "1 node, 2 workers, 2 shards, fan-in 4, prefill" in text
 

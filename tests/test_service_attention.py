@@ -129,6 +129,7 @@ def test_server_timing_header_names_every_stage(server, rng):
                    headers={"Content-Type": "application/octet-stream"}, timeout=60)
     stages = {part.split(";")[0].strip() for part in r.headers["server-timing"].split(",")}
     assert {"parse", "scatter", "compute", "merge", "encode", "total"} <= stages
+    assert "lookup" not in stages  # no contexts named: nothing to look up
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import pytest
 from reference import assert_close_to_reference, reference
 
 from service.client import Client, SplitkeyError
+from service.client.timing import parse_server_timing
 from workers import BFLOAT16
 from workers.layout import bytes_per_key, padded_capacity
 
@@ -46,6 +47,18 @@ def test_appends_open_new_shards_when_the_last_is_full(client, rng):
     q = rng.standard_normal((1, 2, 16)).astype(np.float32)
     out, lse = client.attention(q, contexts=[ctx["id"]])
     assert_close_to_reference(out, lse, q, k, v)
+    client.delete_context(ctx["id"])
+
+
+def test_a_context_query_times_its_record_lookup_apart_from_the_scatter(client, rng):
+    k, v = kv(rng, 300)
+    ctx = client.create_context(k, v, shards=2)
+    q = rng.standard_normal((1, 2, 16)).astype(np.float32)
+    for _ in range(2):  # the first reads the directory, the second the front end's record cache
+        client.attention(q, contexts=[ctx["id"]])
+        stages = parse_server_timing(client.last_server_timing)
+        assert {"parse", "lookup", "scatter", "compute", "merge", "encode"} <= set(stages), stages
+        assert all(sec >= 0 for sec in stages.values()), stages
     client.delete_context(ctx["id"])
 
 

@@ -19,7 +19,7 @@ def test_timings_accumulate_and_render_server_timing():
 
 
 def test_timings_know_only_the_stages_of_a_request():
-    with pytest.raises(ValueError, match="stage must be one of parse, scatter, .*, total, got 'prase'"):
+    with pytest.raises(ValueError, match="stage must be one of parse, lookup, scatter, .*, total, got 'prase'"):
         Timings().add("prase", 0.1)
 
 
