@@ -88,10 +88,11 @@ def test_gqa_mqa_and_dv_shapes_match_reference(rng, layout, shape):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("block", [1, 7, 64, 100, 1000])
+@pytest.mark.parametrize("block", [1, 7, 64, 100, 1000, None])
 @pytest.mark.parametrize("shards", [1, 3, 5])
 def test_block_sizes_and_shard_counts_match_reference(rng, layout, block, shards):
-    q, k, v, k_pos, q_pos = make(rng, dtype=np.float16, n_k=257)
+    # None: the default blocks (fused.RESIDENT_BLOCK, INLINE_BLOCK), several of them per shard.
+    q, k, v, k_pos, q_pos = make(rng, dtype=np.float16, n_k=257 if block else 5 * 1024 + 13)
     opts = AttentionOptions(window=(60, 0))
     out, lse = run(layout, q, k, v, k_pos, q_pos, opts, fused_opts(block_size=block, threads=2), shards=shards)
     assert_close_to_reference(out, lse, q, k, v, q_pos=q_pos, k_pos=k_pos, window=(60, 0))
@@ -146,8 +147,11 @@ def test_same_call_twice_is_bitwise_identical(rng, layout, threads):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=lambda t: np.dtype(t).name)
-def test_batched_decode_is_bitwise_each_query_alone(rng, dtype):
-    _, k, v, k_pos, _ = make(rng, dtype=dtype, n_k=1500)
+@pytest.mark.parametrize(("block", "n_k"), [(128, 1500), (None, 2603)], ids=["block-128", "default-block"])
+def test_batched_decode_is_bitwise_each_query_alone(rng, dtype, block, n_k):
+    # The default block (RESIDENT_BLOCK) over 2603 keys: two full blocks and a tail whose
+    # quarters leave keys over; the batch stacks the five queries' rows, alone each has its own.
+    _, k, v, k_pos, _ = make(rng, dtype=dtype, n_k=n_k)
     view = StreamingKV.from_arrays(k, v, k_pos).snapshot()
     queries = []
     for i, case in enumerate(["plain", "causal", "window-softcap-alibi", "right-window", "causal"]):
@@ -155,7 +159,7 @@ def test_batched_decode_is_bitwise_each_query_alone(rng, dtype):
         _, opts, _ = options_of(case, 8, rng)
         q_pos = np.array([int(k_pos[0]) - 5 if i == 4 else int(rng.integers(k_pos[0], k_pos[-1]))])
         queries.append((q, q_pos, opts))
-    kernel = fused_opts(threads=2, block_size=128)
+    kernel = fused_opts(threads=2, block_size=block)
     batch = partial_attention_resident_many(queries, view, kernel=kernel)
     for (q, q_pos, opts), st in zip(queries, batch):
         alone = partial_attention_resident(q, view, q_pos=q_pos, options=opts, kernel=kernel)

@@ -50,8 +50,12 @@ log = logging.getLogger(__name__)
 
 #: Keys per block when ``KernelOptions.block_size`` is None: the contract layout
 #: reads a block of every head at once (``h_kv * B`` rows of K), the resident one
-#: a block of one head (``d`` runs of ``B`` keys, longer runs stream better).
-INLINE_BLOCK, RESIDENT_BLOCK = 64, 256
+#: a block of one head: ``d`` runs of ``B`` keys, and longer runs stream better
+#: (a 1 KiB run, 256 float32 keys, read K at about half the rate of a 4 KiB one:
+#: docs/BENCHMARKS.md, "Fused CPU kernel (issue 16)"). Fixed, never a function of the
+#: rows in a call: the block sets each row's order of arithmetic, which must not depend
+#: on the other rows of a batch.
+INLINE_BLOCK, RESIDENT_BLOCK = 64, 1024
 #: Work units per thread (key chunks, x kv heads for the resident layout): load balance.
 UNITS_PER_THREAD = 4
 

@@ -209,19 +209,22 @@ def _pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v:
     """``acc[r, :d_v] += sum_j s[r, j] v_j`` for every row r with ``kind[r] != 0``, over a block's
     ``nb`` values ``v[base + j*step :][:d_v]``.
 
-    Four keys per pass over a row of ``acc`` (a quarter of its loads and stores),
-    then the rest one by one; the keys outside, the rows inside, so that the four
-    values stay in L1 while every row reads them. A row's order depends on ``nb``
-    alone, never on the other rows. Flat indexes are unsigned (``_U``): numba then
-    adds no negative-index fixup, and the loops vectorise without slicing (a slice
-    costs two atomic reference counts). 16-bit values are widened once into ``vw [4, d_v]``
-    (L1 scratch) that every row then reads.
+    Four keys per pass over a row of ``acc`` (a quarter of its loads and stores), the
+    keys ``j, j + n/4, j + n/4*2, j + n/4*3`` (``n/4 = nb // 4``), then the rest one by one:
+    four streams of values at once, where one stream read well under half the bandwidth
+    the CPU gives several (docs/BENCHMARKS.md, "Fused CPU kernel (issue 16)"). The keys
+    outside, the rows inside, so that the four values stay in L1 while every row reads
+    them. A row's order depends on ``nb`` alone, never on the other rows. Flat indexes are
+    unsigned (``_U``): numba then adds no negative-index fixup, and the loops vectorise
+    without slicing (a slice costs two atomic reference counts). 16-bit values are widened
+    once into ``vw [4, d_v]`` (L1 scratch) that every row then reads.
     """
     n_rows = s.shape[0]
-    j = 0
-    while j + 4 <= nb:
-        o0 = _U(base + j * step)
-        o1, o2, o3 = o0 + _U(step), o0 + _U(2 * step), o0 + _U(3 * step)
+    quarter = nb // 4
+    for j in range(quarter):
+        j1, j2, j3 = j + quarter, j + 2 * quarter, j + 3 * quarter
+        o0, o1 = _U(base + j * step), _U(base + j1 * step)
+        o2, o3 = _U(base + j2 * step), _U(base + j3 * step)
         if narrow(v):
             for e in range(d_v):
                 ue = _U(e)
@@ -230,21 +233,19 @@ def _pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v:
             for r in range(n_rows):
                 if kind[r] == 0:
                     continue
-                p0, p1, p2, p3 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
+                p0, p1, p2, p3 = s[r, j], s[r, j1], s[r, j2], s[r, j3]
                 for e in range(d_v):
                     acc[r, e] += ((p0 * vw[0, e] + p1 * vw[1, e]) + (p2 * vw[2, e] + p3 * vw[3, e]))
-            j += 4
             continue
         for r in range(n_rows):
             if kind[r] == 0:
                 continue
-            p0, p1, p2, p3 = s[r, j], s[r, j + 1], s[r, j + 2], s[r, j + 3]
+            p0, p1, p2, p3 = s[r, j], s[r, j1], s[r, j2], s[r, j3]
             for e in range(d_v):
                 ue = _U(e)
                 acc[r, e] += ((p0 * widen(v[o0 + ue]) + p1 * widen(v[o1 + ue]))
                               + (p2 * widen(v[o2 + ue]) + p3 * widen(v[o3 + ue])))
-        j += 4
-    while j < nb:
+    for j in range(4 * quarter, nb):
         o0 = _U(base + j * step)
         for r in range(n_rows):
             if kind[r] == 0:
@@ -252,7 +253,6 @@ def _pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v:
             p0 = s[r, j]
             for e in range(d_v):
                 acc[r, e] += p0 * widen(v[o0 + _U(e)])
-        j += 1
 
 
 @numba.njit(inline="always", fastmath=FASTMATH, nogil=True)
@@ -306,7 +306,7 @@ def inline_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int
     for c in prange(bounds.shape[0] - 1):
         m, l, acc = m_out[c], l_out[c], acc_out[c]  # [h_kv, R], [h_kv, R], [h_kv, R, d_v]
         s = np.empty((h_kv, n_rows, block), dtype=q.dtype)  # [h_kv, R, B] scores, then p
-        kw = np.empty(d, dtype=np.float32)  # [d] one 16-bit key, widened
+        kw = np.empty((4, d), dtype=np.float32)  # [4, d] four 16-bit keys, widened
         vw = np.empty((4, d_v), dtype=np.float32)  # [4, d_v] four 16-bit values, widened
         kind = np.empty(n_rows, dtype=np.int64)
         tmp = np.empty(1, dtype=q.dtype)
@@ -325,19 +325,45 @@ def inline_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int
             for r in range(n_rows):
                 kind[r] = _row_kind(r, kmin, kmax, masked, lo, hi, has_lo, has_hi)
             for h in range(h_kv):
-                for jj in range(nb):
-                    base = _U((b0 + jj) * sk0 + h * sk1)  # key j of head h: k[base:base + d]
+                # Keys j, j + n/4, j + n/4*2, j + n/4*3 together (four streams, each q row read once
+                # for four keys), then the rest one by one: a key's dot product depends on its place
+                # in the block alone.
+                quarter = nb // 4
+                for jj in range(quarter):
+                    j1, j2, j3 = jj + quarter, jj + 2 * quarter, jj + 3 * quarter
+                    c0 = _U((b0 + jj) * sk0 + h * sk1)  # key jj of head h: k[c0:c0 + d]
+                    c1, c2, c3 = c0 + _U(quarter * sk0), c0 + _U(2 * quarter * sk0), c0 + _U(3 * quarter * sk0)
                     if narrow(k):
                         for dd in range(d):
-                            kw[dd] = widen(k[base + _U(dd)])  # widened once for all rows (L1 scratch)
+                            ud = _U(dd)  # widened once for all rows (L1 scratch)
+                            kw[0, dd], kw[1, dd] = widen(k[c0 + ud]), widen(k[c1 + ud])
+                            kw[2, dd], kw[3, dd] = widen(k[c2 + ud]), widen(k[c3 + ud])
                         for r in range(n_rows):
                             if kind[r] == 0:
                                 continue
-                            t = zero
+                            t0, t1, t2, t3 = zero, zero, zero, zero
                             for dd in range(d):
-                                t += q[h, r, dd] * kw[dd]
-                            s[h, r, jj] = t
+                                qv = q[h, r, dd]
+                                t0 += qv * kw[0, dd]
+                                t1 += qv * kw[1, dd]
+                                t2 += qv * kw[2, dd]
+                                t3 += qv * kw[3, dd]
+                            s[h, r, jj], s[h, r, j1], s[h, r, j2], s[h, r, j3] = t0, t1, t2, t3
                         continue
+                    for r in range(n_rows):
+                        if kind[r] == 0:
+                            continue
+                        t0, t1, t2, t3 = zero, zero, zero, zero
+                        for dd in range(d):
+                            ud = _U(dd)
+                            qv = q[h, r, dd]
+                            t0 += qv * widen(k[c0 + ud])
+                            t1 += qv * widen(k[c1 + ud])
+                            t2 += qv * widen(k[c2 + ud])
+                            t3 += qv * widen(k[c3 + ud])
+                        s[h, r, jj], s[h, r, j1], s[h, r, j2], s[h, r, j3] = t0, t1, t2, t3
+                for jj in range(4 * quarter, nb):
+                    base = _U((b0 + jj) * sk0 + h * sk1)
                     for r in range(n_rows):
                         if kind[r] == 0:
                             continue
