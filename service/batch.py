@@ -70,11 +70,12 @@ class BatchService:
         grouped = [(i, it) for i, it in enumerate(items) if isinstance(it, AttentionRequest)
                    and it.contexts and it.kv is None]
         single = [i for i, it in enumerate(items) if isinstance(it, AttentionRequest) and (not it.contexts or it.kv is not None)]
+        found: tuple[dict[str, ContextRecord], set[str]] = ({}, set())  # records, and which came from the cache
         if grouped:
             with timings.measure("lookup"):
                 found = await self.contexts.resolve_many([c for _, req in grouped for c in req.contexts])
         t0 = time.perf_counter()
-        planned = self._plan(grouped, found if grouped else ({}, set()), answers, single)
+        planned = self._plan(grouped, found, answers, single)
         timings.add("scatter", time.perf_counter() - t0)
         t1 = time.perf_counter()
         alone = asyncio.gather(*(self._single(i, items[i]) for i in single))  # type: ignore[arg-type]
