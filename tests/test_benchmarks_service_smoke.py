@@ -73,7 +73,23 @@ def test_stages_median_and_cells(common):
     records = [{"parse": 0.001, "total": 0.004}, {"parse": 0.003, "total": 0.006, "merge": 0.0001}]
     med = common.median_stages(records)
     assert med == pytest.approx({"parse": 0.002, "total": 0.005, "merge": 0.0001})
-    assert common.stage_cells(med) == ["2.00", "-", "-", "0.10", "-", "5.00"]
+    assert common.STAGES == ("parse", "lookup", "scatter", "compute", "merge", "encode", "total")
+    assert common.stage_cells(med) == ["2.00", "-", "-", "-", "0.10", "-", "5.00"]
+
+
+def test_model_stages_take_the_lookup_stage_and_read_older_results_by_the_probe(common):
+    # Two requests of 10 ms; the probe: directory calls of 1 ms, rounds of 6 ms wall for 5 ms of compute.
+    probe = ([0.001, 0.001, 0.001], [0.006], [[0.005]], ["w"])
+    with_lookup = {"parse": 0.0005, "lookup": 0.0001, "scatter": 0.0002, "compute": 0.007, "merge": 0.0003}
+    d = common.model_stages([(0.010, with_lookup)] * 2, *probe)
+    assert d["directory"] == pytest.approx(0.0001) and d["scatter"] == pytest.approx(0.0002)
+    assert d["frontend"] == pytest.approx(0.010 - 0.0001 - 0.0002 - 0.007 - 0.0003)
+    assert d["state_return"] == pytest.approx(0.001) and d["compute"] == pytest.approx(0.006)
+    # Before the lookup stage, scatter began with the directory call: the probe's median comes out of it.
+    older = {"parse": 0.0005, "scatter": 0.0012, "compute": 0.007, "merge": 0.0003}
+    d = common.model_stages([(0.010, older)] * 2, *probe)
+    assert d["directory"] == pytest.approx(0.001) and d["scatter"] == pytest.approx(0.0002)
+    assert d["frontend"] == pytest.approx(0.010 - 0.0012 - 0.007 - 0.0003)
 
 
 def test_markdown_table_shape(common):
