@@ -5,6 +5,7 @@ with 408 once the grace period is spent."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.ray
 TRICKLERS = 72  # more than the 64 admission slots of the default --max-inflight
 GRACE_S = 6.0
 SAMPLES = 300
+MIN_SAMPLES = 50  # the loaded p99 is over at least this many requests
 
 
 class Tricklers:
@@ -60,19 +62,21 @@ def closed(s: socket.socket) -> bool:
         return True
 
 
-def latencies(url: str, n: int) -> np.ndarray:
-    """Seconds per small decode request over inline keys, ``n`` in a row on one connection."""
+def latencies(url: str, n: int, budget_s: float = math.inf) -> np.ndarray:
+    """Seconds per small decode request over inline keys, ``n`` in a row on one connection, or as
+    many as ``budget_s`` allows (at least ``MIN_SAMPLES``)."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 8, 64), dtype=np.float32)
     k = rng.standard_normal((256, 2, 64), dtype=np.float32)
-    out = np.empty(n)
+    out: list[float] = []
     with Client(url) as c:
         c.attention(q, k, k)
-        for i in range(n):
+        end = time.monotonic() + budget_s
+        while len(out) < n and (len(out) < MIN_SAMPLES or time.monotonic() < end):
             t0 = time.perf_counter()
             c.attention(q, k, k)
-            out[i] = time.perf_counter() - t0
-    return out
+            out.append(time.perf_counter() - t0)
+    return np.array(out)
 
 
 def test_trickling_connections_neither_hold_slots_nor_slow_real_requests_and_are_cut_with_408(tmp_path):
@@ -82,7 +86,8 @@ def test_trickling_connections_neither_hold_slots_nor_slow_real_requests_and_are
         idle = np.percentile(latencies(srv.url, SAMPLES), 99)
         t0 = time.monotonic()
         tricklers = Tricklers(srv.port, TRICKLERS)
-        loaded = np.percentile(latencies(srv.url, SAMPLES), 99)
+        # Bounded in time, not only in count: on a slow machine 300 requests outlast the grace.
+        loaded = np.percentile(latencies(srv.url, SAMPLES, budget_s=GRACE_S / 2), 99)
         assert time.monotonic() - t0 < GRACE_S, "the measurement must end while every trickler is still sending"
         assert loaded <= 2 * idle, f"p99 {loaded * 1e3:.2f} ms with {TRICKLERS} tricklers, {idle * 1e3:.2f} ms idle"
 
