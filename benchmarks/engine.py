@@ -23,7 +23,9 @@ with the default settings. Per round (rounds alternate the servers, each started
    (p50 of the batch - B x the small context's in-process time) / B; and B over one context
    (a shared scan). Every answer of the warm-up is checked against the in-process answer.
 
-``--baseline DIR`` runs step 2 with the server of another checkout (its ``service`` package,
+Step 2 also runs against this tree's server with ``--worker-channel false`` (every query a
+Ray call: what the direct channel saves; not with ``--quick``). ``--baseline DIR`` runs
+step 2 with the server of another checkout (its ``service`` package,
 same Python) beside this one's, in the same rounds, so "before" and "after" share the machine's
 state. Targets (issue 17): single-call overhead <= 2 ms p50; per item <= 0.3 ms at 64 items.
 """
@@ -160,14 +162,16 @@ def batch_calls(c: Client, items: list[dict], calls: int, check: Callable[[list]
     return {**quantiles(seconds), "stages": common.median_stages(stages)}
 
 
-def run_server(root: Path, workdir: Path, fn: Callable[[str, str | None], Any], grpc: bool) -> Any:
+def run_server(root: Path, workdir: Path, fn: Callable[[str, str | None], Any], grpc: bool,
+               extra: Sequence[str] = ()) -> Any:
     port = common.free_port() if grpc else None
-    args = ("--grpc-port", str(port)) if grpc else ()
+    args = (("--grpc-port", str(port)) if grpc else ()) + tuple(extra)
     with common.splitkey_server(workdir, workers=2, cwd=root, args=args) as url:
         return fn(url, f"127.0.0.1:{port}" if grpc else None)
 
 
-def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool, data: dict) -> dict[str, Any]:
+def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool, data: dict,
+              extra: Sequence[str] = ()) -> dict[str, Any]:
     def work(url: str, grpc_target: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {"kernel": [kernel_times(data, max(10, args.calls // 5))]}
         with Client(url) as c:
@@ -199,7 +203,7 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
             c.delete_context(ctx)
         out["kernel"].append(kernel_times(data, max(10, args.calls // 5)))
         return out
-    return run_server(root, workdir, work, grpc=batches)
+    return run_server(root, workdir, work, grpc=batches, extra=extra)
 
 
 def round_kernel(r: dict[str, Any], which: str) -> float:
@@ -280,18 +284,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = {"single": (k, v), "view": view, "single_answer": inprocess(view, q, 3)[1], "q": q, "small": small,
             "small_view": resident(*small[0]),
             "small_answers": [inprocess(resident(*kv), q, 3)[1] for kv in small]}
-    servers = [("this tree, Client", ROOT, True)]
+    servers: list[tuple[str, Path, bool, tuple[str, ...]]] = [("this tree, Client", ROOT, True, ())]
+    if not args.quick:  # the same tree with every query a Ray call: what the direct channel saves
+        servers.append(("this tree --worker-channel false, Client", ROOT, False, ("--worker-channel", "false")))
     if args.baseline:
-        servers.append(("baseline, Client", Path(args.baseline).resolve(), False))
+        servers.append(("baseline, Client", Path(args.baseline).resolve(), False, ()))
     result: dict[str, Any] = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                               "command": " ".join([".venv/bin/python", "benchmarks/engine.py", *(argv or sys.argv[1:])]),
                               "machine": common.machine_lines(),
-                              "single": {name: [] for name, _, _ in servers}, "max_diff": [],
+                              "single": {name: [] for name, _, _, _ in servers}, "max_diff": [],
                               "this_tree_rounds": []}
     with tempfile.TemporaryDirectory(prefix="splitkey-engine-") as tmp:
         for r in range(args.rounds):
-            for name, root, batches in (servers if r % 2 == 0 else servers[::-1]):
-                got = round_for(args, root, Path(tmp) / f"r{r}-{len(result['single'][name])}-{batches}", batches, data)
+            for name, root, batches, extra in (servers if r % 2 == 0 else servers[::-1]):
+                got = round_for(args, root, Path(tmp) / f"r{r}-{len(result['single'][name])}-{batches}", batches, data,
+                                extra)
                 result["single"][name].append({"single": got["single"], "kernel": got["kernel"]})
                 result["max_diff"].append(got["single_max_diff"])
                 if batches:

@@ -9,14 +9,16 @@ An embedded Ray (2 CPUs) and one shard worker started as ``service.cluster.pool`
 Timed from the driver, sequential calls, medians: ``ping``; ``echo`` (the arguments and the
 return value of a decode query, no work); ``sleep`` (blocks 8 ms: what the call costs around a
 fixed wait); ``partial_resident`` (the query itself) and, for it, the worker's own compute
-seconds (``ComputeStatus.seconds``) and the same kernel in this process. The difference
-between a call and what it runs is Ray's: serialising arguments and results, the RPC, the
-hand-off to the method's thread and back.
+seconds (``ComputeStatus.seconds``) and the same kernel in this process; the same query over
+the worker's direct channel (``workers.channel``, what the front end uses for resident queries).
+The difference between a Ray call and what it runs is Ray's: serialising arguments and results,
+the RPC, the hand-off to the method's thread and back.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import statistics
 import sys
 import time
@@ -36,6 +38,7 @@ import ray
 
 from benchmarks import common
 from merge import State
+from service.cluster.channel import WorkerChannel
 from workers import StreamingKV, partial_attention_resident
 from workers.actor import ShardWorker
 from workers.config import WorkerConfig
@@ -79,12 +82,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         query = ShardQuery(q_pos=np.array([N_K]), options=AttentionOptions())
         reads = (ShardRead("c", 0, N_K, 1),)
         view = StreamingKV.from_arrays(k, v, np.arange(N_K)).snapshot()
+        loop = asyncio.new_event_loop()
+        lane = loop.run_until_complete(WorkerChannel.open("probe", ray.get(h.channel.remote())))
         rows = []
         for _ in range(2):  # two passes: the first warms everything up; both are reported
             ping = median_ms(lambda: ray.get(h.ping.remote()), args.calls)
             echo = median_ms(lambda: ray.get(h.echo.remote(q, query, reads)), args.calls)
             sleep = median_ms(lambda: ray.get(h.sleep.remote(q, query, reads)), args.calls)
             call = median_ms(lambda: ray.get(h.partial_resident.remote(q, query, reads, 2)), args.calls)
+            channel = median_ms(lambda: loop.run_until_complete(lane.resident(q, query, reads, 2)), args.calls)
             inside = statistics.median(ray.get(h.partial_resident.remote(q, query, reads, 2))[0].seconds * 1e3
                                        for _ in range(args.calls))
             with common.blas_threads(1):
@@ -92,7 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                      options=AttentionOptions(),
                                                                      kernel=KernelOptions(threads=1)), args.calls)
             rows.append([f"{ping:.2f}", f"{echo:.2f}", f"{sleep:.2f} ({sleep - SLEEP_S * 1e3:.2f} beyond the sleep)",
-                         f"{call:.2f}", f"{inside:.2f}", f"{local:.2f}", f"{call - inside:.2f}"])
+                         f"{call:.2f}", f"{channel:.2f}", f"{inside:.2f}", f"{local:.2f}", f"{call - inside:.2f}",
+                         f"{channel - inside:.2f}"])
+        lane.close()
+        loop.close()
     finally:
         ray.shutdown()
     text = "\n".join([
@@ -100,8 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.calls})", "", "Command: `.venv/bin/python benchmarks/ray_calls.py "
         + " ".join(argv if argv is not None else sys.argv[1:]) + "`", "",
         common.markdown_table(["ping", "echo (a query's arguments and state, no work)", "sleep 8 ms",
-                               "partial_resident", "its compute on the worker", "the kernel in this process",
-                               "call - compute"], rows), ""])
+                               "partial_resident", "the same over the direct channel", "its compute on the worker",
+                               "the kernel in this process", "call - compute", "channel - compute"], rows), ""])
     common.emit_report(text, args.out)
     return 0
 

@@ -69,6 +69,8 @@ class ServiceSettings(BaseSettings):
                                                                  "decode-shape bfloat16 context fits on two).")
     worker_concurrency: int = Field(64, ge=1, description="Calls a worker accepts at once (each waits in its own "
                                                           "thread; one compute thread serves them, docs/CONTEXTS.md).")
+    worker_channel: bool = Field(True, description="Send resident queries to the workers over a direct "
+                                 "socket each (token-checked, no pickle) instead of a Ray call; false: Ray only.")
     batch_rows: int = Field(1024, ge=1, description="Query rows (n_q*h_q) one pass over resident keys serves at "
                                                     "most; 1 turns batching off.")
     gpu_kernels: GpuKernels = Field(GpuKernels.GENERIC, description="GPU implementation: generic or fused "
@@ -154,7 +156,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "request bounds": ("max_body_bytes", "max_inflight", "max_inflight_bytes", "body_timeout_s", "min_body_rate",
                        "body_grace_s", "request_timeout_s", "retry_after_s", "shutdown_grace_s"),
     "workers and kernels": ("workers", "device", "worker_cpus", "worker_memory_bytes", "worker_concurrency",
-                            "kernel_threads", "block_size", "batch_rows", "gpu_kernels", "cpu_kernels",
+                            "worker_channel", "kernel_threads", "block_size", "batch_rows", "gpu_kernels", "cpu_kernels",
                             "heal_interval_s"),
     "sharding and merge": ("shards", "min_shard_keys", "merge_fanin", "remote_merge_bytes"),
     "resident contexts": ("context_shard_keys", "max_replicas", "record_cache", "persist_dir"),

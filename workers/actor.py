@@ -32,7 +32,9 @@ import numpy as np
 
 from merge import State, merge_all, merge_group
 from workers.api import partial_attention_resident_many, partial_attention_shard
+from workers import frames
 from workers.batch import Batcher
+from workers.channel import Listener
 from workers.config import WorkerConfig
 from workers.fused import warm
 from workers.options import CpuKernels
@@ -50,6 +52,23 @@ def _host_state(st: State) -> State:
 
 #: Scheduling priority of context writes: below queries (nice 0), so a long upload leaves them the CPU.
 WRITE_NICE = 10
+
+
+def _state_reply(call_id: int, result: tuple[ComputeStatus, State]) -> list[bytes | memoryview]:
+    return frames.state_frame(call_id, *result)
+
+
+def _node_address() -> str:
+    """The address Ray uses for this node (front ends on other nodes reach the channel there); loopback
+    outside Ray."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    return "127.0.0.1"
 
 
 def _run_each(calls: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -104,6 +123,7 @@ class ShardWorker:
         self.store = ShardStore(config.memory_budget_bytes, self.xp, files)
         self.store.restore()  # a restart with --persist-dir: what this worker held before
         self.calls = 0
+        self.channel_calls = 0  #: of ``calls``, those that came over the direct channel
         #: Seconds the fused CPU kernel took to compile or load at start, per dtype (``workers.fused.warm``).
         self.warm_s: dict[str, float] = {}
         if config.device == "cpu" and config.kernel.cpu_kernels is CpuKernels.FUSED:
@@ -113,6 +133,9 @@ class ShardWorker:
                                joins=_share_a_shard)
         # Context writes run one at a time on a thread of their own, below the queries (docs/CONTEXTS.md).
         self.writes = Batcher(_run_each, max_rows=1, name=f"{name}-writes", nice=WRITE_NICE)
+        #: The direct channel for resident queries (``workers.channel``); None when the config says no.
+        self.listener = Listener(self._channel_submit, _state_reply, host=_node_address(), name=name) \
+            if config.channel else None
 
     # -- health -----------------------------------------------------------------
     def ping(self) -> dict:
@@ -134,8 +157,13 @@ class ShardWorker:
             "budget_bytes": self.store.budget,
             "shards": len(self.store.held()),
             "calls": self.calls,
+            "channel_calls": self.channel_calls,
             "batches": self.compute.batches,
         }
+
+    def channel(self) -> dict | None:
+        """Where and how to reach this worker's direct channel (host, port, token); None without one."""
+        return None if self.listener is None else self.listener.address()
 
     # -- compute ----------------------------------------------------------------
     # Compute methods return ``(status, state)``; the pool may call them with
@@ -160,6 +188,16 @@ class ShardWorker:
         result: tuple[ComputeStatus, State] = self.compute.call(job, key=job.key(),
                                                                 rows=int(job.q.shape[0]) * int(job.q.shape[1]))
         return result
+
+    def _channel_submit(self, header: dict, arrays: list[Any]) -> Any:
+        """A ``resident`` request from the direct channel, queued as ``partial_resident`` queues it."""
+        if header.get("op") != "resident":
+            raise frames.FrameError(f"op must be resident, got {str(header.get('op'))[:40]!r}")
+        q, query, reads, fanin = frames.parse_query(header, arrays)
+        self.calls += 1
+        self.channel_calls += 1
+        job = ResidentJob(q, query, reads, fanin)
+        return self.compute.submit(job, key=job.key(), rows=int(q.shape[0]) * int(q.shape[1]))
 
     def partial_resident_many(self, items: Sequence[ResidentQuery]) -> list[tuple[ComputeStatus, list[State]] | Exception]:
         """Each item's states, one per read in the order listed (unmerged), or the exception it raised.

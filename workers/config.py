@@ -21,6 +21,8 @@ class WorkerConfig:
       together (``workers.batch``); 1 serves every request alone.
     * ``persist_dir``: where the worker keeps its shards on disk (``<persist_dir>/<name>``,
       ``workers.persist``) and loads them from when it starts; None: memory only.
+    * ``channel``: open the direct channel (``workers.channel``): resident queries then come
+      over a socket of their own instead of a Ray call; False: Ray calls only.
     """
 
     device: str = "cpu"
@@ -28,6 +30,7 @@ class WorkerConfig:
     memory_budget_bytes: int = 4 * 2**30
     batch_rows: int = MAX_BATCH_ROWS
     persist_dir: str | None = None
+    channel: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

@@ -71,7 +71,8 @@ class Orchestrator:
         """
         t0 = time.perf_counter()
         remote = len(jobs) > self.fanin and state_nbytes * len(jobs) > self.remote_merge_bytes
-        results = await asyncio.gather(*(self._run_job(q, query, job, keep_state=remote) for job in jobs))
+        results = await asyncio.gather(*(self._run_job(q, query, job, keep_state=remote, state_nbytes=state_nbytes)
+                                         for job in jobs))
         t1 = time.perf_counter()
         timings.add("compute", t1 - t0)
         if remote:
@@ -86,7 +87,8 @@ class Orchestrator:
         timings.add("merge", time.perf_counter() - t1)
         return out, lse
 
-    async def _run_job(self, q: Any, query: ShardQuery, job: Job, keep_state: bool) -> tuple[int, Any]:
+    async def _run_job(self, q: Any, query: ShardQuery, job: Job, keep_state: bool,
+                       state_nbytes: int) -> tuple[int, Any]:
         """Run one job, retrying on other candidates; returns ``(worker, state or its ObjectRef)``."""
         tried: set[int] = set()
         reasons: list[str] = []
@@ -99,7 +101,8 @@ class Orchestrator:
                     from None
             tried.add(idx)
             try:
-                _, state = await self.pool.compute(idx, q, query, job.work, keep_state=keep_state)
+                _, state = await self.pool.compute(idx, q, query, job.work, keep_state=keep_state,
+                                                   state_nbytes=state_nbytes)
             except WorkersUnavailable as exc:
                 reasons.append(exc.detail)
                 continue

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,19 +26,28 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+import numpy as np
+
 from merge import State
+from service.cluster.channel import MAX_CALL_BYTES, ChannelClosed, WorkerChannel
 from service.errors import WorkersUnavailable
 from service.settings import ServiceSettings
 from workers.actor import ShardWorker
 from workers.config import WorkerConfig
 from workers.options import KernelOptions
-from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, carry
+from workers.frames import RemoteError
+from workers.store import RecordStale, ShardMissing
+from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, carry
 
 log = logging.getLogger(__name__)
 
 WORKER_PREFIX = "splitkey-worker-"
 #: Arrays up to this size travel inside the task call instead of through ray.put.
 INLINE_ARG_BYTES = 256 * 2**10
+#: Seconds before a worker whose direct channel could not be opened is tried again (Ray meanwhile).
+CHANNEL_RETRY_S = 30.0
+#: Worker exceptions a channel reply may carry that the front end handles as it does from a Ray call.
+DOMAIN_ERRORS: dict[str, type[Exception]] = {"ShardMissing": ShardMissing, "RecordStale": RecordStale}
 
 
 @dataclass
@@ -49,6 +60,15 @@ class Slot:
     alive: bool = True
     info: dict = field(default_factory=dict)
     incarnation: str = ""  #: the ShardWorker instance behind the name, from its last ping
+    channel: WorkerChannel | None = None  #: the direct channel, once opened (``service.cluster.channel``)
+    channel_retry_at: float = 0.0  #: monotonic time before which no channel is opened (one just failed)
+    channel_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def drop_channel(self) -> None:
+        """Close the channel (a new or dead worker, a broken socket); the next query may open one again."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,6 +95,7 @@ def worker_config(settings: ServiceSettings, device: str) -> WorkerConfig:
                              gpu_kernels=settings.gpu_kernels, cpu_kernels=settings.cpu_kernels),
         memory_budget_bytes=settings.worker_memory_bytes,
         batch_rows=settings.batch_rows,
+        channel=settings.worker_channel,
         persist_dir=str(settings.persist_dir.resolve()) if settings.persist_dir else None,
     )
 
@@ -184,11 +205,13 @@ class WorkerPool:
                 seen = str(slot.info.get("incarnation", ""))
                 if slot.incarnation and seen != slot.incarnation:
                     self.replaced_elsewhere.add(slot.name)
+                    slot.drop_channel()
                 slot.incarnation = seen
             except (TimeoutError, ray.exceptions.RayError) as exc:
                 if slot.alive or slot.incarnation:
                     log.warning("worker %s did not answer: %s", slot.name, exc)
                 slot.alive = False
+                slot.drop_channel()
 
         await asyncio.gather(*(one(s) for s in self.slots))
 
@@ -196,10 +219,15 @@ class WorkerPool:
         """Start a new, empty worker under a dead one's name (the caller first forgets what it held)."""
         slot.handle = self._spawn(slot.name)
         slot.incarnation = ""  # the next refresh learns the new one
+        slot.drop_channel()
+        slot.channel_retry_at = 0.0
 
     def shutdown(self) -> None:
+        """Close the channels; kill the workers unless they are detached (they belong to the cluster)."""
+        for slot in self.slots:
+            slot.drop_channel()
         if self.detached:
-            return  # detached workers belong to the cluster, not to this front end
+            return
         for slot in self.slots:
             try:
                 ray.kill(slot.handle)
@@ -262,6 +290,7 @@ class WorkerPool:
             return await ref
         except RayActorError as exc:
             slot.alive = False
+            slot.drop_channel()
             raise WorkersUnavailable(f"worker {slot.name} died: {type(exc).__name__}") from exc
         finally:
             slot.outstanding -= 1
@@ -270,9 +299,23 @@ class WorkerPool:
         return self._result(index, self._submit(index, call))
 
     async def compute(self, index: int, q: Any, query: ShardQuery, work: InlineWork | ResidentWork,
-                      *, keep_state: bool) -> tuple[ComputeStatus, Any]:
+                      *, keep_state: bool, state_nbytes: int = 0) -> tuple[ComputeStatus, Any]:
         """One state of ``q`` over ``work``: ``(status, State)``; with ``keep_state`` the state stays
-        in the object store and its ObjectRef is returned (for a merge on the workers)."""
+        in the object store and its ObjectRef is returned (for a merge on the workers).
+
+        A resident query whose state comes back here (``state_nbytes`` bytes) goes over the
+        worker's direct channel when it has one and the query fits it; through Ray otherwise,
+        and whenever the channel breaks before the answer (the query is read-only: running it
+        again is safe).
+        """
+        if isinstance(work, ResidentWork) and not keep_state and self._channel_fits(q, query, state_nbytes):
+            channel = await self._channel(index)
+            if channel is not None:
+                try:
+                    return await self._over_channel(index, channel, q, query, work)
+                except ChannelClosed as exc:
+                    log.info("worker %s: %s; the query goes through Ray", self.slots[index].name, exc)
+                    self.slots[index].drop_channel()
         def method(h: Any) -> Any:  # two return refs only when the state stays on the worker
             m = h.partial if isinstance(work, InlineWork) else h.partial_resident
             return m.options(num_returns=2) if keep_state else m
@@ -286,6 +329,51 @@ class WorkerPool:
             return await self._result(index, status_ref), state_ref
         result: tuple[ComputeStatus, State] = await self._result(index, refs)
         return result
+
+    def _channel_fits(self, q: Any, query: ShardQuery, state_nbytes: int) -> bool:
+        if not self.settings.worker_channel or not isinstance(q, (np.ndarray, Carried)):
+            return False  # an ObjectRef: q was large enough for the object store
+        alibi = query.options.alibi_slopes
+        sent = (q.bits if isinstance(q, Carried) else q).nbytes + 8 * len(query.q_pos) + \
+            (np.asarray(alibi).nbytes if alibi is not None else 0)
+        return max(sent, state_nbytes) <= MAX_CALL_BYTES
+
+    async def _channel(self, index: int) -> WorkerChannel | None:
+        """The worker's open channel, opened now if need be; None when it has none or it just failed to open."""
+        slot = self.slots[index]
+        if slot.channel is not None and not slot.channel.closed:
+            return slot.channel
+        async with slot.channel_lock:
+            if slot.channel is not None and not slot.channel.closed:
+                return slot.channel
+            if time.monotonic() < slot.channel_retry_at:
+                return None
+            address = await self._call(index, lambda h: h.channel.remote())  # a dead worker raises here
+            if address is None:  # started without one (--no-worker-channel on the front end that started it)
+                slot.channel_retry_at = math.inf
+                return None
+            try:
+                slot.channel = await WorkerChannel.open(slot.name, address)
+            except ChannelClosed as exc:
+                log.warning("worker %s: %s; its queries go through Ray for %.0f s", slot.name, exc, CHANNEL_RETRY_S)
+                slot.channel_retry_at = time.monotonic() + CHANNEL_RETRY_S
+                return None
+            return slot.channel
+
+    async def _over_channel(self, index: int, channel: WorkerChannel, q: Any, query: ShardQuery,
+                            work: ResidentWork) -> tuple[ComputeStatus, State]:
+        slot = self.slots[index]
+        slot.outstanding += 1
+        try:
+            return await channel.resident(q, query, work.reads, work.fanin)
+        except RemoteError as exc:
+            known = DOMAIN_ERRORS.get(exc.kind)
+            if known is not None:
+                raise known(exc.message) from None
+            log.warning("worker %s failed a query: %s: %s", slot.name, exc.kind, exc.message)
+            raise WorkersUnavailable(f"the cluster must answer, got {exc.kind} from worker {slot.name}") from None
+        finally:
+            slot.outstanding -= 1
 
     def merge_states(self, index: int, *states: Any) -> tuple[Any, Callable[[], None]]:
         """Submit one node of the merge tree on a worker: ``(ref, done)``; call ``done`` once it is awaited."""

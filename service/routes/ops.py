@@ -66,7 +66,8 @@ async def cluster(request: Request) -> JSONResponse:
     workers = [{"name": s.name, "alive": s.alive, "node_id": s.node_id, "device": pool.device,
                 "bytes_held": s.info.get("bytes_held", 0), "budget_bytes": s.info.get("budget_bytes", 0),
                 "shards": s.info.get("shards", 0), "outstanding": s.outstanding,
-                "calls": s.info.get("calls", 0), "batches": s.info.get("batches", 0)} for s in pool.slots]
+                "calls": s.info.get("calls", 0), "channel_calls": s.info.get("channel_calls", 0),
+                "channel": s.channel is not None and not s.channel.closed, "batches": s.info.get("batches", 0)} for s in pool.slots]
     nodes = sorted({s.node_id for s in pool.slots if s.node_id})
     return JSONResponse({
         "device": pool.device,

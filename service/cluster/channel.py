@@ -1,0 +1,132 @@
+"""The front end's end of the direct channel to a shard worker (``workers.channel``, docs/SERVICE.md).
+
+One connection per worker, opened on the first query that can use it and shared by
+every request: each frame carries an ``id`` and replies come back in the order they
+finish, so concurrent queries still meet in the worker's batcher. When the
+connection breaks, every call waiting on it fails with :class:`ChannelClosed` and the
+pool sends that call through Ray instead (``service.cluster.pool``), which also tells
+a dead worker from a broken socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from merge import State
+from workers import frames
+from workers.tasks import ComputeStatus, ShardQuery, ShardRead
+
+#: Seconds to connect and hear the worker's hello.
+CONNECT_TIMEOUT_S = 5.0
+#: A query (q, its positions, ALiBi slopes) and its state must each fit this to use the channel;
+#: larger ones go through Ray's object store, whose call overhead is small beside them.
+MAX_CALL_BYTES = 16 * 2**20
+
+
+class ChannelClosed(ConnectionError):
+    """The connection to a worker's channel is gone (the call did not complete; it may go through Ray)."""
+
+
+class WorkerChannel:
+    """An open, authenticated connection to one worker's channel."""
+
+    def __init__(self, name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.name = name
+        self._reader = reader
+        self._writer = writer
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._closed: BaseException | None = None
+        self._task = asyncio.get_running_loop().create_task(self._read_replies())
+
+    @classmethod
+    async def open(cls, name: str, address: dict[str, Any], timeout_s: float = CONNECT_TIMEOUT_S) -> WorkerChannel:
+        """Connect to ``address`` (``ShardWorker.channel()``: host, port, token) and say hello."""
+        async def connect() -> WorkerChannel:
+            reader, writer = await asyncio.open_connection(str(address["host"]), int(address["port"]))
+            try:
+                writer.writelines(frames.encode({"op": "hello", "token": str(address["token"])}))
+                header, _ = await _read(reader)
+                if header.get("op") != "hello":
+                    raise ChannelClosed(f"worker {name}'s channel must answer hello, got {header.get('op')!r:.40}")
+            except BaseException:
+                writer.close()
+                raise
+            return cls(name, reader, writer)
+
+        try:
+            return await asyncio.wait_for(connect(), timeout_s)
+        except (OSError, EOFError, TimeoutError, frames.FrameError, asyncio.IncompleteReadError) as exc:
+            raise ChannelClosed(f"worker {name}'s channel could not be opened: {type(exc).__name__}") from exc
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    def close(self) -> None:
+        self._fail(ChannelClosed(f"worker {self.name}'s channel was closed"))
+        self._task.cancel()
+
+    async def resident(self, q: Any, query: ShardQuery, reads: Sequence[ShardRead],
+                       fanin: int) -> tuple[ComputeStatus, State]:
+        """``ShardWorker.partial_resident(q, query, reads, fanin)`` over the channel.
+
+        Raises what the worker raised when it is one of the domain errors the front end
+        handles (``ShardMissing``, ``RecordStale``), :class:`frames.RemoteError` for any
+        other, and :class:`ChannelClosed` when the connection went before the answer.
+        """
+        header, arrays = await self._call(lambda i: frames.query_frame(i, q, query, reads, fanin))
+        if header.get("op") == "error":
+            raise frames.parse_error(header)
+        return frames.parse_state(header, arrays)
+
+    async def _call(self, frame: Any) -> tuple[dict[str, Any], list[Any]]:
+        if self._closed is not None:
+            raise ChannelClosed(str(self._closed))
+        call_id = next(self._ids)
+        buffers = frame(call_id)  # FrameError (too large) before anything is sent
+        waiting: asyncio.Future[tuple[dict[str, Any], list[Any]]] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = waiting
+        try:
+            try:
+                self._writer.writelines(buffers)
+                await self._writer.drain()
+            except (OSError, RuntimeError) as exc:  # the transport is closing or gone
+                self._fail(ChannelClosed(f"worker {self.name}'s channel closed: {type(exc).__name__}"))
+            return await waiting
+        finally:
+            self._waiting.pop(call_id, None)
+
+    async def _read_replies(self) -> None:
+        try:
+            while True:
+                header, arrays = await _read(self._reader)
+                waiting = self._waiting.get(header.get("id"))  # type: ignore[arg-type]
+                if waiting is not None and not waiting.done():
+                    waiting.set_result((header, arrays))
+        except asyncio.CancelledError:
+            raise
+        except (OSError, EOFError, frames.FrameError, asyncio.IncompleteReadError) as exc:
+            self._fail(ChannelClosed(f"worker {self.name}'s channel closed: {type(exc).__name__}"))
+        finally:
+            self._fail(ChannelClosed(f"worker {self.name}'s channel closed"))
+
+    def _fail(self, exc: ChannelClosed) -> None:
+        if self._closed is None:
+            self._closed = exc
+            with contextlib.suppress(Exception):
+                self._writer.close()
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_exception(exc)
+
+
+async def _read(reader: asyncio.StreamReader) -> tuple[dict[str, Any], list[Any]]:
+    header_len, body_len = frames.sizes(await reader.readexactly(frames.PREFIX.size))
+    head = await reader.readexactly(header_len)
+    body = bytearray(await reader.readexactly(body_len))  # writable: the merge may work in place
+    return frames.decode(head, body)

@@ -1,0 +1,197 @@
+"""The front end's end of the direct channel (service.cluster.channel) and the pool's use of it.
+
+The first tests talk to a shard worker in this process (its listener on loopback); the
+last ones to real Ray actors, through ``WorkerPool`` as the service runs it: a query goes
+over the channel, and one whose channel broke goes through Ray with the same answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from service.cluster.channel import ChannelClosed, WorkerChannel
+from workers.actor import ShardWorker
+from workers.config import WorkerConfig
+from workers.frames import RemoteError
+from workers.options import AttentionOptions
+from workers.tasks import ShardQuery, ShardRead, ShardWrite, carry
+
+N_K, H_KV, H_Q, D = 500, 2, 4, 16
+
+
+def same(a, b) -> bool:
+    return all(x.dtype == y.dtype and x.tobytes() == y.tobytes() for x, y in ((a.m, b.m), (a.l, b.l), (a.acc, b.acc)))
+
+
+def keys(rng, dtype=np.float32):
+    return (rng.standard_normal((N_K, H_KV, D)).astype(dtype), rng.standard_normal((N_K, H_KV, D)).astype(dtype))
+
+
+@pytest.fixture
+def worker(rng):
+    w = ShardWorker(WorkerConfig(memory_budget_bytes=2**24), "w-test")
+    w.create_shard(ShardWrite("ctx", 0, "float32", N_K, np.arange(N_K)), *keys(rng), {"version": 1})
+    yield w
+    w.listener.close()
+
+
+def queries(rng, n: int, dtype=np.float32) -> list[tuple]:
+    out = []
+    for i in range(n):
+        n_q = 1 + i % 3
+        opts = AttentionOptions(causal=bool(i % 2), softcap=None if i % 3 else 20.0,
+                                alibi_slopes=np.linspace(0.1, 1.0, H_Q) if i % 4 == 1 else None)
+        out.append((carry(rng.standard_normal((n_q, H_Q, D)).astype(dtype)),
+                    ShardQuery(np.arange(N_K - n_q, N_K), opts)))
+    return out
+
+
+def test_concurrent_queries_on_one_connection_each_get_their_own_exact_answer(worker, rng):
+    reads = (ShardRead("ctx", 0, N_K, 1),)
+    qs = queries(rng, 8)
+
+    async def run() -> list:
+        lane = await WorkerChannel.open("w-test", worker.channel())
+        try:
+            return await asyncio.gather(*(lane.resident(q, sq, reads, 2) for q, sq in qs))
+        finally:
+            lane.close()
+
+    got = asyncio.run(run())
+    for (q, sq), (status, st) in zip(qs, got):
+        assert status.worker == "w-test"
+        assert same(st, worker.partial_resident(q, sq, reads, 2)[1])
+
+
+def test_a_worker_side_error_comes_back_by_name_and_the_channel_stays_open(worker, rng):
+    (q, sq), = queries(rng, 1)
+
+    async def run() -> None:
+        lane = await WorkerChannel.open("w-test", worker.channel())
+        try:
+            with pytest.raises(RemoteError) as err:
+                await lane.resident(q, sq, (ShardRead("ctx", 5, 10, 0),), 2)
+            assert err.value.kind == "ShardMissing"
+            assert not lane.closed
+            await lane.resident(q, sq, (ShardRead("ctx", 0, N_K, 1),), 2)
+        finally:
+            lane.close()
+
+    asyncio.run(run())
+
+
+def test_opening_with_a_wrong_token_fails_as_channel_closed(worker):
+    async def run() -> None:
+        with pytest.raises(ChannelClosed, match="could not be opened"):
+            await WorkerChannel.open("w-test", {**worker.channel(), "token": "wrong"}, timeout_s=5)
+
+    asyncio.run(run())
+
+
+def test_calls_waiting_on_a_connection_that_breaks_fail_as_channel_closed(worker, rng):
+    reads = (ShardRead("ctx", 0, N_K, 1),)
+    qs = queries(rng, 4)
+
+    async def run() -> None:
+        lane = await WorkerChannel.open("w-test", worker.channel())
+        calls = [asyncio.ensure_future(lane.resident(q, sq, reads, 2)) for q, sq in qs]
+        lane._writer.transport.abort()  # the socket goes, as when the worker's process ends
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(r, ChannelClosed) for r in results)
+        assert lane.closed
+        with pytest.raises(ChannelClosed):
+            await lane.resident(*qs[0], reads, 2)
+
+    asyncio.run(run())
+
+
+# -- the pool, with real Ray actors --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="channel-test")
+    yield ray
+    ray.shutdown()
+
+
+def pool_call(ray_cluster, rng, channel: bool, act) -> None:
+    """Start a one-worker pool, store a shard on it, run ``act(pool, q, query, work, want)`` in its loop."""
+    from service.cluster.pool import ResidentWork, WorkerPool
+    from service.settings import ServiceSettings
+
+    settings = ServiceSettings(workers=1, worker_cpus=1, worker_channel=channel, ray_namespace="channel-test")
+    k, v = keys(rng)
+    q = rng.standard_normal((2, H_Q, D)).astype(np.float32)
+    query = ShardQuery(np.array([N_K - 1, N_K]), AttentionOptions(causal=True))
+    work = ResidentWork((ShardRead("ctx", 0, N_K, 1),), 2)
+
+    async def run() -> None:
+        pool = await WorkerPool.start(settings, detached=False)
+        try:
+            h = pool.slots[0].handle
+            await h.create_shard.remote(ShardWrite("ctx", 0, "float32", N_K, np.arange(N_K)), k, v, {"version": 1})
+            _, want = await h.partial_resident.remote(q, query, work.reads, work.fanin)
+            await act(pool, q, query, work, want)
+        finally:
+            pool.shutdown()
+
+    asyncio.run(run())
+
+
+def channel_calls(pool) -> int:
+    return int(pool.slots[0].handle.ping.remote().future().result()["channel_calls"])
+
+
+def test_the_pool_sends_resident_queries_over_the_channel_with_the_ray_answer(ray_cluster, rng):
+    async def act(pool, q, query, work, want) -> None:
+        for _ in range(3):
+            _, st = await pool.compute(0, q, query, work, keep_state=False, state_nbytes=1024)
+            assert same(st, want)
+        assert channel_calls(pool) == 3 and pool.slots[0].channel is not None
+        # A state kept on the worker (a merge on the workers) still goes through Ray.
+        _, ref = await pool.compute(0, q, query, work, keep_state=True, state_nbytes=1024)
+        assert same(await ref, want) and channel_calls(pool) == 3
+
+    pool_call(ray_cluster, rng, True, act)
+
+
+def test_a_query_whose_channel_broke_goes_through_ray_and_the_next_opens_a_new_one(ray_cluster, rng):
+    async def act(pool, q, query, work, want) -> None:
+        await pool.compute(0, q, query, work, keep_state=False, state_nbytes=1024)
+        first = pool.slots[0].channel
+        first._writer.transport.abort()  # broken under the pool, which has not noticed yet
+        _, st = await pool.compute(0, q, query, work, keep_state=False, state_nbytes=1024)
+        assert same(st, want)
+        assert channel_calls(pool) == 1  # the second query went through Ray
+        _, st = await pool.compute(0, q, query, work, keep_state=False, state_nbytes=1024)
+        assert same(st, want) and channel_calls(pool) == 2
+        assert pool.slots[0].channel is not first and pool.slots[0].outstanding == 0
+
+    pool_call(ray_cluster, rng, True, act)
+
+
+def test_with_the_channel_off_every_query_goes_through_ray(ray_cluster, rng):
+    async def act(pool, q, query, work, want) -> None:
+        for _ in range(2):
+            _, st = await pool.compute(0, q, query, work, keep_state=False, state_nbytes=1024)
+            assert same(st, want)
+        assert channel_calls(pool) == 0 and pool.slots[0].channel is None
+
+    pool_call(ray_cluster, rng, False, act)
+
+
+def test_a_shard_the_worker_does_not_hold_raises_shard_missing_as_over_ray(ray_cluster, rng):
+    from service.cluster.pool import ResidentWork
+    from workers.store import ShardMissing
+
+    async def act(pool, q, query, work, want) -> None:
+        with pytest.raises(ShardMissing):
+            await pool.compute(0, q, query, ResidentWork((ShardRead("nope", 0, 5, 0),), 2), keep_state=False,
+                               state_nbytes=1024)
+        assert channel_calls(pool) == 1
+
+    pool_call(ray_cluster, rng, True, act)

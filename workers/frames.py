@@ -1,0 +1,191 @@
+"""Frames of the direct channel between the front end and a shard worker (docs/SERVICE.md, "The direct channel").
+
+A frame is a fixed prefix, a JSON header and a body of raw arrays::
+
+    prefix  <I header_len> <Q body_len>   (little-endian, 12 bytes)
+    header  header_len bytes of UTF-8 JSON: {"id", "op", ..., "arrays": [{"dtype", "shape"}, ...]}
+    body    body_len bytes: the arrays' C-order bytes, one after another, in the header's order
+
+Nothing is ever unpickled: a header is JSON, an array is a dtype from :data:`WIRE_DTYPES`
+and a shape, and the body must hold exactly the bytes the shapes name. Both sizes are
+bounded (:data:`MAX_HEADER_BYTES`, :data:`MAX_BODY_BYTES`) before anything is allocated.
+
+Ops: ``hello`` (the first frame of a connection: the worker's token), ``resident`` (what
+``ShardWorker.partial_resident`` takes: ``q``, its positions and options, the shard reads
+and the merge fan-in) and their replies: ``state`` (a ``ComputeStatus`` and the state's
+``m, l, acc``) or ``error`` (the exception's type name and message).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from merge import State
+from workers.dtypes import BFLOAT16
+from workers.options import AttentionOptions
+from workers.problem import Arange
+from workers.tasks import Carried, ComputeStatus, ShardQuery, ShardRead
+
+PREFIX = struct.Struct("<IQ")
+#: Largest JSON header (a query's reads are ~60 bytes each: thousands of shards fit).
+MAX_HEADER_BYTES = 2**20
+#: Largest body either side accepts; the front end sends larger queries through Ray (``service.cluster.channel``).
+MAX_BODY_BYTES = 64 * 2**20
+
+#: The dtypes a frame may carry, by name (bfloat16 travels as its 16 bits, named ``bfloat16``).
+WIRE_DTYPES: Mapping[str, np.dtype] = {
+    "float16": np.dtype(np.float16), "bfloat16": BFLOAT16, "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64), "int64": np.dtype(np.int64),
+}
+_WIRE_NAMES = {dt: name for name, dt in WIRE_DTYPES.items()}
+#: Most dimensions an array in a frame may have (q and acc have 3).
+MAX_NDIM = 4
+
+
+class FrameError(ValueError):
+    """A frame that breaks this module's rules: the connection that sent it is closed."""
+
+
+class RemoteError(Exception):
+    """A worker's exception, by type name and message, as an ``error`` frame carried it."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+# -- frames ------------------------------------------------------------------------------------
+
+def encode(header: dict[str, Any], arrays: Sequence[Any] = ()) -> list[bytes | memoryview]:
+    """The buffers of one frame (for ``sendall`` of each, or ``writelines``); ``header`` gains ``arrays``."""
+    specs, parts = [], []
+    for a in arrays:
+        a = np.ascontiguousarray(a.array() if isinstance(a, Carried) else a)
+        if a.dtype not in _WIRE_NAMES:
+            raise FrameError(f"arrays must be of dtype {', '.join(WIRE_DTYPES)}, got {a.dtype}")
+        specs.append({"dtype": _WIRE_NAMES[a.dtype], "shape": list(a.shape)})
+        parts.append(memoryview(a.reshape(-1).view(np.uint8).data))
+    head = json.dumps({**header, "arrays": specs}, separators=(",", ":")).encode()
+    body_len = sum(p.nbytes for p in parts)
+    if len(head) > MAX_HEADER_BYTES or body_len > MAX_BODY_BYTES:
+        raise FrameError(f"a frame must fit {MAX_HEADER_BYTES} header and {MAX_BODY_BYTES} body bytes, "
+                         f"got {len(head)} and {body_len}")
+    return [PREFIX.pack(len(head), body_len), head, *parts]
+
+
+def sizes(prefix: bytes | bytearray) -> tuple[int, int]:
+    """``(header_len, body_len)`` from a frame's prefix, each checked against its bound."""
+    header_len, body_len = PREFIX.unpack(prefix)
+    if not 0 < header_len <= MAX_HEADER_BYTES:
+        raise FrameError(f"header_len must be in [1, {MAX_HEADER_BYTES}], got {header_len}")
+    if body_len > MAX_BODY_BYTES:
+        raise FrameError(f"body_len must be at most {MAX_BODY_BYTES}, got {body_len}")
+    return header_len, body_len
+
+
+def decode(head: bytes | bytearray, body: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """A frame's header and its arrays (views of ``body``: writable when ``body`` is a bytearray)."""
+    try:
+        header = json.loads(head)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FrameError(f"header must be JSON, got {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("arrays", []), list):
+        raise FrameError("header must be an object whose arrays is a list")
+    arrays, at = [], 0
+    for spec in header.get("arrays", []):
+        dtype, shape = _spec(spec)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if at + n > len(body):
+            raise FrameError(f"body must hold the arrays the header names, got {len(body)} bytes for at least "
+                             f"{at + n}")
+        arrays.append(np.frombuffer(body, dtype=dtype, count=n // dtype.itemsize, offset=at).reshape(shape))
+        at += n
+    if at != len(body):
+        raise FrameError(f"body must hold exactly the arrays the header names ({at} bytes), got {len(body)}")
+    return header, arrays
+
+
+def _spec(spec: Any) -> tuple[np.dtype, tuple[int, ...]]:
+    if not isinstance(spec, dict) or spec.get("dtype") not in WIRE_DTYPES:
+        raise FrameError(f"arrays[].dtype must be one of {', '.join(WIRE_DTYPES)}, got {spec!r:.80}")
+    shape = spec.get("shape")
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or not all(isinstance(n, int) and 0 <= n <= MAX_BODY_BYTES for n in shape)):
+        raise FrameError(f"arrays[].shape must be a list of at most {MAX_NDIM} sizes, got {shape!r:.80}")
+    return WIRE_DTYPES[spec["dtype"]], tuple(shape)
+
+
+# -- a resident query and its answer ------------------------------------------------------------
+
+def query_frame(call_id: int, q: Any, query: ShardQuery, reads: Sequence[ShardRead],
+                fanin: int) -> list[bytes | memoryview]:
+    """A ``resident`` request: ``ShardWorker.partial_resident(q, query, reads, fanin)`` over the channel."""
+    opts = query.options
+    arrays = [q]
+    header: dict[str, Any] = {
+        "id": call_id, "op": "resident", "fanin": fanin,
+        "reads": [[r.context_id, r.index, r.length, r.version] for r in reads],
+        "options": {"scale": opts.scale, "causal": opts.causal,
+                    "window": None if opts.window is None else list(opts.window), "softcap": opts.softcap,
+                    "alibi": opts.alibi_slopes is not None},
+    }
+    if isinstance(query.q_pos, Arange):
+        header["q_arange"] = [query.q_pos.start, query.q_pos.n]
+    else:
+        arrays.append(np.asarray(query.q_pos, dtype=np.int64))
+    if opts.alibi_slopes is not None:
+        arrays.append(np.asarray(opts.alibi_slopes))
+    return encode(header, arrays)
+
+
+def parse_query(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> tuple[Any, ShardQuery,
+                                                                                   tuple[ShardRead, ...], int]:
+    """``(q, query, reads, fanin)`` of a ``resident`` request; a malformed one raises :class:`FrameError`."""
+    try:
+        opts = header["options"]
+        it = iter(arrays)
+        q = next(it)
+        q_pos: Any = Arange(int(header["q_arange"][0]), int(header["q_arange"][1])) if "q_arange" in header \
+            else next(it)
+        alibi = next(it) if opts["alibi"] else None
+        options = AttentionOptions(scale=opts["scale"], causal=opts["causal"],
+                                   window=None if opts["window"] is None else tuple(opts["window"]),
+                                   softcap=opts["softcap"], alibi_slopes=alibi)
+        reads = tuple(ShardRead(str(c), int(i), int(n), int(v)) for c, i, n, v in header["reads"])
+        fanin = int(header["fanin"])
+    except (KeyError, TypeError, ValueError, StopIteration, IndexError) as exc:
+        raise FrameError(f"a resident request must carry q, its positions, options, reads and fanin: "
+                         f"{type(exc).__name__}: {exc}") from None
+    if q.ndim != 3 or q_pos.ndim != 1 or q_pos.shape[0] != q.shape[0] or q_pos.dtype != np.int64:
+        raise FrameError(f"q must be [n_q, h_q, d] with int64 q_pos [n_q], got {q.shape} and {q_pos.shape}")
+    return q, ShardQuery(q_pos=q_pos, options=options), reads, fanin
+
+
+def state_frame(call_id: int, status: ComputeStatus, state: State) -> list[bytes | memoryview]:
+    """A ``state`` reply: the status and ``m, l, acc`` (host arrays)."""
+    header = {"id": call_id, "op": "state", "status": [status.worker, status.seconds, status.nbytes, status.batch]}
+    return encode(header, [state.m, state.l, state.acc])
+
+
+def parse_state(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> tuple[ComputeStatus, State]:
+    try:
+        worker, seconds, nbytes, batch = header["status"]
+        m, l, acc = arrays
+        return ComputeStatus(str(worker), float(seconds), int(nbytes), int(batch)), State(m=m, l=l, acc=acc)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FrameError(f"a state reply must carry a status and m, l, acc: {type(exc).__name__}: {exc}") from None
+
+
+def error_frame(call_id: int, exc: BaseException) -> list[bytes | memoryview]:
+    """An ``error`` reply: the exception's type name and message (``RemoteError`` on the other side)."""
+    return encode({"id": call_id, "op": "error", "kind": type(exc).__name__, "message": str(exc)[:2000]})
+
+
+def parse_error(header: Mapping[str, Any]) -> RemoteError:
+    return RemoteError(str(header.get("kind", "Exception")), str(header.get("message", "")))
