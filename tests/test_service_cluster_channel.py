@@ -83,6 +83,27 @@ def test_a_worker_side_error_comes_back_by_name_and_the_channel_stays_open(worke
     asyncio.run(run())
 
 
+def test_a_batch_over_the_channel_answers_each_item_as_the_ray_method_does(worker, rng):
+    from workers.tasks import ResidentQuery
+
+    good = (ShardRead("ctx", 0, N_K, 1),)
+    items = [ResidentQuery(q, sq, good if i != 2 else (ShardRead("gone", 0, 3, 0),))
+             for i, (q, sq) in enumerate(queries(rng, 5, dtype=np.float16))]
+
+    async def run() -> list:
+        lane = await WorkerChannel.open("w-test", worker.channel())
+        try:
+            return await lane.many(items)
+        finally:
+            lane.close()
+
+    got = asyncio.run(run())
+    want = worker.partial_resident_many(items)
+    assert isinstance(got[2], RemoteError) and got[2].kind == "ShardMissing" and isinstance(want[2], Exception)
+    for i in (0, 1, 3, 4):
+        assert len(got[i][1]) == 1 and same(got[i][1][0], want[i][1][0])
+
+
 def test_opening_with_a_wrong_token_fails_as_channel_closed(worker):
     async def run() -> None:
         with pytest.raises(ChannelClosed, match="could not be opened"):
@@ -182,6 +203,21 @@ def test_with_the_channel_off_every_query_goes_through_ray(ray_cluster, rng):
         assert channel_calls(pool) == 0 and pool.slots[0].channel is None
 
     pool_call(ray_cluster, rng, False, act)
+
+
+def test_the_pool_sends_a_batch_over_the_channel_with_the_ray_answer(ray_cluster, rng):
+    from workers.store import ShardMissing
+    from workers.tasks import ResidentQuery
+
+    async def act(pool, q, query, work, want) -> None:
+        items = [ResidentQuery(carry(q), query, work.reads), ResidentQuery(carry(q), query, (ShardRead("x", 0, 2, 0),))]
+        ray_answer = await pool.slots[0].handle.partial_resident_many.remote(items)
+        got = await pool.compute_many(0, items)
+        assert channel_calls(pool) == 1
+        assert isinstance(got[1], ShardMissing) and isinstance(ray_answer[1], ShardMissing)
+        assert same(got[0][1][0], ray_answer[0][1][0])
+
+    pool_call(ray_cluster, rng, True, act)
 
 
 def test_a_shard_the_worker_does_not_hold_raises_shard_missing_as_over_ray(ray_cluster, rng):

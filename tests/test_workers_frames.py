@@ -145,3 +145,42 @@ def test_parse_query_refuses_a_malformed_request_naming_what_it_needs(rng, broke
                                                   (ShardRead("c", 0, 5, 1),), 2))
     with pytest.raises(ValueError):
         frames.parse_query(*broken(header, arrays))
+
+
+def test_many_frame_round_trips_items_of_different_shapes_options_and_dtypes(rng):
+    from workers.tasks import ResidentQuery
+
+    items = [ResidentQuery(carry(rng.standard_normal((1 + i, 4, 8)).astype(dt)),
+                           ShardQuery(Arange(10, 1 + i) if i % 2 else np.arange(1 + i), opts),
+                           (ShardRead(f"c{i}", i, 5 + i, i),) * (1 + i % 2))
+             for i, (dt, opts) in enumerate(zip([np.float32, BFLOAT16, np.float16, np.float64, np.float32], OPTIONS))]
+    header, arrays = roundtrip(frames.many_frame(3, items))
+    got = frames.parse_many(header, arrays)
+    assert header["op"] == "many" and len(got) == len(items)
+    for a, b in zip(got, items):
+        want_q = b.q.array() if hasattr(b.q, "array") else b.q
+        assert a.q.dtype == want_q.dtype and a.q.tobytes() == want_q.tobytes() and a.reads == b.reads
+        assert a.query.options.window == b.query.options.window and a.query.options.causal == b.query.options.causal
+        if isinstance(b.query.q_pos, Arange):
+            assert a.query.q_pos == b.query.q_pos
+        else:
+            assert np.array_equal(a.query.q_pos, b.query.q_pos)
+
+
+def test_many_reply_keeps_each_item_s_states_or_error_in_place(rng):
+    def state(n_q: int) -> State:
+        return State(m=rng.standard_normal((n_q, 2)), l=np.ones((n_q, 2)), acc=rng.standard_normal((n_q, 2, 3)))
+
+    results = [(ComputeStatus("w", 0.5, 10, 2), [state(1), state(1)]), ShardMissing("shard 3 is gone"),
+               (ComputeStatus("w", 0.5, 10, 2), [state(2)])]
+    got = frames.parse_many_reply(*roundtrip(frames.many_reply(8, results)))
+    assert isinstance(got[1], frames.RemoteError) and got[1].kind == "ShardMissing"
+    for i in (0, 2):
+        assert got[i][0] == results[i][0]
+        assert [s.acc.tobytes() for s in got[i][1]] == [s.acc.tobytes() for s in results[i][1]]
+
+
+@pytest.mark.parametrize("items", [[], "x", None])
+def test_a_many_request_needs_a_non_empty_list_of_items(items):
+    with pytest.raises(frames.FrameError, match="non-empty list"):
+        frames.parse_many({"id": 1, "op": "many", "items": items}, [])

@@ -24,6 +24,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from merge import State, merge_all, merge_group
 from workers.api import partial_attention_resident_many, partial_attention_shard
 from workers import frames
 from workers.batch import Batcher
-from workers.channel import Listener
+from workers.channel import Listener, gather, then
 from workers.config import WorkerConfig
 from workers.fused import warm
 from workers.options import CpuKernels
@@ -52,10 +53,6 @@ def _host_state(st: State) -> State:
 
 #: Scheduling priority of context writes: below queries (nice 0), so a long upload leaves them the CPU.
 WRITE_NICE = 10
-
-
-def _state_reply(call_id: int, result: tuple[ComputeStatus, State]) -> list[bytes | memoryview]:
-    return frames.state_frame(call_id, *result)
 
 
 def _node_address() -> str:
@@ -134,8 +131,7 @@ class ShardWorker:
         # Context writes run one at a time on a thread of their own, below the queries (docs/CONTEXTS.md).
         self.writes = Batcher(_run_each, max_rows=1, name=f"{name}-writes", nice=WRITE_NICE)
         #: The direct channel for resident queries (``workers.channel``); None when the config says no.
-        self.listener = Listener(self._channel_submit, _state_reply, host=_node_address(), name=name) \
-            if config.channel else None
+        self.listener = Listener(self._channel_submit, host=_node_address(), name=name) if config.channel else None
 
     # -- health -----------------------------------------------------------------
     def ping(self) -> dict:
@@ -189,15 +185,22 @@ class ShardWorker:
                                                                 rows=int(job.q.shape[0]) * int(job.q.shape[1]))
         return result
 
-    def _channel_submit(self, header: dict, arrays: list[Any]) -> Any:
-        """A ``resident`` request from the direct channel, queued as ``partial_resident`` queues it."""
-        if header.get("op") != "resident":
-            raise frames.FrameError(f"op must be resident, got {str(header.get('op'))[:40]!r}")
-        q, query, reads, fanin = frames.parse_query(header, arrays)
-        self.calls += 1
-        self.channel_calls += 1
-        job = ResidentJob(q, query, reads, fanin)
-        return self.compute.submit(job, key=job.key(), rows=int(q.shape[0]) * int(q.shape[1]))
+    def _channel_submit(self, header: dict, arrays: list[Any]) -> Future:
+        """A request from the direct channel, queued as the Ray method queues it; the future of its reply."""
+        op, call_id = header.get("op"), int(header["id"])
+        if op == "resident":
+            q, query, reads, fanin = frames.parse_query(header, arrays)
+            self.calls += 1
+            self.channel_calls += 1
+            job = ResidentJob(q, query, reads, fanin)
+            inner = self.compute.submit(job, key=job.key(), rows=int(q.shape[0]) * int(q.shape[1]))
+            return then(inner, lambda result: frames.state_frame(call_id, *result))
+        if op == "many":
+            items = frames.parse_many(header, arrays)
+            self.calls += 1
+            self.channel_calls += 1
+            return gather(self._submit_many(items), lambda results: frames.many_reply(call_id, results))
+        raise frames.FrameError(f"op must be resident or many, got {str(op)[:40]!r}")
 
     def partial_resident_many(self, items: Sequence[ResidentQuery]) -> list[tuple[ComputeStatus, list[State]] | Exception]:
         """Each item's states, one per read in the order listed (unmerged), or the exception it raised.
@@ -208,10 +211,7 @@ class ShardWorker:
         record) is that item's answer, not the call's.
         """
         self.calls += 1
-        futures = []
-        for item in items:
-            job = ResidentJob(arrive(item.q), item.query, tuple(item.reads), None)
-            futures.append(self.compute.submit(job, key=job.key(), rows=int(job.q.shape[0]) * int(job.q.shape[1])))
+        futures = self._submit_many(items)
         results: list[tuple[ComputeStatus, list[State]] | Exception] = []
         for future in futures:
             try:
@@ -219,6 +219,14 @@ class ShardWorker:
             except Exception as exc:  # noqa: BLE001 - the item's own answer
                 results.append(exc)
         return results
+
+    def _submit_many(self, items: Sequence[ResidentQuery]) -> list[Future]:
+        """Each item to the compute thread at once (those over the same shards share a pass)."""
+        futures = []
+        for item in items:
+            job = ResidentJob(arrive(item.q), item.query, tuple(item.reads), None)
+            futures.append(self.compute.submit(job, key=job.key(), rows=int(job.q.shape[0]) * int(job.q.shape[1])))
+        return futures
 
     def _run(self, jobs: Sequence[InlineJob | ResidentJob]) -> list[tuple[ComputeStatus, Any]]:
         """One batch on the compute thread: a single inline job, or resident jobs of one key that share shards."""

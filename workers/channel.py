@@ -29,7 +29,7 @@ import secrets
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -42,18 +42,15 @@ HELLO_TIMEOUT_S = 5.0
 #: Connections served at once (the front ends of a cluster, one each); more are closed at once.
 MAX_CONNECTIONS = 64
 
-#: ``submit(header, arrays)``: a request handed to the worker, as the future of its result.
+#: ``submit(header, arrays)``: a request handed to the worker, as the future of its reply's buffers.
 Submit = Callable[[dict[str, Any], list[Any]], Future]
-#: ``reply(id, result)``: the frame answering request ``id`` with its future's result.
-Reply = Callable[[int, Any], list[bytes | memoryview]]
 
 
 class Listener:
     """Serves the direct channel of one worker until the process ends (or :meth:`close`)."""
 
-    def __init__(self, submit: Submit, reply: Reply, *, host: str, name: str) -> None:
+    def __init__(self, submit: Submit, *, host: str, name: str) -> None:
         self._submit = submit
-        self._reply = reply
         self.name = name
         self.token = secrets.token_urlsafe(32)
         self._sock = socket.create_server((host, 0))
@@ -115,12 +112,51 @@ class Listener:
         replies.send(self._answer(call_id, future))
 
     def _answer(self, call_id: int, future: Future) -> list[bytes | memoryview]:
-        """The reply to request ``call_id``: its result's frame, or the error it raised (or its encoding did)."""
+        """The reply to request ``call_id``: its future's buffers, or the error it raised (or its encoding did)."""
         try:
-            return self._reply(call_id, future.result())
+            buffers: list[bytes | memoryview] = future.result()
+            return buffers
         except Exception as exc:  # noqa: BLE001 - the request's own answer
             return frames.error_frame(call_id, exc)
 
+
+
+def then(future: Future, fn: Callable[[Any], Any]) -> Future:
+    """A future of ``fn(result)`` once ``future`` has a result (its exception, or fn's, otherwise)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except Exception as exc:  # noqa: BLE001 - handed on to whoever waits
+            out.set_exception(exc)
+
+    future.add_done_callback(done)
+    return out
+
+
+def gather(futures: Sequence[Future], fn: Callable[[list[Any]], Any]) -> Future:
+    """A future of ``fn(results)`` once every future is done; an exception stands in its future's place."""
+    out: Future = Future()
+    results: list[Any] = [None] * len(futures)
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(i: int, f: Future) -> None:
+        exc = f.exception()
+        results[i] = exc if exc is not None else f.result()
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            try:
+                out.set_result(fn(results))
+            except Exception as err:  # noqa: BLE001 - handed on to whoever waits
+                out.set_exception(err)
+
+    for i, f in enumerate(futures):
+        f.add_done_callback(functools.partial(done, i))
+    return out
 
 
 class _Replies:

@@ -12,15 +12,17 @@ bounded (:data:`MAX_HEADER_BYTES`, :data:`MAX_BODY_BYTES`) before anything is al
 
 Ops: ``hello`` (the first frame of a connection: the worker's token), ``resident`` (what
 ``ShardWorker.partial_resident`` takes: ``q``, its positions and options, the shard reads
-and the merge fan-in) and their replies: ``state`` (a ``ComputeStatus`` and the state's
-``m, l, acc``) or ``error`` (the exception's type name and message).
+and the merge fan-in), ``many`` (what ``ShardWorker.partial_resident_many`` takes: a batch's
+queries on one worker) and their replies: ``state`` (a ``ComputeStatus`` and the state's
+``m, l, acc``), ``many`` (per item its status and states, or its error) or ``error`` (the
+exception's type name and message).
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +31,7 @@ from merge import State
 from workers.dtypes import BFLOAT16
 from workers.options import AttentionOptions
 from workers.problem import Arange
-from workers.tasks import Carried, ComputeStatus, ShardQuery, ShardRead
+from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead
 
 PREFIX = struct.Struct("<IQ")
 #: Largest JSON header (a query's reads are ~60 bytes each: thousands of shards fit).
@@ -123,13 +125,11 @@ def _spec(spec: Any) -> tuple[np.dtype, tuple[int, ...]]:
 
 # -- a resident query and its answer ------------------------------------------------------------
 
-def query_frame(call_id: int, q: Any, query: ShardQuery, reads: Sequence[ShardRead],
-                fanin: int) -> list[bytes | memoryview]:
-    """A ``resident`` request: ``ShardWorker.partial_resident(q, query, reads, fanin)`` over the channel."""
+def _query_parts(q: Any, query: ShardQuery, reads: Sequence[ShardRead]) -> tuple[dict[str, Any], list[Any]]:
+    """One query's header fields and arrays (q, then q_pos unless it is a range, then the ALiBi slopes)."""
     opts = query.options
     arrays = [q]
     header: dict[str, Any] = {
-        "id": call_id, "op": "resident", "fanin": fanin,
         "reads": [[r.context_id, r.index, r.length, r.version] for r in reads],
         "options": {"scale": opts.scale, "causal": opts.causal,
                     "window": None if opts.window is None else list(opts.window), "softcap": opts.softcap,
@@ -141,15 +141,13 @@ def query_frame(call_id: int, q: Any, query: ShardQuery, reads: Sequence[ShardRe
         arrays.append(np.asarray(query.q_pos, dtype=np.int64))
     if opts.alibi_slopes is not None:
         arrays.append(np.asarray(opts.alibi_slopes))
-    return encode(header, arrays)
+    return header, arrays
 
 
-def parse_query(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> tuple[Any, ShardQuery,
-                                                                                   tuple[ShardRead, ...], int]:
-    """``(q, query, reads, fanin)`` of a ``resident`` request; a malformed one raises :class:`FrameError`."""
+def _parse_query_parts(header: Mapping[str, Any], it: Iterator[np.ndarray]) -> tuple[Any, ShardQuery,
+                                                                                      tuple[ShardRead, ...]]:
     try:
         opts = header["options"]
-        it = iter(arrays)
         q = next(it)
         q_pos: Any = Arange(int(header["q_arange"][0]), int(header["q_arange"][1])) if "q_arange" in header \
             else next(it)
@@ -158,13 +156,54 @@ def parse_query(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> tupl
                                    window=None if opts["window"] is None else tuple(opts["window"]),
                                    softcap=opts["softcap"], alibi_slopes=alibi)
         reads = tuple(ShardRead(str(c), int(i), int(n), int(v)) for c, i, n, v in header["reads"])
-        fanin = int(header["fanin"])
     except (KeyError, TypeError, ValueError, StopIteration, IndexError) as exc:
-        raise FrameError(f"a resident request must carry q, its positions, options, reads and fanin: "
-                         f"{type(exc).__name__}: {exc}") from None
+        raise FrameError(f"a query must carry q, its positions, options and reads: {type(exc).__name__}: {exc}") \
+            from None
     if q.ndim != 3 or q_pos.ndim != 1 or q_pos.shape[0] != q.shape[0] or q_pos.dtype != np.int64:
         raise FrameError(f"q must be [n_q, h_q, d] with int64 q_pos [n_q], got {q.shape} and {q_pos.shape}")
-    return q, ShardQuery(q_pos=q_pos, options=options), reads, fanin
+    return q, ShardQuery(q_pos=q_pos, options=options), reads
+
+
+def query_frame(call_id: int, q: Any, query: ShardQuery, reads: Sequence[ShardRead],
+                fanin: int) -> list[bytes | memoryview]:
+    """A ``resident`` request: ``ShardWorker.partial_resident(q, query, reads, fanin)`` over the channel."""
+    header, arrays = _query_parts(q, query, reads)
+    return encode({"id": call_id, "op": "resident", "fanin": fanin, **header}, arrays)
+
+
+def parse_query(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> tuple[Any, ShardQuery,
+                                                                                   tuple[ShardRead, ...], int]:
+    """``(q, query, reads, fanin)`` of a ``resident`` request; a malformed one raises :class:`FrameError`."""
+    it = iter(arrays)
+    q, query, reads = _parse_query_parts(header, it)
+    try:
+        fanin = int(header["fanin"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FrameError(f"a resident request must carry fanin: {type(exc).__name__}: {exc}") from None
+    if next(it, None) is not None:
+        raise FrameError("a resident request must carry no arrays beyond its query's")
+    return q, query, reads, fanin
+
+
+def many_frame(call_id: int, items: Sequence[ResidentQuery]) -> list[bytes | memoryview]:
+    """A ``many`` request: ``ShardWorker.partial_resident_many(items)`` (a batch's queries on one worker)."""
+    headers, arrays = [], []
+    for item in items:
+        h, a = _query_parts(item.q, item.query, item.reads)
+        headers.append(h)
+        arrays += a
+    return encode({"id": call_id, "op": "many", "items": headers}, arrays)
+
+
+def parse_many(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> list[ResidentQuery]:
+    items = header.get("items")
+    if not isinstance(items, list) or not items:
+        raise FrameError("a many request must carry a non-empty list of items")
+    it = iter(arrays)
+    out = [ResidentQuery(*_parse_query_parts(h if isinstance(h, dict) else {}, it)) for h in items]
+    if next(it, None) is not None:
+        raise FrameError("a many request must carry no arrays beyond its items'")
+    return out
 
 
 def state_frame(call_id: int, status: ComputeStatus, state: State) -> list[bytes | memoryview]:
@@ -180,6 +219,39 @@ def parse_state(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> tupl
         return ComputeStatus(str(worker), float(seconds), int(nbytes), int(batch)), State(m=m, l=l, acc=acc)
     except (KeyError, TypeError, ValueError) as exc:
         raise FrameError(f"a state reply must carry a status and m, l, acc: {type(exc).__name__}: {exc}") from None
+
+
+def many_reply(call_id: int, results: Sequence[tuple[ComputeStatus, list[State]] | BaseException]
+               ) -> list[bytes | memoryview]:
+    """A ``many`` reply: per item its status and states (one per read), or its exception."""
+    items: list[dict[str, Any]] = []
+    arrays: list[Any] = []
+    for r in results:
+        if isinstance(r, BaseException):
+            items.append({"error": [type(r).__name__, str(r)[:2000]]})
+            continue
+        status, states = r
+        items.append({"status": [status.worker, status.seconds, status.nbytes, status.batch], "states": len(states)})
+        arrays += [a for st in states for a in (st.m, st.l, st.acc)]
+    return encode({"id": call_id, "op": "many", "items": items}, arrays)
+
+
+def parse_many_reply(header: Mapping[str, Any], arrays: Sequence[np.ndarray]
+                     ) -> list[tuple[ComputeStatus, list[State]] | RemoteError]:
+    out: list[tuple[ComputeStatus, list[State]] | RemoteError] = []
+    it = iter(arrays)
+    try:
+        for item in header["items"]:
+            if "error" in item:
+                out.append(RemoteError(str(item["error"][0]), str(item["error"][1])))
+                continue
+            worker, seconds, nbytes, batch = item["status"]
+            states = [State(m=next(it), l=next(it), acc=next(it)) for _ in range(int(item["states"]))]
+            out.append((ComputeStatus(str(worker), float(seconds), int(nbytes), int(batch)), states))
+    except (KeyError, TypeError, ValueError, StopIteration, IndexError) as exc:
+        raise FrameError(f"a many reply must carry each item's status and states, or its error: "
+                         f"{type(exc).__name__}: {exc}") from None
+    return out
 
 
 def error_frame(call_id: int, exc: BaseException) -> list[bytes | memoryview]:

@@ -18,7 +18,8 @@ from typing import Any
 
 from merge import State
 from workers import frames
-from workers.tasks import ComputeStatus, ShardQuery, ShardRead
+from workers.frames import RemoteError
+from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead
 
 #: Seconds to connect and hear the worker's hello.
 CONNECT_TIMEOUT_S = 5.0
@@ -83,6 +84,14 @@ class WorkerChannel:
         if header.get("op") == "error":
             raise frames.parse_error(header)
         return frames.parse_state(header, arrays)
+
+    async def many(self, items: Sequence[ResidentQuery]) -> list[tuple[ComputeStatus, list[State]] | RemoteError]:
+        """``ShardWorker.partial_resident_many(items)`` over the channel: per item its status and states (one
+        per read), or the :class:`frames.RemoteError` it raised. A whole call the worker refused raises it."""
+        header, arrays = await self._call(lambda i: frames.many_frame(i, items))
+        if header.get("op") == "error":
+            raise frames.parse_error(header)
+        return frames.parse_many_reply(header, arrays)
 
     async def _call(self, frame: Any) -> tuple[dict[str, Any], list[Any]]:
         if self._closed is not None:

@@ -148,6 +148,17 @@ async def _await(ref: Any) -> Any:
     return await ref
 
 
+def _domain(exc: RemoteError) -> Exception:
+    """A worker's exception as the front end handles it from a Ray call: a domain error by its own class
+    (:data:`DOMAIN_ERRORS`), any other as it came."""
+    known = DOMAIN_ERRORS.get(exc.kind)
+    return known(exc.message) if known is not None else exc
+
+
+def _nbytes(a: Any) -> int:
+    return int((a.bits if isinstance(a, Carried) else a).nbytes)
+
+
 class WorkerPool:
     def __init__(self, settings: ServiceSettings, slots: list[Slot], device: str, detached: bool) -> None:
         self.settings = settings
@@ -334,7 +345,7 @@ class WorkerPool:
         if not self.settings.worker_channel or not isinstance(q, (np.ndarray, Carried)):
             return False  # an ObjectRef: q was large enough for the object store
         alibi = query.options.alibi_slopes
-        sent = (q.bits if isinstance(q, Carried) else q).nbytes + 8 * len(query.q_pos) + \
+        sent = _nbytes(q) + 8 * len(query.q_pos) + \
             (np.asarray(alibi).nbytes if alibi is not None else 0)
         return max(sent, state_nbytes) <= MAX_CALL_BYTES
 
@@ -367,11 +378,11 @@ class WorkerPool:
         try:
             return await channel.resident(q, query, work.reads, work.fanin)
         except RemoteError as exc:
-            known = DOMAIN_ERRORS.get(exc.kind)
-            if known is not None:
-                raise known(exc.message) from None
-            log.warning("worker %s failed a query: %s: %s", slot.name, exc.kind, exc.message)
-            raise WorkersUnavailable(f"the cluster must answer, got {exc.kind} from worker {slot.name}") from None
+            err = _domain(exc)
+            if err is exc:
+                log.warning("worker %s failed a query: %s: %s", slot.name, exc.kind, exc.message)
+                raise WorkersUnavailable(f"the cluster must answer, got {exc.kind} from worker {slot.name}") from None
+            raise err from None
         finally:
             slot.outstanding -= 1
 
@@ -410,7 +421,26 @@ class WorkerPool:
         return self._call(index, lambda h: h.drop.remote(context_id, shard))
 
 
-    def compute_many(self, index: int, items: Sequence[ResidentQuery]) -> Awaitable[list[Any]]:
+    async def compute_many(self, index: int, items: Sequence[ResidentQuery]) -> list[Any]:
         """Every item's states over the resident shards it names on this worker, in one call: per item,
-        ``(status, [State per read])`` or the exception it raised (``ShardWorker.partial_resident_many``)."""
-        return self._call(index, lambda h: h.partial_resident_many.remote(list(items)))
+        ``(status, [State per read])`` or the exception it raised (``ShardWorker.partial_resident_many``).
+
+        Over the worker's direct channel when it has one and the items fit it (their queries and,
+        counted at the queries' size per read, their states), through Ray otherwise or when the
+        channel breaks first."""
+        sent = sum(_nbytes(item.q) * (1 + 2 * len(item.reads)) for item in items)
+        if self.settings.worker_channel and sent <= MAX_CALL_BYTES:
+            channel = await self._channel(index)
+            if channel is not None:
+                slot = self.slots[index]
+                slot.outstanding += 1
+                try:
+                    return [_domain(r) if isinstance(r, RemoteError) else r for r in await channel.many(items)]
+                except ChannelClosed as exc:
+                    log.info("worker %s: %s; the batch goes through Ray", slot.name, exc)
+                    slot.drop_channel()
+                except RemoteError as exc:  # the worker refused the whole call (a frame it could not encode)
+                    log.info("worker %s refused a batch over the channel (%s); it goes through Ray", slot.name, exc)
+                finally:
+                    slot.outstanding -= 1
+        return await self._call(index, lambda h: h.partial_resident_many.remote(list(items)))
