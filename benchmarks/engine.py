@@ -60,6 +60,8 @@ from workers import StreamingKV, partial_attention_resident
 from workers.options import AttentionOptions, KernelOptions
 
 HEADS = {"h_q": 32, "h_kv": 8, "d": 128}
+#: The server of this tree with every worker call through Ray (no direct channel).
+RAY_ONLY = "this tree --worker-channel false, Client"
 
 
 def keys(n_k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -171,7 +173,9 @@ def run_server(root: Path, workdir: Path, fn: Callable[[str, str | None], Any], 
 
 
 def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool, data: dict,
-              extra: Sequence[str] = ()) -> dict[str, Any]:
+              extra: Sequence[str] = (), clients: bool = True) -> dict[str, Any]:
+    """One server's round: single calls; with ``batches`` the batch table too, and with ``clients`` as well
+    the async client and gRPC."""
     def work(url: str, grpc_target: str | None) -> dict[str, Any]:
         out: dict[str, Any] = {"kernel": [kernel_times(data, max(10, args.calls // 5))]}
         with Client(url) as c:
@@ -182,9 +186,10 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
             if out["single_max_diff"] > 1e-5:
                 raise RuntimeError(f"the service's answer differs from the in-process one by {out['single_max_diff']}")
             out["single"] = single_calls(url, ctx, data["q"], args.calls)
-            if batches:
+            if batches and clients:
                 out["async"] = async_calls(url, ctx, data["q"], args.calls)
                 out["grpc"] = grpc_calls(str(grpc_target), ctx, data["q"], args.calls)
+            if batches:
                 small = [c.create_context(*kv)["id"] for kv in data["small"]]
                 out["batch"] = {}
                 for b in args.batch:
@@ -203,7 +208,7 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
             c.delete_context(ctx)
         out["kernel"].append(kernel_times(data, max(10, args.calls // 5)))
         return out
-    return run_server(root, workdir, work, grpc=batches, extra=extra)
+    return run_server(root, workdir, work, grpc=batches and clients, extra=extra)
 
 
 def round_kernel(r: dict[str, Any], which: str) -> float:
@@ -239,16 +244,23 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
               common.markdown_table(["server, client", "p50", "p99", "p50 - kernel", "Server-Timing medians"], rows),
               ""]
     if own:
-        rows = []
-        for b in args.batch:
-            p50s = [r["batch"][str(b)]["p50"] if str(b) in r["batch"] else r["batch"][b]["p50"] for r in own]
-            per = statistics.median((p - b * round_kernel(r, "small")) / b for p, r in zip(p50s, own))
-            rows.append([b, common.ms(statistics.median(p50s)), common.ms(statistics.median(p50s) / b), common.ms(per)])
+        ray_only = result.get("ray_only_rounds") or []
+
+        def cells(rounds: list[dict], b: int) -> list[str]:
+            p50s = [r["batch"][str(b)]["p50"] if str(b) in r["batch"] else r["batch"][b]["p50"] for r in rounds]
+            per = statistics.median((p - b * round_kernel(r, "small")) / b for p, r in zip(p50s, rounds))
+            return [common.ms(statistics.median(p50s)), common.ms(statistics.median(p50s) / b), common.ms(per)]
+
+        rows = [[b, *cells(own, b), *(cells(ray_only, b) if ray_only else [])] for b in args.batch]
+        head = ["items", "batch p50", "per item", "per item - kernel"]
+        if ray_only:
+            head += ["Ray only: batch p50", "per item", "per item - kernel"]
         lines += [f"#### Batches over {args.contexts} contexts of {args.small_n_k} keys (item i over context i mod "
                   f"{args.contexts})", "",
                   "per item - kernel: (batch p50 - items x the round's in-process kernel time of one item) / items; "
-                  "the items' kernels counted one after another, as one worker thread would run them.", "",
-                  common.markdown_table(["items", "batch p50", "per item", "per item - kernel"], rows), ""]
+                  "the items' kernels counted one after another, as one worker thread would run them."
+                  + (" Ray only: the same tree with `--worker-channel false`." if ray_only else ""), "",
+                  common.markdown_table(head, rows), ""]
         same = statistics.median(r["batch_same_context"]["p50"] for r in own)
         lines += [f"64 items over the one {args.n_k}-key context (a shared scan): p50 {common.ms(same)}, "
                   f"{common.ms(same / 64)} per item, against {common.ms(kern)} for one item's kernel alone.", ""]
@@ -286,23 +298,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             "small_answers": [inprocess(resident(*kv), q, 3)[1] for kv in small]}
     servers: list[tuple[str, Path, bool, tuple[str, ...]]] = [("this tree, Client", ROOT, True, ())]
     if not args.quick:  # the same tree with every query a Ray call: what the direct channel saves
-        servers.append(("this tree --worker-channel false, Client", ROOT, False, ("--worker-channel", "false")))
+        servers.append((RAY_ONLY, ROOT, True, ("--worker-channel", "false")))
     if args.baseline:
         servers.append(("baseline, Client", Path(args.baseline).resolve(), False, ()))
     result: dict[str, Any] = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                               "command": " ".join([".venv/bin/python", "benchmarks/engine.py", *(argv or sys.argv[1:])]),
                               "machine": common.machine_lines(),
                               "single": {name: [] for name, _, _, _ in servers}, "max_diff": [],
-                              "this_tree_rounds": []}
+                              "this_tree_rounds": [], "ray_only_rounds": []}
     with tempfile.TemporaryDirectory(prefix="splitkey-engine-") as tmp:
         for r in range(args.rounds):
             for name, root, batches, extra in (servers if r % 2 == 0 else servers[::-1]):
                 got = round_for(args, root, Path(tmp) / f"r{r}-{len(result['single'][name])}-{batches}", batches, data,
-                                extra)
+                                extra, clients=name != RAY_ONLY)
                 result["single"][name].append({"single": got["single"], "kernel": got["kernel"]})
                 result["max_diff"].append(got["single_max_diff"])
                 if batches:
-                    result["this_tree_rounds"].append(got)
+                    result["ray_only_rounds" if name == RAY_ONLY else "this_tree_rounds"].append(got)
                 print(f"round {r + 1}: {name} p50 {common.ms(got['single']['p50'])}", file=sys.stderr, flush=True)
     text = report(args, result)
     common.emit_report(text, args.out)

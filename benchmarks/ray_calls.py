@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{call:.2f}", f"{channel:.2f}", f"{inside:.2f}", f"{local:.2f}", f"{call - inside:.2f}",
                          f"{channel - inside:.2f}"])
         lane.close()
+        loop.run_until_complete(asyncio.sleep(0))  # the reader task sees its cancellation
         loop.close()
     finally:
         ray.shutdown()
