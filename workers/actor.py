@@ -20,6 +20,7 @@ on read.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import secrets
 import time
@@ -42,6 +43,9 @@ from workers.options import CpuKernels
 from workers.persist import ShardFiles
 from workers.store import ShardStore
 from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, arrive, carry
+
+
+log = logging.getLogger(__name__)
 
 
 def _host_state(st: State) -> State:
@@ -131,7 +135,12 @@ class ShardWorker:
         # Context writes run one at a time on a thread of their own, below the queries (docs/CONTEXTS.md).
         self.writes = Batcher(_run_each, max_rows=1, name=f"{name}-writes", nice=WRITE_NICE)
         #: The direct channel for resident queries (``workers.channel``); None when the config says no.
-        self.listener = Listener(self._channel_submit, host=_node_address(), name=name) if config.channel else None
+        self.listener: Listener | None = None
+        if config.channel:
+            try:
+                self.listener = Listener(self._channel_submit, host=_node_address(), name=name)
+            except OSError as exc:  # no socket for it: the worker serves through Ray alone
+                log.warning("worker %s: direct channel not opened (%s); queries come through Ray", name, exc)
 
     # -- health -----------------------------------------------------------------
     def ping(self) -> dict:
