@@ -25,6 +25,8 @@ def test_the_traced_request_crosses_every_layer_in_every_process(tmp_path):
                "service/cluster/orchestrator.py:Orchestrator.run", "merge/combine.py:merge_all"):
         assert fn in names, fn
     # ... and two worker processes each ran the kernel over their shard.
-    assert "workers/actor.py:ShardWorker.partial_resident" in names and "workers/blockwise.py:stream" in names
+    # The query came over each worker's direct channel (the default), not a Ray method call.
+    assert "workers/actor.py:ShardWorker._channel_submit" in names and "workers/blockwise.py:stream" in names
+    assert "workers/channel.py:_read" in names and "service/cluster/channel.py:WorkerChannel.resident" in names
     assert sum(1 for w in workers if w["functions"] > 10) == 2
     assert front["files"] > 10 and report["files"] >= front["files"]

@@ -23,10 +23,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 from ray.exceptions import RayActorError
-
-import numpy as np
 
 from merge import State
 from service.cluster.channel import MAX_CALL_BYTES, ChannelClosed, WorkerChannel
@@ -217,6 +216,7 @@ class WorkerPool:
                 if slot.incarnation and seen != slot.incarnation:
                     self.replaced_elsewhere.add(slot.name)
                     slot.drop_channel()
+                    slot.channel_retry_at = 0.0  # the new worker may have a channel the old one had not
                 slot.incarnation = seen
             except (TimeoutError, ray.exceptions.RayError) as exc:
                 if slot.alive or slot.incarnation:
@@ -359,8 +359,13 @@ class WorkerPool:
                 return slot.channel
             if time.monotonic() < slot.channel_retry_at:
                 return None
-            address = await self._call(index, lambda h: h.channel.remote())  # a dead worker raises here
-            if address is None:  # started without one (--no-worker-channel on the front end that started it)
+            try:
+                address = await self._call(index, lambda h: h.channel.remote())  # a dead worker raises here
+            except (AttributeError, ray.exceptions.RayTaskError) as exc:  # a worker of a release without one
+                log.warning("worker %s has no direct channel (%s); its queries go through Ray", slot.name,
+                            type(exc).__name__)
+                address = None
+            if address is None:  # none opened (--worker-channel false where it started, or none could bind)
                 slot.channel_retry_at = math.inf
                 return None
             try:
