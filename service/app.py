@@ -47,6 +47,30 @@ CLIENT_CLOSED = 499
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.splitkey
     settings = state.settings
+    grpc_server = None
+    if settings.grpc_port is not None:  # bound before Ray and the workers take ephemeral ports (service.cli.listen)
+        from service import grpc_server as grpc_module  # grpcio only when asked for
+
+        # Until _cluster sets the runtime it answers UNAVAILABLE and reports not ready.
+        grpc_server, state.grpc_port = await grpc_module.start(state, settings.host, settings.grpc_port)
+    try:
+        async with _cluster(app):
+            try:
+                yield
+            finally:  # in-flight gRPC calls finish while the workers are still there
+                if grpc_server is not None:
+                    await grpc_server.stop(grace=5.0)
+                    grpc_server = None
+    finally:
+        if grpc_server is not None:  # the cluster failed to start
+            await grpc_server.stop(grace=None)
+
+
+@asynccontextmanager
+async def _cluster(app: FastAPI) -> AsyncIterator[None]:
+    """Ray, the worker pool and the services over them, for the lifespan."""
+    state: AppState = app.state.splitkey
+    settings = state.settings
     uvicorn_handlers = state.drain.saved_handlers()  # ray.init replaces them (service.drain)
     started = connect(settings)
     reaper = start_reaper(started)  # the embedded Ray follows this process even after a SIGKILL
@@ -63,16 +87,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state.metrics.workers.labels(state="alive").set(pool.size)
     log.info("splitkey ready: %d %s workers; this front end is %s", pool.size, pool.device, FRONTEND)
     healer = asyncio.create_task(repair.run_forever(settings.heal_interval_s))
-    grpc_server = None
-    if settings.grpc_port is not None:
-        from service import grpc_server as grpc_module  # grpcio only when asked for
-
-        grpc_server, state.grpc_port = await grpc_module.start(state, settings.host, settings.grpc_port)
     try:
         yield
     finally:
-        if grpc_server is not None:
-            await grpc_server.stop(grace=5.0)
         healer.cancel()
         state.runtime = None
         pool.shutdown()

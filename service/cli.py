@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -29,9 +30,18 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"splitkey serve: {exc}", file=sys.stderr)
         return 2
+    try:
+        sock = listen(settings.host, settings.port)
+    except OSError as exc:
+        print(f"splitkey serve: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("splitkey")
     if warning:
-        logging.getLogger("splitkey").warning(warning)
+        log.warning(warning)
+    host, port = sock.getsockname()[:2]
+    log.info("splitkey listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_keep_alive=30, http=JsonErrorsProtocol))
@@ -40,8 +50,27 @@ def _serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app.state.splitkey.drain.stop = stop
-    server.run()
+    server.run(sockets=[sock])
     return 0 if server.started else 1
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before the cluster starts (port 0: any free one).
+
+    Binding first fails fast on a port in use, and keeps the port from the ephemeral ports
+    that Ray and the workers' channels (docs/SERVICE.md, "The direct channel") bind while
+    the lifespan starts them; uvicorn listens on it once the lifespan is done.
+    """
+    host = host.strip("[]")  # "[::1]" as in a URL
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart may reuse TIME_WAIT
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def _loadtest(args: argparse.Namespace) -> int:

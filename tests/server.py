@@ -3,13 +3,19 @@
 Each server gets its own HOME (Ray writes its auth token there), its settings
 through ``SPLITKEY_*`` environment variables and CLI flags, and is waited for on
 ``/readyz``. ``stop()`` terminates it and its embedded Ray.
+
+The server picks its ports itself (``--port 0``, and ``--grpc-port 0`` with ``grpc=True``)
+and the harness reads them from its log: a port chosen here and passed in could be taken by
+another process (Ray's, a worker's channel) before the server binds it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +26,10 @@ from collections.abc import Iterator
 import httpx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: The lines `splitkey serve` logs with the ports it bound (service.cli, service.grpc_server).
+HTTP_PORT_LINE = re.compile(r"splitkey listening on http://\S+:(\d+)")
+GRPC_PORT_LINE = re.compile(r"KServe v2 gRPC on \S+:(\d+)")
+_serial = itertools.count()
 
 
 @contextlib.contextmanager
@@ -50,19 +60,26 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, home: pathlib.Path, *, args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 startup_s: float = 120.0) -> None:
+                 startup_s: float = 120.0, grpc: bool = False) -> None:
         self.home = home
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.args = args
+        self.port: int | None = None  #: the HTTP port, once started
+        self.grpc_port: int | None = None  #: the gRPC port, once started with grpc=True
+        self.args = (*args, "--grpc-port", "0") if grpc else args
         self.env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
         self.startup_s = startup_s
-        self.log_path = home / f"server-{self.port}.log"
+        self.log_path = home / f"server-{os.getpid()}-{next(_serial)}.log"
         self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("the server must be started before its url is known")
+        return f"http://127.0.0.1:{self.port}"
 
     def start(self, api_key: str | None = None) -> Server:
         self.home.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), *self.args]
+        self.port = self.grpc_port = None  # a restart binds new ones
+        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", *self.args]
         self._log = self.log_path.open("w")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -71,14 +88,26 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/readyz", headers=headers, timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+            if self.port is None or (self.grpc_port is None and "--grpc-port" in self.args):
+                self._read_ports()
+            elif self._ready(headers):
+                return self
             time.sleep(0.25)
         self.stop()
         raise RuntimeError(f"server did not become ready in {self.startup_s} s:\n{self.log()}")
+
+    def _read_ports(self) -> None:
+        text = self.log()
+        if (m := HTTP_PORT_LINE.search(text)) is not None:
+            self.port = int(m.group(1))
+        if (m := GRPC_PORT_LINE.search(text)) is not None:
+            self.grpc_port = int(m.group(1))
+
+    def _ready(self, headers: dict[str, str]) -> bool:
+        try:
+            return httpx.get(self.url + "/readyz", headers=headers, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""

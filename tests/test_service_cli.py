@@ -1,11 +1,12 @@
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
 from service import cli_settings
-from service.cli import build_parser, main
+from service.cli import build_parser, listen, main
 from service.client import Client
 
 
@@ -73,3 +74,30 @@ def test_serve_on_all_interfaces_without_a_key_exits_2_before_starting_anything(
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "host '0.0.0.0' is not loopback and no --api-key-file is set" in err and "--insecure" in err
+
+
+def test_serve_on_a_port_in_use_exits_1_naming_it_before_starting_ray(tmp_path):
+    """The HTTP socket is bound first (service.cli.listen): a taken port fails in about a second, with
+    no Ray started (no session directory under HOME/TMP), instead of after the whole cluster start."""
+    env = {**os.environ, "HOME": str(tmp_path), "TMPDIR": str(tmp_path), "RAY_TMPDIR": str(tmp_path)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", str(port)],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 1
+    assert f"splitkey serve: cannot listen on 127.0.0.1:{port}: Address already in use" in run.stderr
+    assert not list(tmp_path.rglob("session_*")), "Ray must not start when the port is taken"
+
+
+def test_listen_binds_any_free_port_for_port_0_and_takes_bracketed_ipv6():
+    with listen("127.0.0.1", 0) as sock:
+        assert sock.getsockname()[0] == "127.0.0.1" and sock.getsockname()[1] > 0
+    if socket.has_ipv6:
+        try:
+            six = listen("[::1]", 0)
+        except OSError:  # no IPv6 loopback on this machine
+            pytest.skip("no ::1 here")
+        with six:
+            assert six.family == socket.AF_INET6 and six.getsockname()[0] == "::1"

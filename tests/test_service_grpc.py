@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 from reference import assert_close_to_reference
-from server import Server, free_port
+from server import Server
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from service.client import Client
@@ -26,11 +26,10 @@ def grpc_server(tmp_path_factory):
     key_file = home / "key"
     key_file.write_text(KEY)
     key_file.chmod(0o600)
-    port = free_port()
-    srv = Server(home, args=("--workers", "2", "--grpc-port", str(port), "--api-key-file", str(key_file)),
+    srv = Server(home, args=("--workers", "2", "--api-key-file", str(key_file)), grpc=True,
                  env={"SPLITKEY_CONTEXT_SHARD_KEYS": "128"})
     srv.start(api_key=KEY)
-    srv.grpc = f"127.0.0.1:{port}"
+    srv.grpc = f"127.0.0.1:{srv.grpc_port}"
     yield srv
     srv.stop()
 
