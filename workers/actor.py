@@ -189,10 +189,13 @@ class ShardWorker:
         Queries over the same shards that wait together share one pass over their keys.
         """
         self.calls += 1
-        job = ResidentJob(arrive(q), query, tuple(reads), fanin)
-        result: tuple[ComputeStatus, State] = self.compute.call(job, key=job.key(),
-                                                                rows=int(job.q.shape[0]) * int(job.q.shape[1]))
+        result: tuple[ComputeStatus, State] = self._submit_resident(arrive(q), query, reads, fanin).result()
         return result
+
+    def _submit_resident(self, q: Any, query: ShardQuery, reads: Sequence[ShardRead], fanin: int | None) -> Future:
+        """One resident query to the compute thread (fanin None: a state per read, unmerged); its future."""
+        job = ResidentJob(q, query, tuple(reads), fanin)
+        return self.compute.submit(job, key=job.key(), rows=int(q.shape[0]) * int(q.shape[1]))
 
     def _channel_submit(self, header: dict, arrays: list[Any]) -> Future:
         """A request from the direct channel, queued as the Ray method queues it; the future of its reply."""
@@ -201,8 +204,7 @@ class ShardWorker:
             q, query, reads, fanin = frames.parse_query(header, arrays)
             self.calls += 1
             self.channel_calls += 1
-            job = ResidentJob(q, query, reads, fanin)
-            inner = self.compute.submit(job, key=job.key(), rows=int(q.shape[0]) * int(q.shape[1]))
+            inner = self._submit_resident(q, query, reads, fanin)
             return then(inner, lambda result: frames.state_frame(call_id, *result))
         if op == "many":
             items = frames.parse_many(header, arrays)
@@ -231,11 +233,7 @@ class ShardWorker:
 
     def _submit_many(self, items: Sequence[ResidentQuery]) -> list[Future]:
         """Each item to the compute thread at once (those over the same shards share a pass)."""
-        futures = []
-        for item in items:
-            job = ResidentJob(arrive(item.q), item.query, tuple(item.reads), None)
-            futures.append(self.compute.submit(job, key=job.key(), rows=int(job.q.shape[0]) * int(job.q.shape[1])))
-        return futures
+        return [self._submit_resident(arrive(item.q), item.query, item.reads, None) for item in items]
 
     def _run(self, jobs: Sequence[InlineJob | ResidentJob]) -> list[tuple[ComputeStatus, Any]]:
         """One batch on the compute thread: a single inline job, or resident jobs of one key that share shards."""

@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import ray
@@ -37,6 +37,8 @@ from workers.options import KernelOptions
 from workers.frames import RemoteError
 from workers.store import RecordStale, ShardMissing
 from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, carry
+
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -320,13 +322,12 @@ class WorkerPool:
         again is safe).
         """
         if isinstance(work, ResidentWork) and not keep_state and self._channel_fits(q, query, state_nbytes):
-            channel = await self._channel(index)
-            if channel is not None:
-                try:
-                    return await self._over_channel(index, channel, q, query, work)
-                except ChannelClosed as exc:
-                    log.info("worker %s: %s; the query goes through Ray", self.slots[index].name, exc)
-                    self.slots[index].drop_channel()
+            reads, fanin = work.reads, work.fanin
+            answer = await self._via_channel(
+                index, "query", lambda ch: self._resident_over(index, ch, q, query, reads, fanin))
+            if answer is not None:
+                return answer
+
         def method(h: Any) -> Any:  # two return refs only when the state stays on the worker
             m = h.partial if isinstance(work, InlineWork) else h.partial_resident
             return m.options(num_returns=2) if keep_state else m
@@ -376,20 +377,36 @@ class WorkerPool:
                 return None
             return slot.channel
 
-    async def _over_channel(self, index: int, channel: WorkerChannel, q: Any, query: ShardQuery,
-                            work: ResidentWork) -> tuple[ComputeStatus, State]:
+    async def _via_channel(self, index: int, what: str,
+                           send: Callable[[WorkerChannel], Awaitable[_T | None]]) -> _T | None:
+        """``send`` over worker ``index``'s direct channel: its answer, or None where the work must go
+        through Ray instead (no channel; the channel broke before the answer: the work is read-only,
+        so running it again is safe; or ``send`` itself gave None)."""
+        channel = await self._channel(index)
+        if channel is None:
+            return None
         slot = self.slots[index]
         slot.outstanding += 1
         try:
-            return await channel.resident(q, query, work.reads, work.fanin)
+            return await send(channel)
+        except ChannelClosed as exc:
+            log.info("worker %s: %s; the %s goes through Ray", slot.name, exc, what)
+            slot.drop_channel()
+            return None
+        finally:
+            slot.outstanding -= 1
+
+    async def _resident_over(self, index: int, channel: WorkerChannel, q: Any, query: ShardQuery,
+                             reads: tuple[ShardRead, ...], fanin: int) -> tuple[ComputeStatus, State]:
+        try:
+            return await channel.resident(q, query, reads, fanin)
         except RemoteError as exc:
             err = _domain(exc)
             if err is exc:
-                log.warning("worker %s failed a query: %s: %s", slot.name, exc.kind, exc.message)
-                raise WorkersUnavailable(f"the cluster must answer, got {exc.kind} from worker {slot.name}") from None
+                name = self.slots[index].name
+                log.warning("worker %s failed a query: %s: %s", name, exc.kind, exc.message)
+                raise WorkersUnavailable(f"the cluster must answer, got {exc.kind} from worker {name}") from None
             raise err from None
-        finally:
-            slot.outstanding -= 1
 
     def merge_states(self, index: int, *states: Any) -> tuple[Any, Callable[[], None]]:
         """Submit one node of the merge tree on a worker: ``(ref, done)``; call ``done`` once it is awaited."""
@@ -434,18 +451,17 @@ class WorkerPool:
         counted at the queries' size per read, their states), through Ray otherwise or when the
         channel breaks first."""
         sent = sum(_nbytes(item.q) * (1 + 2 * len(item.reads)) for item in items)
+
+        async def send(channel: WorkerChannel) -> list[Any] | None:
+            try:
+                return [_domain(r) if isinstance(r, RemoteError) else r for r in await channel.many(items)]
+            except RemoteError as exc:  # the worker refused the whole call (a frame it could not encode)
+                log.info("worker %s refused a batch over the channel (%s); it goes through Ray",
+                         self.slots[index].name, exc)
+                return None
+
         if self.settings.worker_channel and sent <= MAX_CALL_BYTES:
-            channel = await self._channel(index)
-            if channel is not None:
-                slot = self.slots[index]
-                slot.outstanding += 1
-                try:
-                    return [_domain(r) if isinstance(r, RemoteError) else r for r in await channel.many(items)]
-                except ChannelClosed as exc:
-                    log.info("worker %s: %s; the batch goes through Ray", slot.name, exc)
-                    slot.drop_channel()
-                except RemoteError as exc:  # the worker refused the whole call (a frame it could not encode)
-                    log.info("worker %s refused a batch over the channel (%s); it goes through Ray", slot.name, exc)
-                finally:
-                    slot.outstanding -= 1
+            answers = await self._via_channel(index, "batch", send)
+            if answers is not None:
+                return answers
         return await self._call(index, lambda h: h.partial_resident_many.remote(list(items)))
