@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import platform
+import re
 import signal
 import socket
 import statistics
@@ -48,6 +49,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 #: Server-Timing stages of the service, in the order of a request.
+#: The line `splitkey serve` logs with the HTTP port it bound (service/cli.py).
+LISTENING = re.compile(r"splitkey listening on http://\S+:(\d+)")
 STAGES = ("parse", "lookup", "scatter", "compute", "merge", "encode", "total")
 #: The benchmark the service benchmarks wait for: it loads every core.
 QUIET_PATTERN = "benchmarks/kernel.py"
@@ -451,15 +454,21 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
 
 
 @contextlib.contextmanager
-def served(cmd: Sequence[str], env: dict[str, str], ready_url: str, log: Path,
+def served(cmd: Sequence[str], env: dict[str, str], ready_url: str | Callable[[str], str | None], log: Path,
            startup_s: float = 180.0, cwd: Path = ROOT) -> Iterator[None]:
-    """Run ``cmd`` in ``cwd``, in its own process group, until ``ready_url`` answers 200; always stop it."""
+    """Run ``cmd`` in ``cwd``, in its own process group, until ``ready_url`` answers 200; always stop it.
+
+    ``ready_url`` may be a function of the log so far, None until the URL is known (a server
+    that picks its own port and logs it)."""
     with log.open("w") as out:
         proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
             deadline = time.monotonic() + startup_s
-            while http_status(ready_url) != 200:
+            while True:
+                url = ready_url(log.read_text()) if callable(ready_url) else ready_url
+                if url is not None and http_status(url) == 200:
+                    break
                 if proc.poll() is not None:
                     raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
                 if time.monotonic() > deadline:
@@ -491,15 +500,27 @@ def splitkey_server(workdir: Path, workers: int = 2, args: Sequence[str] = (),
 
     ``cwd``: the checkout whose ``service`` package runs (another commit's, for a side-by-side run).
     """
-    port = free_port()
+    port = free_port()  # a name for its files; this tree's server picks its own port (0) and logs it
     home = workdir / f"home-{port}"
     home.mkdir(parents=True)
     full_env = {**os.environ, "HOME": str(home), "PYTHONUNBUFFERED": "1", **(env or {})}
-    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--workers", str(workers), *args]
-    url = f"http://127.0.0.1:{port}"
-    if cwd != ROOT:  # its own packages first, whatever the venv's editable install points to
+    own = cwd == ROOT
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0" if own else str(port),
+           "--workers", str(workers), *args]
+    if not own:  # its own packages first, whatever the venv's editable install points to
         full_env["PYTHONPATH"] = os.pathsep.join([str(cwd), full_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    with served(cmd, full_env, url + "/readyz", workdir / f"splitkey-{port}.log", cwd=cwd):
+    url = f"http://127.0.0.1:{port}"
+
+    def ready(log: str) -> str | None:
+        nonlocal url
+        if own:  # an older commit (cwd) may not log its port: it is given one, and a small race remains
+            found = LISTENING.search(log)
+            if found is None:
+                return None
+            url = f"http://127.0.0.1:{found.group(1)}"
+        return url + "/readyz"
+
+    with served(cmd, full_env, ready, workdir / f"splitkey-{port}.log", cwd=cwd):
         yield url
 
 

@@ -45,39 +45,51 @@ CLIENT_CLOSED = 499
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    state: AppState = app.state.splitkey
-    settings = state.settings
-    grpc_server = None
-    if settings.grpc_port is not None:  # bound before Ray and the workers take ephemeral ports (service.cli.listen)
-        from service import grpc_server as grpc_module  # grpcio only when asked for
+    """Ray, then the gRPC port (if asked for), then the worker pool and the services over it.
 
-        # Until _cluster sets the runtime it answers UNAVAILABLE and reports not ready.
-        grpc_server, state.grpc_port = await grpc_module.start(state, settings.host, settings.grpc_port)
-    try:
-        async with _cluster(app):
-            try:
-                yield
-            finally:  # in-flight gRPC calls finish while the workers are still there
-                if grpc_server is not None:
-                    await grpc_server.stop(grace=5.0)
-                    grpc_server = None
-    finally:
-        if grpc_server is not None:  # the cluster failed to start
-            await grpc_server.stop(grace=None)
-
-
-@asynccontextmanager
-async def _cluster(app: FastAPI) -> AsyncIterator[None]:
-    """Ray, the worker pool and the services over them, for the lifespan."""
+    The HTTP port was bound before all of it (service.cli.listen); the gRPC port is bound
+    before the workers start, so that no worker's channel (an ephemeral port) can take it,
+    but after ``ray.init``, which forks Ray's processes: gRPC's threads must not be running
+    across those forks. Until the runtime is set, gRPC answers UNAVAILABLE, not ready.
+    """
     state: AppState = app.state.splitkey
     settings = state.settings
     uvicorn_handlers = state.drain.saved_handlers()  # ray.init replaces them (service.drain)
     started = connect(settings)
     reaper = start_reaper(started)  # the embedded Ray follows this process even after a SIGKILL
     state.drain.install(uvicorn_handlers)
-    detached = settings.ray_address is not None
-    pool = await WorkerPool.start(settings, detached=detached)
-    directory = await Directory.connect(settings, [s.name for s in pool.slots], detached=detached)
+    grpc_server = None
+    try:
+        if settings.grpc_port is not None:
+            from service import grpc_server as grpc_module  # grpcio only when asked for
+
+            grpc_server, state.grpc_port = await grpc_module.start(state, settings.host, settings.grpc_port)
+        detached = settings.ray_address is not None
+        pool = await WorkerPool.start(settings, detached=detached)
+        try:
+            healer = _serve(state, pool, await Directory.connect(settings, [s.name for s in pool.slots],
+                                                                 detached=detached))
+            try:
+                yield
+            finally:
+                if grpc_server is not None:  # in-flight gRPC calls finish while the workers are still there
+                    await grpc_server.stop(grace=5.0)
+                    grpc_server = None
+                healer.cancel()
+                state.runtime = None
+        finally:
+            pool.shutdown()
+    finally:
+        if grpc_server is not None:  # the pool failed to start
+            await grpc_server.stop(grace=None)
+        disconnect(started)
+        if reaper is not None:
+            reaper.close()
+
+
+def _serve(state: AppState, pool: WorkerPool, directory: Directory) -> asyncio.Task:
+    """The services over ``pool`` set as ``state.runtime``; the repairer's task."""
+    settings = state.settings
     context_service = ContextService(settings, pool, directory)
     orchestrator = Orchestrator(pool, fanin=settings.merge_fanin, remote_merge_bytes=settings.remote_merge_bytes)
     repair = Repairer(pool, directory, context_service)
@@ -86,16 +98,7 @@ async def _cluster(app: FastAPI) -> AsyncIterator[None]:
                             batch=BatchService(settings, pool, attention_service, context_service))
     state.metrics.workers.labels(state="alive").set(pool.size)
     log.info("splitkey ready: %d %s workers; this front end is %s", pool.size, pool.device, FRONTEND)
-    healer = asyncio.create_task(repair.run_forever(settings.heal_interval_s))
-    try:
-        yield
-    finally:
-        healer.cancel()
-        state.runtime = None
-        pool.shutdown()
-        disconnect(started)
-        if reaper is not None:
-            reaper.close()
+    return asyncio.create_task(repair.run_forever(settings.heal_interval_s))
 
 
 def _respond(err: ServiceError, request: Request) -> Response:

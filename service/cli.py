@@ -69,8 +69,7 @@ def listen(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise
-    sock.set_inheritable(True)
-    return sock
+    return sock  # not inheritable (Python's default): Ray's processes started later must not hold it
 
 
 def _loadtest(args: argparse.Namespace) -> int:
