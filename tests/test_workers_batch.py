@@ -93,6 +93,53 @@ def test_only_jobs_the_oldest_admits_join_its_batch():
     assert gate.batches[1:] == [["ab", "ac"], ["xy", "xz"]]
 
 
+def test_run_here_runs_a_job_in_the_calling_thread_when_the_batcher_is_idle():
+    threads = []
+
+    def run(payloads):
+        threads.append(threading.current_thread().name)
+        if payloads == ["boom"]:
+            raise ValueError("payload must not be boom, got boom")
+        return [f"done {p}" for p in payloads]
+
+    b = Batcher(run, name="the-compute-thread")
+    done = b.run_here("x", key="a")
+    assert done is not None and done.done() and done.result() == "done x"
+    assert threads == [threading.current_thread().name] and b.batches == 1
+    failed = b.run_here("boom")
+    assert failed is not None and isinstance(failed.exception(), ValueError)
+    assert b.submit("y").result(10) == "done y" and threads[-1] == "the-compute-thread"
+
+
+def test_run_here_declines_while_a_batch_runs_or_jobs_wait_and_nothing_is_lost():
+    gate = Gate()
+    b = Batcher(gate.run)
+    first = b.submit("first", key="a")
+    assert gate.started.wait(10)
+    assert b.run_here("while running", key="a") is None  # a batch runs: not run, not queued
+    waiting = b.submit("a1", key="a")
+    gate.open.set()
+    assert first.result(10) == "done first" and waiting.result(10) == "done a1"
+    assert gate.batches == [["first"], ["a1"]]
+
+
+def test_jobs_queued_while_run_here_runs_wait_for_it_then_batch_on_the_compute_thread():
+    gate = Gate()
+    b = Batcher(gate.run)
+    here: list = []
+    runner = threading.Thread(target=lambda: here.append(b.run_here("here", key="a")))
+    runner.start()
+    assert gate.started.wait(10)  # run_here's job holds the batcher
+    later = [b.submit(p, key="a") for p in ("a1", "a2")]
+    queued(b, 2)
+    time.sleep(0.05)
+    assert gate.batches == [["here"]]  # the compute thread did not start beside it
+    gate.open.set()
+    runner.join(10)
+    assert here[0].result() == "done here" and [f.result(10) for f in later] == ["done a1", "done a2"]
+    assert gate.batches == [["here"], ["a1", "a2"]]
+
+
 def test_max_rows_must_be_positive():
     with pytest.raises(ValueError, match="max_rows must be >= 1, got 0"):
         Batcher(lambda p: p, max_rows=0)

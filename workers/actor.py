@@ -192,19 +192,26 @@ class ShardWorker:
         result: tuple[ComputeStatus, State] = self._submit_resident(arrive(q), query, reads, fanin).result()
         return result
 
-    def _submit_resident(self, q: Any, query: ShardQuery, reads: Sequence[ShardRead], fanin: int | None) -> Future:
-        """One resident query to the compute thread (fanin None: a state per read, unmerged); its future."""
+    def _submit_resident(self, q: Any, query: ShardQuery, reads: Sequence[ShardRead], fanin: int | None,
+                         here: bool = False) -> Future:
+        """One resident query to the compute thread (fanin None: a state per read, unmerged); its future.
+        ``here``: run it in this thread instead when the worker is idle (``Batcher.run_here``)."""
         job = ResidentJob(q, query, tuple(reads), fanin)
-        return self.compute.submit(job, key=job.key(), rows=int(q.shape[0]) * int(q.shape[1]))
+        rows = int(q.shape[0]) * int(q.shape[1])
+        done = self.compute.run_here(job, key=job.key(), rows=rows) if here else None
+        return done if done is not None else self.compute.submit(job, key=job.key(), rows=rows)
 
-    def _channel_submit(self, header: dict, arrays: list[Any]) -> Future:
-        """A request from the direct channel, queued as the Ray method queues it; the future of its reply."""
+    def _channel_submit(self, header: dict, arrays: list[Any], alone: bool = False) -> Future:
+        """A request from the direct channel, queued as the Ray method queues it; the future of its reply.
+
+        A query ``alone`` on its connection runs in the connection's thread when the worker is
+        idle (CPU workers: the GPU backend keeps its device and streams on the compute thread)."""
         op, call_id = header.get("op"), int(header["id"])
         if op == "resident":
             q, query, reads, fanin = frames.parse_query(header, arrays)
             self.calls += 1
             self.channel_calls += 1
-            inner = self._submit_resident(q, query, reads, fanin)
+            inner = self._submit_resident(q, query, reads, fanin, here=alone and self.config.device == "cpu")
             return then(inner, lambda result: frames.state_frame(call_id, *result))
         if op == "many":
             items = frames.parse_many(header, arrays)

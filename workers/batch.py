@@ -10,6 +10,12 @@ starts the first job at once, and a batch is what arrived while the previous one
 ran. Each job's result (or exception) goes back to its own caller. ``joins(first,
 job)`` narrows who may join the oldest job's batch (the shard worker asks that
 they read a shard in common).
+
+A caller that would only hand a job over and sleep until its answer may instead
+:meth:`Batcher.run_here`: when no batch runs and none waits, the job runs in the
+caller's thread at once, saving the compute thread's wake-up. One batch still runs
+at a time either way (``_running``), and what arrives meanwhile queues and batches
+as before.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class Batcher:
         self._joins = joins
         self._queue: deque[Pending] = deque()
         self._ready = threading.Condition()
+        self._running = False  #: a batch runs (on the compute thread, or a job in run_here's caller)
         self.batches = 0  #: batches run so far (for tests and metrics)
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
@@ -64,6 +71,28 @@ class Batcher:
         with self._ready:
             self._queue.append(job)
             self._ready.notify()
+        return job.future
+
+    def run_here(self, payload: Any, key: Hashable | None = None, rows: int = 1) -> Future | None:
+        """Run the job in the calling thread when no batch runs and none waits: its future, done.
+        None when the worker is busy: nothing was run or queued (the caller submits it).
+
+        Saves the hand-off to the compute thread (a thread wake-up) for a job that would
+        run alone anyway; the compute thread waits while it runs.
+        """
+        with self._ready:
+            if self._queue or self._running:
+                return None
+            self._running = True
+            self.batches += 1
+        job = Pending(payload, key, rows)
+        try:
+            self._finish([job])
+        finally:
+            with self._ready:
+                self._running = False
+                if self._queue:  # arrived while it ran: the compute thread takes them now
+                    self._ready.notify()
         return job.future
 
     def call(self, payload: Any, key: Hashable | None = None, rows: int = 1) -> Any:
@@ -90,11 +119,16 @@ class Batcher:
             lower_priority(self._nice)
         while True:
             with self._ready:
-                while not self._queue:
+                while not self._queue or self._running:
                     self._ready.wait()
                 batch = self._take()
-            self.batches += 1
-            self._finish(batch)
+                self._running = True
+                self.batches += 1
+            try:
+                self._finish(batch)
+            finally:
+                with self._ready:
+                    self._running = False
 
     def _finish(self, batch: list[Pending]) -> None:
         try:

@@ -42,8 +42,10 @@ HELLO_TIMEOUT_S = 5.0
 #: Connections served at once (the front ends of a cluster, one each); more are closed at once.
 MAX_CONNECTIONS = 64
 
-#: ``submit(header, arrays)``: a request handed to the worker, as the future of its reply's buffers.
-Submit = Callable[[dict[str, Any], list[Any]], Future]
+#: ``submit(header, arrays, alone)``: a request handed to the worker, as the future of its reply's
+#: buffers; ``alone``: no other request waits on the connection, so the worker may run this one in the
+#: connection's thread (``workers.batch.Batcher.run_here``) instead of waking its compute thread.
+Submit = Callable[[dict[str, Any], list[Any], bool], Future]
 
 
 class Listener:
@@ -95,7 +97,7 @@ class Listener:
                 if not isinstance(call_id, int):
                     raise frames.FrameError(f"id must be an int, got {call_id!r:.40}")
                 try:
-                    future = self._submit(header, arrays)
+                    future = self._submit(header, arrays, not _pending(conn))
                 except Exception as exc:  # noqa: BLE001 - a request the worker refuses is that request's answer
                     replies.send(frames.error_frame(call_id, exc))
                     continue
@@ -211,6 +213,17 @@ class _Replies:
         with self._ready:
             self._closed = True
             self._ready.notify()
+
+
+def _pending(conn: socket.socket) -> bool:
+    """Whether bytes of another request (or the peer's close) wait on ``conn`` already."""
+    try:
+        conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True  # the next read reports it
+    return True
 
 
 def _read(conn: socket.socket) -> tuple[dict[str, Any], list[Any]]:
