@@ -16,8 +16,10 @@ with the default settings. Per round (rounds alternate the servers, each started
    that size makes) and for one small context (``--small-n-k``);
 2. **single calls**: ``--calls`` sequential ``Client.attention(q, contexts=[id])`` (sync
    client, one keep-alive connection), the same with ``AsyncClient`` from one event loop, and
-   over the KServe v2 gRPC channel with ``tritonclient.grpc`` (``--grpc-port``); p50/p99,
-   Server-Timing stage medians; overhead = p50 - in-process median;
+   over the KServe v2 gRPC channel with ``tritonclient.grpc`` (``--grpc-port``), and as one
+   pre-encoded request on a raw keep-alive socket (no client library; ``GET /healthz`` too,
+   the floor of an HTTP round trip here); p50/p99, Server-Timing stage medians; overhead =
+   p50 - in-process median;
 3. **batches** (this tree only): ``--contexts`` small contexts, ``POST /v1/attention/batch``
    of B items (B in ``--batch``), item i over context i mod ``--contexts``; per-item cost =
    (p50 of the batch - B x the small context's in-process time) / B; and B over one context
@@ -36,6 +38,7 @@ import argparse
 import asyncio
 import datetime
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -56,6 +59,7 @@ from benchmarks import common
 from merge import finalize
 from service.client import AsyncClient, Client, SplitkeyError
 from service.client.timing import parse_server_timing
+from service.wire.safetensors import encode_safetensors, to_bytes
 from workers import StreamingKV, partial_attention_resident
 from workers.options import AttentionOptions, KernelOptions
 
@@ -115,6 +119,55 @@ def single_calls(url: str, ctx_id: str, q: np.ndarray, calls: int) -> dict[str, 
             seconds.append(time.perf_counter() - t0)
             stages.append(parse_server_timing(c.last_server_timing))
     return {**quantiles(seconds), "stages": common.median_stages(stages)}
+
+
+def raw_calls(url: str, request: bytes, calls: int) -> dict[str, Any]:
+    """Sequential round trips of one pre-encoded HTTP/1.1 request on a keep-alive socket (no client
+    library, nothing encoded or decoded per call): what the server and the network take alone."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    seconds, stages = [], []
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(calls + 5):
+            t0 = time.perf_counter()
+            sock.sendall(request)
+            status, headers = _response(sock)
+            if status != 200:
+                raise RuntimeError(f"{request[:40]!r} answered {status}")
+            if i >= 5:
+                seconds.append(time.perf_counter() - t0)
+                stages.append(parse_server_timing(headers.get("server-timing")))
+    return {**quantiles(seconds), "stages": common.median_stages(stages)}
+
+
+def _response(sock: socket.socket) -> tuple[int, dict[str, str]]:
+    """The status and headers of one response read off ``sock`` (its body read and dropped)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    left = int(headers.get("content-length", "0")) - len(body)
+    while left > 0:
+        chunk = sock.recv(min(left, 65536))
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        left -= len(chunk)
+    return int(lines[0].split()[1]), headers
+
+
+def attention_request(ctx_id: str, q: np.ndarray) -> bytes:
+    """``POST /v1/attention?contexts=ID`` with q as safetensors, as bytes on the wire."""
+    body = to_bytes(encode_safetensors({"q": q}))
+    return (f"POST /v1/attention?contexts={ctx_id} HTTP/1.1\r\nHost: splitkey\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: splitkey\r\n\r\n"
 
 
 def async_calls(url: str, ctx_id: str, q: np.ndarray, calls: int) -> dict[str, Any]:
@@ -187,6 +240,8 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
                 raise RuntimeError(f"the service's answer differs from the in-process one by {out['single_max_diff']}")
             out["single"] = single_calls(url, ctx, data["q"], args.calls)
             if batches and clients:
+                out["raw"] = raw_calls(url, attention_request(ctx, data["q"]), args.calls)
+                out["healthz"] = raw_calls(url, HEALTHZ, args.calls)
                 out["async"] = async_calls(url, ctx, data["q"], args.calls)
                 out["grpc"] = grpc_calls(str(grpc_target), ctx, data["q"], args.calls)
             if batches:
@@ -240,9 +295,16 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
         kernels = [round_kernel(r, "single") for r in own]
         rows.append(row("this tree, AsyncClient", [r["async"] for r in own], kernels, False))
         rows.append(row("this tree, gRPC (tritonclient.grpc)", [r["grpc"] for r in own], kernels, False))
+        rows.append(row("this tree, raw HTTP/1.1 (no client library)", [r["raw"] for r in own], kernels, True))
     lines += ["#### Single calls (sequential; medians over the rounds)", "",
               common.markdown_table(["server, client", "p50", "p99", "p50 - kernel", "Server-Timing medians"], rows),
               ""]
+    if own:
+        healthz = statistics.median(r["healthz"]["p50"] for r in own)
+        lines += ["raw HTTP/1.1: the same request pre-encoded once, sent on a keep-alive socket and its answer "
+                  "read without decoding it (what the client library adds is the Client row minus this one). "
+                  f"`GET /healthz` the same way (an HTTP round trip that does no work): p50 {common.ms(healthz)}.",
+                  ""]
     if own:
         ray_only = result.get("ray_only_rounds") or []
 

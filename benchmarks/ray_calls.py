@@ -3,9 +3,11 @@
 Run from the repository root::
 
     .venv/bin/python benchmarks/ray_calls.py --calls 100 --out /tmp/ray_calls.md
+    .venv/bin/python benchmarks/ray_calls.py --n-k 64 --calls 400   # the transport, beside a tiny kernel
 
 An embedded Ray (2 CPUs) and one shard worker started as ``service.cluster.pool`` starts them
-(threaded, ``max_concurrency=64``, one CPU), holding one 4096-key decode-shape context shard.
+(threaded, ``max_concurrency=64``, one CPU), holding one decode-shape context shard of ``--n-k``
+keys (4096).
 Timed from the driver, sequential calls, medians: ``ping``; ``echo`` (the arguments and the
 return value of a decode query, no work); ``sleep`` (blocks 8 ms: what the call costs around a
 fixed wait); ``partial_resident`` (the query itself) and, for it, the worker's own compute
@@ -45,7 +47,7 @@ from workers.config import WorkerConfig
 from workers.options import AttentionOptions, KernelOptions
 from workers.tasks import ShardQuery, ShardRead, ShardWrite
 
-N_K, H_Q, H_KV, D = 4096, 32, 8, 128
+H_Q, H_KV, D = 32, 8, 128
 SLEEP_S = 0.008
 
 
@@ -68,20 +70,22 @@ def median_ms(fn: Callable[[], Any], calls: int) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=common.positive, default=100)
+    p.add_argument("--n-k", type=common.positive, default=4096, help="keys of the worker's shard")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    n_k = args.n_k
     # address="local": a cluster of its own, whatever RAY_ADDRESS a parent process left in the environment
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         h = ray.remote(Probe).options(max_concurrency=64, num_cpus=1).remote(WorkerConfig(), "probe")
         rng = np.random.default_rng(0)
-        k = rng.standard_normal((N_K, H_KV, D), dtype=np.float32)
-        v = rng.standard_normal((N_K, H_KV, D), dtype=np.float32)
-        ray.get(h.create_shard.remote(ShardWrite("c", 0, "float32", N_K, np.arange(N_K)), k, v, {"version": 1}))
+        k = rng.standard_normal((n_k, H_KV, D), dtype=np.float32)
+        v = rng.standard_normal((n_k, H_KV, D), dtype=np.float32)
+        ray.get(h.create_shard.remote(ShardWrite("c", 0, "float32", n_k, np.arange(n_k)), k, v, {"version": 1}))
         q = rng.standard_normal((1, H_Q, D), dtype=np.float32)
-        query = ShardQuery(q_pos=np.array([N_K]), options=AttentionOptions())
-        reads = (ShardRead("c", 0, N_K, 1),)
-        view = StreamingKV.from_arrays(k, v, np.arange(N_K)).snapshot()
+        query = ShardQuery(q_pos=np.array([n_k]), options=AttentionOptions())
+        reads = (ShardRead("c", 0, n_k, 1),)
+        view = StreamingKV.from_arrays(k, v, np.arange(n_k)).snapshot()
         loop = asyncio.new_event_loop()
         lane = loop.run_until_complete(WorkerChannel.open("probe", ray.get(h.channel.remote())))
         rows = []
@@ -94,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             inside = statistics.median(ray.get(h.partial_resident.remote(q, query, reads, 2))[0].seconds * 1e3
                                        for _ in range(args.calls))
             with common.blas_threads(1):
-                local = median_ms(lambda: partial_attention_resident(q, view, q_pos=np.array([N_K]),
+                local = median_ms(lambda: partial_attention_resident(q, view, q_pos=np.array([n_k]),
                                                                      options=AttentionOptions(),
                                                                      kernel=KernelOptions(threads=1)), args.calls)
             rows.append([f"{ping:.2f}", f"{echo:.2f}", f"{sleep:.2f} ({sleep - SLEEP_S * 1e3:.2f} beyond the sleep)",
@@ -106,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         ray.shutdown()
     text = "\n".join([
-        f"### Ray actor calls ({N_K}-key decode shard, h_q={H_Q}, h_kv={H_KV}, d={D}, float32; ms, medians of "
+        f"### Ray actor calls ({n_k}-key decode shard, h_q={H_Q}, h_kv={H_KV}, d={D}, float32; ms, medians of "
         f"{args.calls})", "", "Command: `.venv/bin/python benchmarks/ray_calls.py "
         + " ".join(argv if argv is not None else sys.argv[1:]) + "`", "",
         common.markdown_table(["ping", "echo (a query's arguments and state, no work)", "sleep 8 ms",

@@ -1,4 +1,4 @@
-"""benchmarks/engine.py --quick: single calls (HTTP, AsyncClient, gRPC) and batches, answers checked."""
+"""benchmarks/engine.py --quick: single calls (HTTP, AsyncClient, gRPC, raw socket) and batches, answers checked."""
 
 import json
 
@@ -13,7 +13,9 @@ def test_the_engine_benchmark_reports_single_calls_and_batches(tmp_path):
         assert bench.main(["--quick", "--out", str(tmp_path / "engine.md"), "--json", str(tmp_path / "e.json")]) == 0
     text = (tmp_path / "engine.md").read_text()
     for row in ("| this tree, Client |", "| this tree, AsyncClient |", "| this tree, gRPC (tritonclient.grpc) |",
-                "| 1 |", "| 8 |"):
+                "| this tree, raw HTTP/1.1 (no client library) |", "`GET /healthz` the same way", "| 1 |", "| 8 |"):
         assert row in text, row
     result = json.loads((tmp_path / "e.json").read_text())
     assert result["single"]["this tree, Client"][0]["single"]["n"] == 20 and max(result["max_diff"]) < 1e-5
+    own = result["this_tree_rounds"][0]
+    assert own["raw"]["n"] == own["healthz"]["n"] == 20 and "compute" in own["raw"]["stages"]
