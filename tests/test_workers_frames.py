@@ -102,6 +102,8 @@ def frame(header: dict, body: bytes = b"") -> tuple[bytes, bytes]:
     ({"arrays": [{"dtype": "float32", "shape": [4]}]}, b"\0" * 8, "must hold the arrays"),
     ({"arrays": [{"dtype": "float32", "shape": [1]}]}, b"\0" * 8, "exactly the arrays"),
     ({"arrays": [{"dtype": "float32", "shape": "4"}]}, b"", "shape must be"),
+    # 2**78 elements: a product that wraps around in int64 (to 0) must still be refused
+    ({"arrays": [{"dtype": "float32", "shape": [2**26, 2**26, 2**26]}]}, b"", "must hold the arrays"),
     ({"arrays": {"dtype": "float32"}}, b"", "arrays is a list"),
 ])
 def test_decode_refuses_arrays_the_body_does_not_hold_exactly(header, body, message):

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,7 @@ def wire_of(name: str, a: Any) -> WireDtype:
 
 def from_bytes(buf: Any, wire: WireDtype, shape: tuple[int, ...], offset: int) -> np.ndarray:
     """The array of ``shape`` at ``offset`` of ``buf``: a zero-copy view (on little-endian hosts)."""
-    a = np.frombuffer(buf, dtype=wire.bits, count=int(np.prod(shape, dtype=np.int64)), offset=offset)
+    a = np.frombuffer(buf, dtype=wire.bits, count=math.prod(shape), offset=offset)
     if not a.dtype.isnative:
         a = a.astype(a.dtype.newbyteorder("="))
     a = a.reshape(shape)
