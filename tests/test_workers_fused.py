@@ -268,3 +268,16 @@ def test_a_worker_configured_for_fused_compiles_at_start_and_serves_with_it(rng)
     assert plain.warm_s == {}  # the default kernel compiles nothing
     w = ShardWorker(WorkerConfig(kernel=fused_opts()), "w-fused")
     assert set(w.warm_s) == {"float32", "bfloat16", "float16"}
+
+
+def test_kernel_file_names_the_digest_of_the_micro_kernels_it_compiles_in():
+    # numba's disk cache checks only fused_kernels.py's stamp: a change to the micro-kernels
+    # must come with a new digest there, so that no worker loads stale machine code.
+    import hashlib
+    from pathlib import Path
+
+    workers_dir = Path(fused.__file__).parent
+    digest = hashlib.sha256()
+    for name in ("fused_micro.py", "fused_simd.py"):
+        digest.update((workers_dir / name).read_bytes())
+    assert fused.kernels().COMPILED_IN_DIGEST == digest.hexdigest()[:16]

@@ -20,6 +20,11 @@ space of ``workers.rows``):
 
 4. ``acc[r] += p[r, :B] @ v[:B]``.
 
+For bfloat16 and float16 keys, steps 1 (resident layout) and 4 (both layouts) run
+on the register-tile micro-kernels of ``workers.fused_micro`` (:func:`scores_dmajor`
+and :func:`pv` pick at compile time, :func:`_micro` says why); float32 and float64
+keys, and the inline layout's scores, run the loops here, which numba vectorises.
+
 Each row's arithmetic is in a fixed order that depends on the row alone (its
 dot products, its block skips, its reductions), never on how many rows share the
 call: a row gives bitwise the same state alone or in a batch. ``FASTMATH`` lets
@@ -34,10 +39,12 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
 from numba import prange
 from numba.core import types
-from numba.extending import intrinsic, overload
+from numba.extending import overload
+
+from workers.fused_micro import pv_f32, scores_dmajor_f32
+from workers.fused_simd import _bits_to_f32, narrow, widen
 
 #: Reassociation and contraction for vectorised reductions; no ``nnan``/``ninf``:
 #: masked scores are -inf and must stay so.
@@ -46,71 +53,12 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 EXP32_MIN = -87.33
 #: Unsigned flat indexes (see ``_pv``).
 _U = np.uint64
-
-
-@intrinsic
-def _bits_to_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
-    """The float32 whose bits are the low 32 bits of ``bits`` (an integer: numba widens shifts to 64 bits)."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        width = getattr(bits, "bitwidth")  # noqa: B009 - numba's Integer types carry it; the stubs do not
-        low = args[0] if width == 32 else builder.trunc(args[0], ir.IntType(32))
-        return builder.bitcast(low, ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-@intrinsic
-def _half_to_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
-    """float32 of the float16 whose bits are ``bits`` (int16): ``fpext``, one instruction with F16C."""
-    if bits != types.int16:
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return types.float32(types.int16), codegen
-
-
-def widen(x: Any) -> Any:
-    """An element as float32 or float64 (numba only; see the overload)."""
-    raise NotImplementedError  # pragma: no cover
-
-
-@overload(widen, inline="always")
-def _widen_impl(x: Any) -> Any:  # pragma: no cover - compiled
-    # The element type names the format: bfloat16 arrives as uint16 bits,
-    # float16 as int16 bits (workers.fused.as_kernel_array).
-    # (Implementations carry the stub's annotations: numba compares the signatures.)
-    if x in (types.float32, types.float64):
-        def same(x: Any) -> Any:
-            return x
-        return same
-    if x == types.uint16:
-        def bf16(x: Any) -> Any:
-            return _bits_to_f32(np.uint32(x) << np.uint32(16))  # type: ignore[call-arg]  # numba passes typingctx
-        return bf16
-    if x == types.int16:
-        def f16(x: Any) -> Any:
-            return _half_to_f32(x)  # type: ignore[call-arg]
-        return f16
-    return None
-
-
-def narrow(a: Any) -> Any:
-    """Whether array ``a`` holds 16-bit elements, as a compile-time constant (numba only)."""
-    raise NotImplementedError  # pragma: no cover
-
-
-@overload(narrow)
-def _narrow_impl(a: Any) -> Any:  # pragma: no cover - compiled
-    is16 = a.dtype in (types.uint16, types.int16)
-
-    def impl(a: Any) -> Any:
-        return is16
-    return impl
+#: sha256 (first 16 hex digits) of ``workers/fused_micro.py`` then ``workers/fused_simd.py``,
+#: which the kernels below compile in. numba's disk cache (``cache=True``) checks only
+#: this file's stamp, so a change to those files must change this one too, or a worker
+#: would load machine code built from the old micro-kernels; tests/test_workers_fused.py
+#: recomputes the digest.
+COMPILED_IN_DIGEST = "d2bbccb8e50462aa"
 
 
 def expo(x: Any) -> Any:
@@ -291,6 +239,54 @@ def _scores_dmajor(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: A
         t += 1
 
 
+def _micro(rows: Any, out: Any, keys: Any) -> bool:
+    """Whether the register-tile micro-kernels (``workers.fused_micro``) serve a product: float32 rows
+    over 16-bit keys (values), C-contiguous.
+
+    For 16-bit keys they widen each element once for four rows, where the loops below widen it
+    once per row, and read 1.6-1.8x faster; for float32 keys the loops' four contiguous streams
+    measured as fast or faster (docs/BENCHMARKS.md, "Register tiles"), so float32 keys stay on them.
+    """
+    return (all(a.layout == "C" for a in (rows, out, keys)) and rows.dtype == types.float32
+            and keys.dtype in (types.uint16, types.int16))
+
+
+def scores_dmajor(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any, nb: int) -> None:
+    """The block's scores over d-major keys (numba only): the micro-kernel where :func:`_micro` says, else the loop."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(scores_dmajor)
+def _scores_dmajor_impl(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any,
+                        nb: int) -> Any:  # pragma: no cover - compiled
+    if _micro(q, s, k):
+        def micro(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any, nb: int) -> None:
+            scores_dmajor_f32(q, kind, d, k, base, step, s, nb)
+        return micro
+
+    def loop(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any, nb: int) -> None:
+        _scores_dmajor(q, kind, d, k, base, step, s, nb)
+    return loop
+
+
+def pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
+    """``acc += p @ v`` over a block (numba only): the micro-kernel where :func:`_micro` says, else the loop."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(pv)
+def _pv_impl(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int,
+             vw: Any) -> Any:  # pragma: no cover - compiled
+    if _micro(s, acc, v):
+        def micro(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
+            pv_f32(s, kind, nb, v, base, step, acc, d_v)
+        return micro
+
+    def loop(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
+        _pv(s, kind, nb, v, base, step, acc, d_v, vw)
+    return loop
+
+
 @numba.njit(parallel=True, fastmath=FASTMATH, nogil=True, cache=True)
 def inline_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int, n_k: int, d_v: int,
                   kpos: Any, arange: bool, kpos0: int, qpos: Any, cap: Any, slope: Any, has_alibi: Any,
@@ -377,7 +373,7 @@ def inline_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int
                     _options(s[h], r, nb, (kpos0 + b0) if arange else b0, kpos, arange, qpos, cap, slope[h],
                              has_alibi, lo, hi, has_lo, has_hi, kind[r] == 2, tmp)
                     _softmax(s[h], r, nb, m[h], l[h], acc[h], d_v, zero)
-                _pv(s[h], kind, nb, v, b0 * sv0 + h * sv1, sv0, acc[h], d_v, vw)
+                pv(s[h], kind, nb, v, b0 * sv0 + h * sv1, sv0, acc[h], d_v, vw)
             # Invariant holds for every row over the keys [bounds[c], b1).
 
 
@@ -414,12 +410,12 @@ def resident_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: i
                         kmax = max(kmax, kpos[j])
             for r in range(n_rows):
                 kind[r] = _row_kind(r, kmin, kmax, masked, lo, hi, has_lo, has_hi)
-            _scores_dmajor(q[h], kind, d, k, h * sk0 + b0, sk1, s, nb)
+            scores_dmajor(q[h], kind, d, k, h * sk0 + b0, sk1, s, nb)
             for r in range(n_rows):
                 if kind[r] == 0:
                     continue  # no key of this block is visible to row r: its state is unchanged
                 _options(s, r, nb, (kpos0 + b0) if arange else b0, kpos, arange, qpos, cap, slope[h],
                          has_alibi, lo, hi, has_lo, has_hi, kind[r] == 2, tmp)
                 _softmax(s, r, nb, m, l, acc, d_v, zero)
-            _pv(s, kind, nb, v, h * sv0 + b0 * sv1, sv1, acc, d_v, vw)
+            pv(s, kind, nb, v, h * sv0 + b0 * sv1, sv1, acc, d_v, vw)
             # Invariant holds for every row over the keys [bounds[c], b1).

@@ -1,0 +1,101 @@
+"""Register-tile micro-kernels (workers/fused_micro.py): within the one-shot error bound of a
+float32 dot product against float64 on ragged shapes and every key dtype, and a row gives
+bitwise the same result alone as in a tile of four."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from workers import BFLOAT16  # noqa: E402
+from workers.fused_micro import PANEL_DIMS, PV_KEYS, TILE_KEYS, TILE_ROWS, pv_f32, scores_dmajor_f32  # noqa: E402
+
+EPS32 = float(np.finfo(np.float32).eps)
+DTYPES = {"float32": np.float32, "bfloat16": BFLOAT16, "float16": np.float16}
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """The array as the kernels read it: 16-bit formats as their bits (workers.fused)."""
+    if a.dtype == BFLOAT16:
+        return a.view(np.uint16)
+    if a.dtype == np.float16:
+        return a.view(np.int16)
+    return a
+
+
+def dmajor(rng, d: int, n: int, dtype, pad: int) -> tuple[np.ndarray, int, int, np.ndarray]:
+    """Keys d-major inside a larger flat array: (flat, base, step, keys [d, n] widened to float64)."""
+    step = n + pad
+    flat = rng.standard_normal(pad + d * step).astype(np.float32).astype(dtype)
+    base = pad
+    keys = np.stack([flat[base + t * step: base + t * step + n] for t in range(d)]).astype(np.float64)
+    return bits(flat), base, step, keys
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("rows", "d", "nb"), [(1, 5, 1), (3, 8, 15), (4, 19, 16), (5, PANEL_DIMS * 2 + 3, 37),
+                                               (9, 128, 100), (4, 128, 2 * TILE_KEYS)])
+def test_scores_match_float64_within_the_dot_product_bound(rng, dtype, rows, d, nb):
+    flat, base, step, keys = dmajor(rng, d, nb, DTYPES[dtype], pad=7)
+    q = rng.standard_normal((rows, d)).astype(np.float32)
+    s = np.full((rows, nb + 5), np.nan, np.float32)  # [R, B], wider than the block: columns past nb untouched
+    scores_dmajor_f32(q, np.ones(rows, np.int64), d, flat, base, step, s, nb)
+    ref = q.astype(np.float64) @ keys  # [R, nb]
+    bound = d * EPS32 * (np.abs(q).astype(np.float64) @ np.abs(keys))  # a float32 dot product's error bound
+    assert np.all(np.abs(s[:, :nb] - ref) <= bound)
+    assert np.isnan(s[:, nb:]).all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_scores_of_a_row_alone_are_bitwise_its_scores_in_a_tile(rng, dtype):
+    d, nb, rows = 40, 3 * TILE_KEYS + 5, TILE_ROWS * 2 + 1
+    flat, base, step, _ = dmajor(rng, d, nb, DTYPES[dtype], pad=0)
+    q = rng.standard_normal((rows, d)).astype(np.float32)
+    s = np.empty((rows, nb), np.float32)
+    scores_dmajor_f32(q, np.ones(rows, np.int64), d, flat, base, step, s, nb)
+    for r in (0, 3, rows - 1):
+        alone = np.empty((1, nb), np.float32)
+        scores_dmajor_f32(np.ascontiguousarray(q[r:r + 1]), np.ones(1, np.int64), d, flat, base, step, alone, nb)
+        np.testing.assert_array_equal(alone[0].view(np.uint32), s[r].view(np.uint32))
+
+
+def values(rng, nb: int, d_v: int, dtype, heads: int) -> tuple[np.ndarray, int, int, np.ndarray]:
+    """Values of the last of ``heads`` interleaved heads (the contract layout's stride):
+    (flat, base, step, v [nb, d_v] widened to float64)."""
+    full = rng.standard_normal((nb, heads, d_v)).astype(np.float32).astype(dtype)
+    h = heads - 1
+    return bits(full.reshape(-1)), h * d_v, heads * d_v, full[:, h, :].astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("rows", "nb", "d_v", "heads"), [(1, 1, 16, 1), (4, PV_KEYS + 3, 20, 2), (6, 7, 5, 1),
+                                                         (9, 2 * PV_KEYS + 1, 128, 3)])
+def test_pv_matches_float64_and_leaves_invisible_rows_alone(rng, dtype, rows, nb, d_v, heads):
+    flat, base, step, v = values(rng, nb, d_v, DTYPES[dtype], heads)
+    p = rng.uniform(0, 1, (rows, nb + 3)).astype(np.float32)  # [R, B]: columns past nb must not be read
+    p[:, nb:] = np.nan
+    acc0 = rng.standard_normal((rows, d_v)).astype(np.float32)
+    kind = np.ones(rows, np.int64)
+    kind[1::3] = 0  # rows that see nothing of this block
+    acc = acc0.copy()
+    pv_f32(p, kind, nb, flat, base, step, acc, d_v)
+    ref = acc0.astype(np.float64) + p[:, :nb].astype(np.float64) @ v
+    bound = (nb + 1) * EPS32 * (np.abs(acc0).astype(np.float64) + p[:, :nb].astype(np.float64) @ np.abs(v))
+    seen = kind != 0
+    assert np.all(np.abs(acc[seen] - ref[seen]) <= bound[seen])
+    np.testing.assert_array_equal(acc[~seen], acc0[~seen])
+
+
+def test_pv_of_a_row_alone_is_bitwise_its_result_in_a_tile(rng):
+    rows, nb, d_v = TILE_ROWS * 2 + 1, PV_KEYS + 9, 36
+    flat, base, step, _ = values(rng, nb, d_v, BFLOAT16, heads=2)
+    p = rng.uniform(0, 1, (rows, nb)).astype(np.float32)
+    acc0 = rng.standard_normal((rows, d_v)).astype(np.float32)
+    acc = acc0.copy()
+    pv_f32(p, np.ones(rows, np.int64), nb, flat, base, step, acc, d_v)
+    for r in (0, 5, rows - 1):
+        alone = acc0[r:r + 1].copy()
+        pv_f32(np.ascontiguousarray(p[r:r + 1]), np.ones(1, np.int64), nb, flat, base, step, alone, d_v)
+        np.testing.assert_array_equal(alone[0].view(np.uint32), acc[r].view(np.uint32))

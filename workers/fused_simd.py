@@ -1,0 +1,226 @@
+"""numba building blocks of the fused CPU kernels: element formats and eight float32 lanes.
+
+**Element formats.** The kernels read 16-bit keys and values as their bits
+(``workers.fused.as_kernel_array``): bfloat16 as uint16, float16 as int16, so
+that the element type names the format. :func:`widen` turns one element into
+float32 in-register (bfloat16: the bits shifted up 16; float16: ``fpext``, one
+F16C instruction); :func:`narrow` says at compile time whether an array holds
+16-bit elements.
+
+**Eight lanes.** numba's auto-vectoriser turns a loop over an array into SIMD
+code but keeps an accumulator that lives in an array (a row of scores, of
+``acc``) in memory, loading and storing it around every multiply-add. The
+micro-kernels of ``workers.fused_micro`` instead hold a tile of accumulators in
+registers across a whole reduction, with the one type that needs: :data:`f32x8`,
+an LLVM ``<8 x float>`` (one AVX2 register; LLVM legalises it elsewhere), and a
+few operations on it, each one LLVM instruction or intrinsic:
+
+* :func:`vload` eight consecutive elements of a contiguous array from a flat
+  index, widened to float32 as :func:`widen` does, for all eight at once;
+* :func:`vstore`, :func:`vzero`, and :func:`vsplat_at` one element broadcast to
+  every lane;
+* :func:`vfma` ``a * b + c`` rounded once (``llvm.fma``): a lane's result
+  depends on that lane's inputs alone, so a row computes bitwise the same
+  whichever rows share its tile;
+* :func:`prefetch` a hint to bring a cache line in (``llvm.prefetch``).
+
+Flat indexes are element offsets from the array's first element; the typing
+accepts C-contiguous arrays only, so a flat index is always a valid element.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, models, overload, register_model
+
+@intrinsic
+def _bits_to_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
+    """The float32 whose bits are the low 32 bits of ``bits`` (an integer: numba widens shifts to 64 bits)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        width = getattr(bits, "bitwidth")  # noqa: B009 - numba's Integer types carry it; the stubs do not
+        low = args[0] if width == 32 else builder.trunc(args[0], ir.IntType(32))
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _half_to_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
+    """float32 of the float16 whose bits are ``bits`` (int16): ``fpext``, one instruction with F16C."""
+    if bits != types.int16:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+def widen(x: Any) -> Any:
+    """An element as float32 or float64 (numba only; see the overload)."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(widen, inline="always")
+def _widen_impl(x: Any) -> Any:  # pragma: no cover - compiled
+    # The element type names the format: bfloat16 arrives as uint16 bits,
+    # float16 as int16 bits (workers.fused.as_kernel_array).
+    # (Implementations carry the stub's annotations: numba compares the signatures.)
+    if x in (types.float32, types.float64):
+        def same(x: Any) -> Any:
+            return x
+        return same
+    if x == types.uint16:
+        def bf16(x: Any) -> Any:
+            return _bits_to_f32(np.uint32(x) << np.uint32(16))  # type: ignore[call-arg]  # numba passes typingctx
+        return bf16
+    if x == types.int16:
+        def f16(x: Any) -> Any:
+            return _half_to_f32(x)  # type: ignore[call-arg]
+        return f16
+    return None
+
+
+def narrow(a: Any) -> Any:
+    """Whether array ``a`` holds 16-bit elements, as a compile-time constant (numba only)."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(narrow)
+def _narrow_impl(a: Any) -> Any:  # pragma: no cover - compiled
+    is16 = a.dtype in (types.uint16, types.int16)
+
+    def impl(a: Any) -> Any:
+        return is16
+    return impl
+
+
+#: Lanes of :data:`f32x8`.
+LANES = 8
+
+
+class F32x8(types.Type):
+    """numba type of eight float32 lanes."""
+
+    def __init__(self) -> None:
+        super().__init__(name="f32x8")
+
+
+f32x8 = F32x8()
+_VEC = ir.VectorType(ir.FloatType(), LANES)
+
+
+@register_model(F32x8)
+class _F32x8Model(models.PrimitiveModel):
+    def __init__(self, dmm: Any, fe_type: Any) -> None:
+        super().__init__(dmm, fe_type, _VEC)
+
+
+def _contiguous(a: Any) -> bool:
+    return isinstance(a, types.Array) and a.layout == "C"
+
+
+def _element_ptr(context: Any, builder: Any, aty: Any, arr: Any, index: Any) -> Any:
+    """Pointer to element ``index`` (flat) of a C-contiguous array."""
+    data = context.make_array(aty)(context, builder, value=arr).data
+    return builder.gep(data, [builder.sext(index, ir.IntType(64)) if index.type.width < 64 else index])
+
+
+@intrinsic
+def vload(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
+    """Elements ``a[index : index + 8]`` (flat) as float32 lanes."""
+    if not _contiguous(a) or not isinstance(index, types.Integer):
+        return None
+    dt = a.dtype
+    if dt not in (types.float32, types.uint16, types.int16):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1])
+        if dt == types.float32:
+            return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+        bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), LANES).as_pointer()), align=2)
+        if dt == types.uint16:  # bfloat16: the float32 with these bits on top
+            wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
+            wide = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES))
+            return builder.bitcast(wide, _VEC)
+        half = builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES))  # float16
+        return builder.fpext(half, _VEC)
+
+    return f32x8(a, index), codegen
+
+
+@intrinsic
+def vstore(typingctx: Any, a: Any, index: Any, x: Any) -> Any:  # pragma: no cover - compiled
+    """``a[index : index + 8] = x`` (flat; ``a`` float32)."""
+    if not _contiguous(a) or a.dtype != types.float32 or not isinstance(index, types.Integer) or x != f32x8:
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1])
+        builder.store(args[2], builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(a, index, x), codegen
+
+
+@intrinsic
+def vsplat_at(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
+    """Element ``a[index]`` (flat; ``a`` float32) in every lane: one broadcast load, no index checks."""
+    if not _contiguous(a) or a.dtype != types.float32 or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        x = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1]))
+        one = builder.insert_element(ir.Constant(_VEC, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+        return builder.shuffle_vector(one, ir.Constant(_VEC, ir.Undefined),
+                                      ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
+
+    return f32x8(a, index), codegen
+
+
+@intrinsic
+def vzero(typingctx: Any) -> Any:  # pragma: no cover - compiled
+    """Eight zeros."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return ir.Constant(_VEC, [0.0] * LANES)
+
+    return f32x8(), codegen
+
+
+@intrinsic
+def vfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:  # pragma: no cover - compiled
+    """``a * b + c`` per lane, rounded once."""
+    if not (a == b == c == f32x8):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), "llvm.fma.v8f32")
+        return builder.call(fn, list(args))
+
+    return f32x8(a, b, c), codegen
+
+
+@intrinsic
+def prefetch(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
+    """Hint: element ``a[index]`` (flat) will be read soon; never faults, even past the end."""
+    if not _contiguous(a) or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ptr = builder.bitcast(_element_ptr(context, builder, signature.args[0], args[0], args[1]),
+                              ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
+                                            "llvm.prefetch.p0i8")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(a, index), codegen
