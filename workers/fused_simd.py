@@ -1,7 +1,7 @@
 """numba building blocks of the fused CPU kernels: element formats and eight float32 lanes.
 
 **Element formats.** The kernels read 16-bit keys and values as their bits
-(``workers.fused.as_kernel_array``): bfloat16 as uint16, float16 as int16, so
+(``workers.fused._flat``): bfloat16 as uint16, float16 as int16, so
 that the element type names the format. :func:`widen` turns one element into
 float32 in-register (bfloat16: the bits shifted up 16; float16: ``fpext``, one
 F16C instruction); :func:`narrow` says at compile time whether an array holds
@@ -25,7 +25,9 @@ few operations on it, each one LLVM instruction or intrinsic:
 * :func:`prefetch` a hint to bring a cache line in (``llvm.prefetch``).
 
 Flat indexes are element offsets from the array's first element; the typing
-accepts C-contiguous arrays only, so a flat index is always a valid element.
+accepts C-contiguous arrays only, so that a flat index names the element it would
+in a flat copy. Indexes are not checked: the kernels keep them in bounds (a
+prefetch may point past the end; it never faults).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, models, overload, register_model
+
 
 @intrinsic
 def _bits_to_f32(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
@@ -71,7 +74,7 @@ def widen(x: Any) -> Any:
 @overload(widen, inline="always")
 def _widen_impl(x: Any) -> Any:  # pragma: no cover - compiled
     # The element type names the format: bfloat16 arrives as uint16 bits,
-    # float16 as int16 bits (workers.fused.as_kernel_array).
+    # float16 as int16 bits (workers.fused._flat).
     # (Implementations carry the stub's annotations: numba compares the signatures.)
     if x in (types.float32, types.float64):
         def same(x: Any) -> Any:
