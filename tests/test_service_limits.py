@@ -122,12 +122,15 @@ def test_a_request_still_sending_its_body_holds_no_slot(tight):
     rng = np.random.default_rng(5)
     q, k = rng.standard_normal((1, 2, 8)).astype(np.float32), rng.standard_normal((50, 2, 8)).astype(np.float32)
     body = to_bytes(encode_safetensors({"q": q, "k": k, "v": k}))
-    started = threading.Event()
+    started, second_answered = threading.Event(), threading.Event()
 
     def slow_body():
         yield body[:10]
         started.set()
-        time.sleep(1.0)  # the first request's body trickles in meanwhile
+        # The rest of the body follows once the second request has its answer: the first one holds
+        # no slot meanwhile, and the second holds none afterwards (however slow the machine is).
+        second_answered.wait(30)
+        time.sleep(0.1)
         yield body[10:]
 
     results = {}
@@ -140,8 +143,11 @@ def test_a_request_still_sending_its_body_holds_no_slot(tight):
     t.start()
     started.wait(10)
     time.sleep(0.2)
-    r = httpx.post(tight.url + "/v1/attention", content=body, timeout=30,
-                   headers={**auth(), "Content-Type": "application/octet-stream"})
+    try:
+        r = httpx.post(tight.url + "/v1/attention", content=body, timeout=30,
+                       headers={**auth(), "Content-Type": "application/octet-stream"})
+    finally:
+        second_answered.set()
     t.join()
     # The one slot was free for the second request: it was admitted, not refused with 429. (Each
     # may still meet this server's 0.5 s deadline on a loaded machine: 504 is admitted work too.)

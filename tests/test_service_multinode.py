@@ -206,11 +206,13 @@ def test_a_killed_replica_is_forgotten_and_rebuilt_while_the_context_keeps_answe
             # Queries keep answering from the replica left, exactly.
             out, lse = c.attention(q, contexts=[ctx["id"]])
             assert_close_to_reference(out, lse, q, k[:600], v[:600])
-            # The loop forgets the dead replica, replaces the worker and copies the shards back to 2 replicas.
+            # The loop forgets the dead replica, replaces the worker and copies the shards back to 2
+            # replicas. (Until the loop's next ping the context still reads "ready": wait for the repair.)
+            repair = wait_for(lambda: (r := c.cluster()["repair"])["workers_replaced"] >= 1
+                              and r["replicas_rebuilt"] >= 1 and r)
             desc = wait_for(lambda: (d := c.get_context(ctx["id"]))["state"] == "ready" and d)
             assert desc["live_replicas"] == [2, 2, 2] and desc["degraded_shards"] == [] and desc["lost_shards"] == []
             repair = c.cluster()["repair"]
-            assert repair["workers_replaced"] >= 1 and repair["replicas_rebuilt"] >= 1
             assert repair["under_replicated_shards"] == 0 and repair["lost_shards"] == 0
             metrics = httpx.get(srv.url + "/metrics").text
             assert 'splitkey_context_shards{state="lost"} 0.0' in metrics
@@ -232,14 +234,16 @@ def test_a_context_whose_only_replica_died_reports_lost_and_refuses_appends(clus
             ctx = c.create_context(k[:200], v[:200], replicas=1, shards=2)
             record = directory_record(ctx["id"])
             holder = record["shards"][1]["workers"][0]
+            # Placement favours the worker holding the fewest bytes: both shards may be on the holder.
+            lost = [s["index"] for s in record["shards"] if s["workers"] == [holder]]
             ray.kill(ray.get_actor(holder, namespace=NAMESPACE))
             desc = wait_for(lambda: (d := c.get_context(ctx["id"]))["state"] == "lost" and d)
-            assert desc["lost_shards"] == [1] and desc["live_replicas"][1] == 0 and desc["length"] == 200
+            assert desc["lost_shards"] == lost and desc["live_replicas"][1] == 0 and desc["length"] == 200
             time.sleep(1.5)  # the replacement is up: it must not count as a replica
             assert c.get_context(ctx["id"])["state"] == "lost"
             with pytest.raises(SplitkeyError) as err:
                 c.append(ctx["id"], k[200:], v[200:])
-            assert err.value.status == 503 and err.value.code == "context_lost" and "[1]" in err.value.detail
+            assert err.value.status == 503 and err.value.code == "context_lost" and str(lost) in err.value.detail
             with pytest.raises(SplitkeyError) as err:
                 c.attention(rng.standard_normal((1, 4, 16)).astype(np.float32), contexts=[ctx["id"]])
             assert err.value.status == 503 and err.value.code == "context_lost"
