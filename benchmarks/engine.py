@@ -22,7 +22,9 @@ with the default settings. Per round (rounds alternate the servers, each started
    p50 - in-process median;
 3. **batches** (this tree only): ``--contexts`` small contexts, ``POST /v1/attention/batch``
    of B items (B in ``--batch``), item i over context i mod ``--contexts``; per-item cost =
-   (p50 of the batch - B x the small context's in-process time) / B; and B over one context
+   (p50 of the batch - B x the small context's in-process time) / B, and against the same B items
+   computed in-process one after another, each over its own context (64 contexts of 4 MiB do not
+   stay in the caches as one context called again does): (p50 - that) / B; and B over one context
    (a shared scan). Every answer of the warm-up is checked against the in-process answer.
 
 Step 2 also runs against this tree's server with ``--worker-channel false`` (every query a
@@ -95,11 +97,31 @@ def inprocess(view: Any, q: np.ndarray, calls: int) -> tuple[float, tuple[Any, A
     return statistics.median(seconds), answer
 
 
-def kernel_times(data: dict, calls: int) -> dict[str, float]:
-    """The in-process kernel now, for the single context and one small one (what a round's calls are
-    compared with: this machine's speed drifts over minutes)."""
+def inprocess_batch(views: list[Any], q: np.ndarray, items: int, repeat: int) -> float:
+    """Median seconds of a batch's items computed in-process, one after another on one thread: item i
+    over ``views[i % len(views)]``, as the service's batch of ``items`` reads them. Distinct contexts
+    do not share the caches that one context called again and again enjoys (64 of 4 MiB are 8x this
+    machine's L3), so this, not ``items`` x one small context's time, is what the batch's kernels cost."""
+    q_pos = [np.array([v.k_pos.shape[0]]) for v in views]
+    order = [i % len(views) for i in range(items)]
+
+    def once() -> None:
+        for i in order:
+            finalize(partial_attention_resident(q, views[i], q_pos=q_pos[i], options=AttentionOptions(),
+                                                kernel=KernelOptions(threads=1)))
+    with common.blas_threads(1):
+        seconds, _ = common.time_calls(once, repeat)
+    return statistics.median(seconds)
+
+
+def kernel_times(data: dict, calls: int, batches: Sequence[int] = ()) -> dict[str, Any]:
+    """The in-process kernel now, for the single context and one small one, and for each batch size in
+    ``batches`` the batch's items in-process (what a round's calls are compared with: this machine's
+    speed drifts over minutes)."""
     return {"single": inprocess(data["view"], data["q"], calls)[0],
-            "small": inprocess(data["small_view"], data["q"], calls)[0]}
+            "small": inprocess(data["small_views"][0], data["q"], calls)[0],
+            "batches": {b: inprocess_batch(data["small_views"], data["q"], b, max(3, min(20, 2000 // b)))
+                        for b in batches}}
 
 
 def quantiles(seconds: Sequence[float]) -> dict[str, float]:
@@ -230,7 +252,8 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
     """One server's round: single calls; with ``batches`` the batch table too, and with ``clients`` as well
     the async client and gRPC."""
     def work(url: str, grpc_target: str | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"kernel": [kernel_times(data, max(10, args.calls // 5))]}
+        measured = args.batch if batches else ()
+        out: dict[str, Any] = {"kernel": [kernel_times(data, max(10, args.calls // 5), measured)]}
         with Client(url) as c:
             ctx = c.create_context(*data["single"])["id"]
             want = data["single_answer"]
@@ -261,7 +284,7 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
                 for cid in small:
                     c.delete_context(cid)
             c.delete_context(ctx)
-        out["kernel"].append(kernel_times(data, max(10, args.calls // 5)))
+        out["kernel"].append(kernel_times(data, max(10, args.calls // 5), measured))
         return out
     return run_server(root, workdir, work, grpc=batches and clients, extra=extra)
 
@@ -269,6 +292,11 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
 def round_kernel(r: dict[str, Any], which: str) -> float:
     """The round's in-process kernel time: the median of its measurements before and after its calls."""
     return statistics.median(k[which] for k in r["kernel"])
+
+
+def round_batch(r: dict[str, Any], b: int) -> float:
+    """The round's in-process time of a batch of ``b`` items (before and after its calls)."""
+    return statistics.median(k["batches"][str(b)] if str(b) in k["batches"] else k["batches"][b] for k in r["kernel"])
 
 
 def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
@@ -308,19 +336,26 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
     if own:
         ray_only = result.get("ray_only_rounds") or []
 
-        def cells(rounds: list[dict], b: int) -> list[str]:
+        def cells(rounds: list[dict], b: int, inproc: bool) -> list[str]:
             p50s = [r["batch"][str(b)]["p50"] if str(b) in r["batch"] else r["batch"][b]["p50"] for r in rounds]
             per = statistics.median((p - b * round_kernel(r, "small")) / b for p, r in zip(p50s, rounds))
-            return [common.ms(statistics.median(p50s)), common.ms(statistics.median(p50s) / b), common.ms(per)]
+            beyond = [common.ms(statistics.median(round_batch(r, b) for r in rounds)),
+                      common.ms(statistics.median((p - round_batch(r, b)) / b for p, r in zip(p50s, rounds)))]
+            return [common.ms(statistics.median(p50s)), common.ms(statistics.median(p50s) / b), common.ms(per),
+                    *(beyond if inproc else [])]
 
-        rows = [[b, *cells(own, b), *(cells(ray_only, b) if ray_only else [])] for b in args.batch]
-        head = ["items", "batch p50", "per item", "per item - kernel"]
+        rows = [[b, *cells(own, b, True), *(cells(ray_only, b, False) if ray_only else [])] for b in args.batch]
+        head = ["items", "batch p50", "per item", "per item - kernel", "in-process batch",
+                "per item - in-process batch"]
         if ray_only:
             head += ["Ray only: batch p50", "per item", "per item - kernel"]
         lines += [f"#### Batches over {args.contexts} contexts of {args.small_n_k} keys (item i over context i mod "
                   f"{args.contexts})", "",
-                  "per item - kernel: (batch p50 - items x the round's in-process kernel time of one item) / items; "
-                  "the items' kernels counted one after another, as one worker thread would run them."
+                  "per item - kernel: (batch p50 - items x the round's in-process kernel time of one item, "
+                  "that item's context called again and again) / items. in-process batch: the same items "
+                  "computed in-process one after another on one thread, each over its own context as the "
+                  "batch reads them (distinct contexts do not stay in the caches); per item - in-process "
+                  "batch: (batch p50 - that) / items, the service's own cost per item."
                   + (" Ray only: the same tree with `--worker-channel false`." if ray_only else ""), "",
                   common.markdown_table(head, rows), ""]
         same = statistics.median(r["batch_same_context"]["p50"] for r in own)
@@ -355,9 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     q = query(2)
     small = [keys(args.small_n_k, 10 + i) for i in range(args.contexts)]
     view = resident(k, v)
+    small_views = [resident(*kv) for kv in small]
     data = {"single": (k, v), "view": view, "single_answer": inprocess(view, q, 3)[1], "q": q, "small": small,
-            "small_view": resident(*small[0]),
-            "small_answers": [inprocess(resident(*kv), q, 3)[1] for kv in small]}
+            "small_views": small_views, "small_answers": [inprocess(sv, q, 3)[1] for sv in small_views]}
     servers: list[tuple[str, Path, bool, tuple[str, ...]]] = [("this tree, Client", ROOT, True, ())]
     if not args.quick:  # the same tree with every query a Ray call: what the direct channel saves
         servers.append((RAY_ONLY, ROOT, True, ("--worker-channel", "false")))

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from service.client.errors import SplitkeyError
-from service.wire.safetensors import decode_safetensors, encode_safetensors, peek_safetensors_header
+from service.wire.safetensors import encode_safetensors, peek_safetensors_header, tensors_of
 from service.wire.rules import DEFAULT_LIMITS
 
 TENSORS = ("q", "k", "v", "q_pos", "k_pos", "alibi_slopes")
@@ -60,11 +60,12 @@ def encode_batch(items: Sequence[Mapping[str, Any]]) -> list[bytes | memoryview]
 
 def decode_batch(body: bytes, count: int) -> list[BatchAnswer]:
     """Each item's answer from a safetensors batch answer of ``count`` items."""
-    header = peek_safetensors_header(body, len(body), DEFAULT_LIMITS, _names(count))
+    mv = memoryview(body).cast("B")
+    header = peek_safetensors_header(mv, len(mv), DEFAULT_LIMITS, _names(count))
     status = json.loads(header.metadata["items"])
     if type(status) is not list or len(status) != count:
         raise ValueError(f"the answer must hold {count} item statuses, got {status!r:.200}")
-    arrays = decode_safetensors(body, _names(count))
+    arrays = tensors_of(mv, header)  # the header is checked once
     answers: list[BatchAnswer] = []
     for i, st in enumerate(status):
         if st.get("status") == 200:

@@ -163,8 +163,12 @@ def decode_safetensors(buf: bytes | bytearray | memoryview, allowed: Iterable[st
     BF16 comes back as ``ml_dtypes.bfloat16``. Never unpickles or evaluates anything.
     """
     mv = memoryview(buf).cast("B")
-    header = peek_safetensors_header(mv, len(mv), limits, allowed)
-    return {name: from_bytes(mv, info.wire, info.shape, header.data_start + info.begin)
+    return tensors_of(mv, peek_safetensors_header(mv, len(mv), limits, allowed))
+
+
+def tensors_of(body: memoryview, header: Header) -> dict[str, np.ndarray]:
+    """The tensors of a whole body (bytes) whose header was checked: zero-copy views."""
+    return {name: from_bytes(body, info.wire, info.shape, header.data_start + info.begin)
             for name, info in header.tensors.items()}
 
 
