@@ -23,8 +23,8 @@ with the default settings. Per round (rounds alternate the servers, each started
 3. **batches** (this tree only): ``--contexts`` small contexts, ``POST /v1/attention/batch``
    of B items (B in ``--batch``), item i over context i mod ``--contexts``; per-item cost =
    (p50 of the batch - B x the small context's in-process time) / B, and against the same B items
-   computed in-process one after another, each over its own context (64 contexts of 4 MiB do not
-   stay in the caches as one context called again does): (p50 - that) / B; and B over one context
+   computed in-process, each over its own context (64 contexts of 4 MiB do not stay in the caches
+   as one context called again does), on one thread and on two: (p50 - that) / B; and B over one context
    (a shared scan). Every answer of the warm-up is checked against the in-process answer.
 
 Step 2 also runs against this tree's server with ``--worker-channel false`` (every query a
@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -97,20 +98,22 @@ def inprocess(view: Any, q: np.ndarray, calls: int) -> tuple[float, tuple[Any, A
     return statistics.median(seconds), answer
 
 
-def inprocess_batch(views: list[Any], q: np.ndarray, items: int, repeat: int) -> float:
-    """Median seconds of a batch's items computed in-process, one after another on one thread: item i
-    over ``views[i % len(views)]``, as the service's batch of ``items`` reads them. Distinct contexts
+def inprocess_batch(views: list[Any], q: np.ndarray, items: int, repeat: int, threads: int = 1) -> float:
+    """Median seconds of a batch's items computed in-process: item i over ``views[i % len(views)]``,
+    as the service's batch of ``items`` reads them, one after another on each of ``threads`` threads
+    (items dealt out in turn, as the service's two workers get about half each). Distinct contexts
     do not share the caches that one context called again and again enjoys (64 of 4 MiB are 8x this
     machine's L3), so this, not ``items`` x one small context's time, is what the batch's kernels cost."""
     q_pos = [np.array([v.k_pos.shape[0]]) for v in views]
     order = [i % len(views) for i in range(items)]
 
-    def once() -> None:
-        for i in order:
+    def run(part: list[int]) -> None:
+        for i in part:
             finalize(partial_attention_resident(q, views[i], q_pos=q_pos[i], options=AttentionOptions(),
                                                 kernel=KernelOptions(threads=1)))
-    with common.blas_threads(1):
-        seconds, _ = common.time_calls(once, repeat)
+    parts = [order[t::threads] for t in range(threads)]
+    with common.blas_threads(1), ThreadPoolExecutor(threads) as pool:
+        seconds, _ = common.time_calls(lambda: list(pool.map(run, parts)), repeat)
     return statistics.median(seconds)
 
 
@@ -121,7 +124,9 @@ def kernel_times(data: dict, calls: int, batches: Sequence[int] = ()) -> dict[st
     return {"single": inprocess(data["view"], data["q"], calls)[0],
             "small": inprocess(data["small_views"][0], data["q"], calls)[0],
             "batches": {b: inprocess_batch(data["small_views"], data["q"], b, max(3, min(20, 2000 // b)))
-                        for b in batches}}
+                        for b in batches},
+            "batches_2t": {b: inprocess_batch(data["small_views"], data["q"], b, max(3, min(20, 2000 // b)), 2)
+                           for b in batches}}
 
 
 def quantiles(seconds: Sequence[float]) -> dict[str, float]:
@@ -294,9 +299,10 @@ def round_kernel(r: dict[str, Any], which: str) -> float:
     return statistics.median(k[which] for k in r["kernel"])
 
 
-def round_batch(r: dict[str, Any], b: int) -> float:
-    """The round's in-process time of a batch of ``b`` items (before and after its calls)."""
-    return statistics.median(k["batches"][str(b)] if str(b) in k["batches"] else k["batches"][b] for k in r["kernel"])
+def round_batch(r: dict[str, Any], b: int, key: str = "batches") -> float:
+    """The round's in-process time of a batch of ``b`` items (before and after its calls); ``key``
+    "batches_2t": on two threads."""
+    return statistics.median(k[key][str(b)] if str(b) in k[key] else k[key][b] for k in r["kernel"])
 
 
 def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
@@ -339,23 +345,25 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
         def cells(rounds: list[dict], b: int, inproc: bool) -> list[str]:
             p50s = [r["batch"][str(b)]["p50"] if str(b) in r["batch"] else r["batch"][b]["p50"] for r in rounds]
             per = statistics.median((p - b * round_kernel(r, "small")) / b for p, r in zip(p50s, rounds))
-            beyond = [common.ms(statistics.median(round_batch(r, b) for r in rounds)),
-                      common.ms(statistics.median((p - round_batch(r, b)) / b for p, r in zip(p50s, rounds)))]
+            beyond = [common.ms(statistics.median(round_batch(r, b, key) for r in rounds)) + " / "
+                      + common.ms(statistics.median((p - round_batch(r, b, key)) / b for p, r in zip(p50s, rounds)))
+                      for key in ("batches", "batches_2t")]
             return [common.ms(statistics.median(p50s)), common.ms(statistics.median(p50s) / b), common.ms(per),
                     *(beyond if inproc else [])]
 
         rows = [[b, *cells(own, b, True), *(cells(ray_only, b, False) if ray_only else [])] for b in args.batch]
-        head = ["items", "batch p50", "per item", "per item - kernel", "in-process batch",
-                "per item - in-process batch"]
+        head = ["items", "batch p50", "per item", "per item - kernel", "in-process batch, 1 thread: time / per item beyond",
+                "in-process batch, 2 threads: time / per item beyond"]
         if ray_only:
             head += ["Ray only: batch p50", "per item", "per item - kernel"]
         lines += [f"#### Batches over {args.contexts} contexts of {args.small_n_k} keys (item i over context i mod "
                   f"{args.contexts})", "",
                   "per item - kernel: (batch p50 - items x the round's in-process kernel time of one item, "
                   "that item's context called again and again) / items. in-process batch: the same items "
-                  "computed in-process one after another on one thread, each over its own context as the "
-                  "batch reads them (distinct contexts do not stay in the caches); per item - in-process "
-                  "batch: (batch p50 - that) / items, the service's own cost per item."
+                  "computed in-process, each over its own context as the batch reads them (distinct contexts "
+                  "do not stay in the caches), one after another on one thread, or dealt out in turn to two "
+                  "threads (as the service's two workers get about half each); per item "
+                  "beyond: (batch p50 - that) / items, the service's own cost per item."
                   + (" Ray only: the same tree with `--worker-channel false`." if ray_only else ""), "",
                   common.markdown_table(head, rows), ""]
         same = statistics.median(r["batch_same_context"]["p50"] for r in own)
