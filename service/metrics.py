@@ -64,6 +64,8 @@ class Metrics:
         self.shards = Gauge("splitkey_context_shards", "Context shards below their replica count (under_replicated) "
                             "or with no live replica (lost).", ["state"], registry=r)
         self.repairs = Gauge("splitkey_replicas_rebuilt", "Replicas the repair loop rebuilt since start.", registry=r)
+        self.repair_rounds = Gauge("splitkey_repair_rounds", "Rounds the repair loop has begun since start (it "
+                                   "is alive while this grows).", registry=r)
         self.record_cache = Gauge("splitkey_record_cache", "Context resolutions since start answered from this front "
                                   "end's record cache (hits), from the directory (misses), and cached records a "
                                   "worker refused as stale (stale); entries held (entries).", ["event"], registry=r)

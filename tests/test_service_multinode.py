@@ -216,6 +216,8 @@ def test_a_killed_replica_is_forgotten_and_rebuilt_while_the_context_keeps_answe
             assert repair["under_replicated_shards"] == 0 and repair["lost_shards"] == 0
             metrics = httpx.get(srv.url + "/metrics").text
             assert 'splitkey_context_shards{state="lost"} 0.0' in metrics
+            [rounds] = [float(line.split()[1]) for line in metrics.splitlines() if line.startswith("splitkey_repair_rounds ")]
+            assert rounds >= repair["rounds"] >= 1  # the loop's rounds, read a moment later
             # Appends reach every replica again, the rebuilt ones included, and answers stay exact.
             c.append(ctx["id"], k[600:], v[600:])
             out, lse = c.attention(q, contexts=[ctx["id"]])

@@ -49,6 +49,7 @@ async def metrics(request: Request) -> Response:
         state.metrics.shards.labels(state="under_replicated").set(stats.under_replicated_shards)
         state.metrics.shards.labels(state="lost").set(stats.lost_shards)
         state.metrics.repairs.set(stats.replicas_rebuilt)
+        state.metrics.repair_rounds.set(stats.rounds)
         cache = rt.contexts.cache
         for event, value in (("hits", cache.hits), ("misses", cache.misses), ("stale", cache.stale),
                              ("entries", len(cache))):
