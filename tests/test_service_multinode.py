@@ -208,8 +208,7 @@ def test_a_killed_replica_is_forgotten_and_rebuilt_while_the_context_keeps_answe
             assert_close_to_reference(out, lse, q, k[:600], v[:600])
             # The loop forgets the dead replica, replaces the worker and copies the shards back to 2
             # replicas. (Until the loop's next ping the context still reads "ready": wait for the repair.)
-            repair = wait_for(lambda: (r := c.cluster()["repair"])["workers_replaced"] >= 1
-                              and r["replicas_rebuilt"] >= 1 and r)
+            wait_for(lambda: (r := c.cluster()["repair"])["workers_replaced"] >= 1 and r["replicas_rebuilt"] >= 1)
             desc = wait_for(lambda: (d := c.get_context(ctx["id"]))["state"] == "ready" and d)
             assert desc["live_replicas"] == [2, 2, 2] and desc["degraded_shards"] == [] and desc["lost_shards"] == []
             repair = c.cluster()["repair"]
