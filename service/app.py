@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 import ray
@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
+from starlette.routing import BaseRoute
 
 from service import request_id
 from service.admission import Admission
@@ -30,6 +31,7 @@ from service.contexts.repair import Repairer
 from service.contexts.service import ContextService
 from service.drain import Drain
 from service.errors import InvalidOption, ServiceError, WorkersUnavailable, render
+from service.hot_routes import Handler, HotRoutes
 from service.metrics import Metrics
 from service.middleware import FRONTEND, ServiceMiddleware
 from service.routes import attention, batch, contexts, kserve, ops
@@ -106,6 +108,11 @@ def _respond(err: ServiceError, request: Request) -> Response:
     return Response(content=body, status_code=status, media_type="application/json", headers=headers)
 
 
+def _fixed_paths(routes: Iterable[BaseRoute]) -> frozenset[str]:
+    """The paths of ``routes`` without parameters (each its own route label in the metrics)."""
+    return frozenset(p for p in (getattr(r, "path", "") for r in routes) if p and "{" not in p)
+
+
 def create_app(settings: ServiceSettings | None = None, *, request_id_header: bool = True) -> FastAPI:
     """The app for ``settings``; ``request_id_header=False`` behind a proxy that sets ``X-Request-Id``
     itself (Ray Serve's passes its id in and writes it back on the response: service.serve)."""
@@ -122,11 +129,9 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
     app.state.splitkey = AppState(settings=settings, limits=settings.limits(), pace=settings.pace(), metrics=metrics,
                                   drain=drain)
 
-    @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> Response:
         return _respond(exc, request)
 
-    @app.exception_handler(ray.exceptions.RayError)
     async def _ray_error(request: Request, exc: ray.exceptions.RayError) -> Response:
         # A worker or actor failure no layer below turned into a service error: the
         # cluster is at fault, not the client, so 503 rather than 500.
@@ -140,23 +145,35 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
                  request.url.path)
         return Response(status_code=CLIENT_CLOSED)
 
-    app.add_exception_handler(ClientDisconnect, _client_closed)
-    app.add_exception_handler(ClientClosed, _client_closed)
-
-    @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {"loc": ["body"], "msg": "invalid"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
         return _respond(InvalidOption(f"{where or 'request'} must be valid: {first.get('msg')}"), request)
 
-    app.include_router(ops.router)
-    app.include_router(attention.router)
-    app.include_router(batch.router)
-    app.include_router(contexts.router)
-    app.include_router(kserve.router)
+    # The one table from exceptions to answers: FastAPI's routes and the hot routes (service.hot_routes) use it.
+    handlers: dict[type[Exception], Handler] = {
+        ServiceError: _service_error,
+        ray.exceptions.RayError: _ray_error,
+        ClientDisconnect: _client_closed,
+        ClientClosed: _client_closed,
+        RequestValidationError: _validation,
+    }
+    for exc_class, handler in handlers.items():
+        app.add_exception_handler(exc_class, handler)
+
+    routers = (ops.router, attention.router, batch.router, contexts.router, kserve.router)
+    for router in routers:
+        app.include_router(router)
     admission = Admission(max_inflight=settings.max_inflight, max_inflight_bytes=settings.max_inflight_bytes,
                           retry_after_s=settings.retry_after_s, metrics=metrics)
     app.state.splitkey.admission = admission
+    # Added first, so it runs inside ServiceMiddleware (the last added is the outermost).
+    app.add_middleware(HotRoutes, routes={("POST", attention.ROUTE): attention.attention,
+                                          ("POST", batch.ROUTE): batch.attention_batch,
+                                          ("POST", kserve.INFER): kserve.infer,
+                                          ("POST", kserve.VERSIONED_INFER): kserve.infer},
+                       handlers=handlers)
     app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), admission=admission, drain=drain,
-                       metrics=metrics, request_id_header=request_id_header)
+                       metrics=metrics, request_id_header=request_id_header,
+                       paths=_fixed_paths([*app.routes, *(r for router in routers for r in router.routes)]))
     return app

@@ -133,7 +133,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             if ticket is not None:
                 ticket.release()
-            state.metrics.requests.labels(route=ROUTE, code=str(code)).inc()
+            state.metrics.count_request(ROUTE, code)
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     async def _authorize(self, context: Any) -> None:

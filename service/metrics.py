@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -70,9 +71,31 @@ class Metrics:
                                   "end's record cache (hits), from the directory (misses), and cached records a "
                                   "worker refused as stale (stale); entries held (entries).", ["event"], registry=r)
 
+        #: Labelled children of the per-request metrics, by (metric, label values): ``labels()`` checks
+        #: and locks on every call (a few us each, several per request on the hot routes); the children
+        #: themselves live as long as their metric. Bounded: routes are a fixed set (service.middleware).
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def observe_stages(self, route: str, timings: Timings) -> None:
         for stage, sec in timings.stages.items():
-            self.stage_seconds.labels(route=route, stage=stage).observe(sec)
+            self._child(self.stage_seconds, route, stage).observe(sec)
+
+    def count_request(self, route: str, code: int) -> None:
+        """One answered request of ``route`` with status ``code``."""
+        self._child(self.requests, route, str(code)).inc()
+
+    def count_bytes_in(self, route: str, nbytes: int) -> None:
+        self._child(self.bytes_in, route).inc(nbytes)
+
+    def count_bytes_out(self, route: str, nbytes: int) -> None:
+        self._child(self.bytes_out, route).inc(nbytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

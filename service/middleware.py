@@ -11,7 +11,8 @@ Pure ASGI (not BaseHTTPMiddleware) so request bodies stream through untouched.
   without a body is admitted here, one with a body once the body has arrived. Past
   ``max_inflight`` (or the in-flight body budget) it gets 429 with ``Retry-After``
   immediately instead of queueing without bound.
-* Accounting: requests by route and status code, in-flight gauge, bytes out.
+* Accounting: requests by route and status code (a path with no route: ``unmatched``), in-flight
+  gauge, bytes out.
 * Shutdown: while the service drains (``service.drain``) new work is refused with 503
   ``shutting_down``, and work cut by the grace period is answered the same way.
 * Faults: an exception no handler turned into an answer is logged with its traceback
@@ -46,19 +47,26 @@ FRONTEND = secrets.token_hex(6)
 BODILESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 
 
-def route_label(path: str) -> str:
-    """A low-cardinality route name for metrics (context ids stripped)."""
+#: The route label of a path the app has no route for: metrics keep one series for all of them,
+#: however many paths clients make up.
+UNMATCHED = "unmatched"
+
+
+def route_label(path: str, paths: frozenset[str]) -> str:
+    """A low-cardinality route name for metrics: context ids stripped, and ``UNMATCHED`` for a path
+    that is neither one of the app's fixed ``paths`` nor under a context or model."""
     if path.startswith("/v1/contexts/"):
         return "/v1/contexts/{id}/append" if path.endswith("/append") else "/v1/contexts/{id}"
     if path.startswith("/v2/models/"):
         return "/v2/models/attention/infer" if path.endswith("/infer") else "/v2/models/attention"
-    return path
+    return path if path in paths else UNMATCHED
 
 
 class ServiceMiddleware:
     def __init__(self, app: Any, *, api_key: str | None, admission: Admission, metrics: Metrics,
-                 drain: Drain, request_id_header: bool = True) -> None:
+                 drain: Drain, paths: frozenset[str], request_id_header: bool = True) -> None:
         self.app = app
+        self.paths = paths  #: the app's fixed paths (no parameters): each its own route label
         self.request_id_header = request_id_header
         self.drain = drain
         self.api_key = api_key.encode() if api_key else None
@@ -70,7 +78,7 @@ class ServiceMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        route = route_label(path)
+        route = route_label(path, self.paths)
         rid = request_id.assign(scope.get("headers", []))
         status = {"code": 500}
         sent = {"bytes": 0}
@@ -127,8 +135,8 @@ class ServiceMiddleware:
             if task is not None:
                 self.drain.done(task)
             if status["code"]:
-                self.metrics.requests.labels(route=route, code=str(status["code"])).inc()
-            self.metrics.bytes_out.labels(route=route).inc(sent["bytes"])
+                self.metrics.count_request(route, status["code"])
+            self.metrics.count_bytes_out(route, sent["bytes"])
 
     def _authorized(self, scope: dict) -> bool:
         for name, value in scope.get("headers", []):
@@ -144,4 +152,4 @@ class ServiceMiddleware:
         headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-        self.metrics.requests.labels(route=route, code=str(status)).inc()
+        self.metrics.count_request(route, status)

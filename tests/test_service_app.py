@@ -89,3 +89,13 @@ def test_admission_control_answers_429_with_a_retry_after_of_at_least_a_second()
     assert first.status_code == 200
     assert second.status_code == 429 and second.headers["retry-after"] == "1"
     assert second.json()["code"] == "overloaded" and second.json()["error"] == second.json()["detail"]
+
+
+def test_requests_to_paths_without_a_route_share_one_metrics_label():
+    app = create_app(ServiceSettings())
+    for i in range(3):
+        assert request(app, "GET", f"/made-up-{i}").status_code == 404
+    request(app, "GET", "/healthz")
+    text = request(app, "GET", "/metrics").text
+    assert 'splitkey_requests_total{code="404",route="unmatched"} 3.0' in text
+    assert 'route="/healthz"' in text and "made-up" not in text

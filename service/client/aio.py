@@ -249,7 +249,8 @@ class AsyncClient:
         if body is not None:
             headers["Content-Type"] = BINARY
         target = urllib.parse.quote(self.base + path, safe="/") + (f"?{query}" if query else "")
-        resp = await asyncio.wait_for(self._pool.request(method, target, headers, body or ()), self.timeout)
+        async with asyncio.timeout(self.timeout):  # in this task (wait_for would start one per request)
+            resp = await self._pool.request(method, target, headers, body or ())
         self.last_server_timing = resp.headers.get("server-timing", "")
         if resp.status >= 400:
             raise from_answer(resp.status, resp.body, resp.headers.get("retry-after"))
@@ -264,5 +265,6 @@ async def _within(work: Any, deadline: float | None) -> Any:
     """``await work``, cut with :class:`TimeoutError` after ``deadline`` seconds (None: no deadline)."""
     if deadline is None:
         return await work
-    return await asyncio.wait_for(work, deadline)
+    async with asyncio.timeout(deadline):
+        return await work
 

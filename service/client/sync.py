@@ -60,6 +60,45 @@ def _query(options: Mapping[str, Any]) -> str:
     return urllib.parse.urlencode(params, safe=",")
 
 
+#: A request up to this many bytes (body and headers) leaves in one write: ``http.client`` writes
+#: the headers and each buffer of the body apart, and on loopback every write is a segment the
+#: server wakes up for. Larger bodies (uploads) go out as they are, without a joined copy.
+ONE_WRITE_BYTES = 2**20
+
+
+class _OneWrite:
+    """Mixed into ``http.client``'s connections: :meth:`request_at_once` sends a small request in one write."""
+
+    _gathered: list[bytes | memoryview] | None = None
+
+    def request_at_once(self, method: str, url: str, body: list[bytes | memoryview] | None,
+                        headers: Mapping[str, str], size: int) -> None:
+        if size > ONE_WRITE_BYTES:
+            self.request(method, url, body=body, headers=headers)  # type: ignore[attr-defined]
+            return
+        self._gathered = []
+        try:
+            self.request(method, url, body=body, headers=headers)  # type: ignore[attr-defined]
+            data = b"".join(self._gathered)
+        finally:
+            self._gathered = None
+        self.send(data)
+
+    def send(self, data: Any) -> None:
+        if self._gathered is not None:
+            self._gathered.append(data)
+        else:
+            super().send(data)  # type: ignore[misc]  # connects first when not connected (auto_open)
+
+
+class _Connection(_OneWrite, http.client.HTTPConnection):
+    pass
+
+
+class _SecureConnection(_OneWrite, http.client.HTTPSConnection):
+    pass
+
+
 class Client:
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
         parts = urllib.parse.urlsplit(url)
@@ -72,7 +111,7 @@ class Client:
         self.base = parts.path.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
-        self._conn: http.client.HTTPConnection | None = None
+        self._conn: _Connection | _SecureConnection | None = None
         self._limits: Limits | None = None
         #: The ``Server-Timing`` header of the last answer ("" if it had none):
         #: ``service.client.timing.parse_server_timing`` reads it as stage durations.
@@ -292,9 +331,9 @@ class Client:
         return desc if desc["length"] == length else None
 
     # -- transport ---------------------------------------------------------------
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self) -> _Connection | _SecureConnection:
         if self._conn is None:
-            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            cls = _SecureConnection if self.https else _Connection
             self._conn = cls(self.host, self.port, timeout=self.timeout)
         return self._conn
 
@@ -315,14 +354,16 @@ class Client:
         if tensors is not None:
             arrays = {n: np.asarray(a) for n, a in tensors.items() if a is not None}
             body = encode_safetensors(arrays)
+        size = 0
         if body is not None:
+            size = sum(memoryview(b).nbytes for b in body)
             headers["Content-Type"] = BINARY
-            headers["Content-Length"] = str(sum(memoryview(b).nbytes for b in body))
+            headers["Content-Length"] = str(size)
         url = self.base + path + (f"?{query}" if query else "")
         for attempt in (0, 1):
             conn = self._connection()
             try:
-                conn.request(method, url, body=body, headers=headers)
+                conn.request_at_once(method, url, body, headers, size)
                 if sent is not None:
                     sent()
                 resp = conn.getresponse()

@@ -69,7 +69,7 @@ async def read_body(request: Request, limit: int, route: str,
     except RequestTimeout:
         state.metrics.rejected.labels(reason="slow_body").inc()
         raise
-    state.metrics.bytes_in.labels(route=route).inc(len(body))
+    state.metrics.count_bytes_in(route, len(body))
     ticket.admit()
     return body
 
@@ -101,9 +101,13 @@ def encode_result(request: Request, fmt: Format, out: np.ndarray, lse: np.ndarra
 
 
 async def with_deadline(work: Awaitable[T], seconds: float) -> T:
-    """Run a read (a query) within the request deadline (504 past it)."""
+    """Run a read (a query) within the request deadline (504 past it).
+
+    In the request's own task (``asyncio.timeout``), not a task of its own as ``asyncio.wait_for``
+    makes on Python 3.11: one task and one turn of the event loop less per query."""
     try:
-        return await asyncio.wait_for(work, seconds)
+        async with asyncio.timeout(seconds):
+            return await work
     except TimeoutError:
         raise DeadlineExceeded(f"the request must finish within {seconds} s, got longer") from None
 

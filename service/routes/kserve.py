@@ -36,6 +36,9 @@ ROUTE = "/v2/models/attention/infer"
 HEADER = "Inference-Header-Content-Length"
 MODEL = f"/v2/models/{MODEL_NAME}"
 VERSIONED = f"{MODEL}/versions/{MODEL_VERSION}"
+#: The inference paths, unversioned and versioned.
+INFER = f"{MODEL}/infer"
+VERSIONED_INFER = f"{VERSIONED}/infer"
 SERVER_NAME = "splitkey"
 EXTENSIONS = ["binary_tensor_data"]
 
@@ -81,7 +84,7 @@ async def metadata() -> JSONResponse:
 
 
 @router.post(
-    f"{MODEL}/infer",
+    INFER,
     summary="Attention through the Open Inference Protocol, with the binary tensor extension",
     responses={200: {"content": {"application/json": {}, "application/octet-stream": {}},
                      "description": "outputs out [n_q, h_q, d_v] and lse [n_q, h_q]; see docs/KSERVE.md"},
@@ -89,7 +92,7 @@ async def metadata() -> JSONResponse:
     openapi_extra={"parameters": [{"name": HEADER, "in": "header", "required": False, "schema": {"type": "integer"},
                                    "description": "bytes of JSON at the start of a body with binary tensors"}]},
 )
-@router.post(f"{VERSIONED}/infer", include_in_schema=False)
+@router.post(VERSIONED_INFER, include_in_schema=False)
 async def infer(request: Request) -> Response:
     state, rt = app_state(request), runtime(request)
     t0 = time.perf_counter()

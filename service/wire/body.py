@@ -77,7 +77,8 @@ async def paced(receive: Callable[[], Awaitable[MutableMapping[str, Any]]], pace
         try:
             if left <= 0:
                 raise TimeoutError
-            message = await asyncio.wait_for(receive(), left)
+            async with asyncio.timeout(left):  # in this task: wait_for would start one per chunk
+                message = await receive()
         except TimeoutError:
             raise pace.too_slow(received, clock() - started) from None
         if message["type"] == "http.disconnect":
