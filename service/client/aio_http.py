@@ -17,21 +17,13 @@ from __future__ import annotations
 import asyncio
 import ssl as ssl_module
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from http.client import BadStatusLine
 
-#: Bytes the status line and headers of an answer may take.
-MAX_HEAD_BYTES = 64 * 2**10
+from service.client.http1 import MAX_HEAD_BYTES, Answer, keeps_alive, parse_head, request_head
 
 
 class TransportError(ConnectionError):
     """The connection failed or the answer was not HTTP/1.1 as expected; no answer was read."""
-
-
-@dataclass(frozen=True)
-class Answer:
-    status: int
-    headers: Mapping[str, str]  #: lower-case names
-    body: bytes
 
 
 class _Stale(Exception):
@@ -54,11 +46,7 @@ class HttpPool:
         if self._closed:
             raise TransportError("the client is closed")
         size = sum(memoryview(b).nbytes for b in body)
-        head = [f"{method} {target} HTTP/1.1", f"Host: {self.host}:{self.port}"]
-        head += [f"{name}: {value}" for name, value in headers.items()]
-        if size or method in ("POST", "PUT"):
-            head.append(f"Content-Length: {size}")
-        data = [("\r\n".join(head) + "\r\n\r\n").encode("latin-1"), *body]
+        data = [request_head(method, target, f"{self.host}:{self.port}", headers, size), *body]
         async with self._slots:
             for attempt in (0, 1):
                 reused = bool(self._idle)
@@ -101,24 +89,18 @@ class HttpPool:
                     raise _Stale() from None
                 raise TransportError("the answer ended inside its headers") from None
             begun = True
-            lines = head.decode("latin-1").split("\r\n")
-            parts = lines[0].split(" ", 2)
-            if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-                raise TransportError(f"the answer must start with an HTTP/1.x status line, got {lines[0][:80]!r}")
-            headers: dict[str, str] = {}
-            for line in lines[1:]:
-                if line:
-                    name, _, value = line.partition(":")
-                    headers[name.strip().lower()] = value.strip()
+            try:
+                version, status, headers = parse_head(head.decode("latin-1").split("\r\n"))
+            except BadStatusLine as exc:
+                raise TransportError(str(exc)) from None
             if headers.get("transfer-encoding", "").lower() == "chunked":
                 body = await _chunked(reader)
             elif "content-length" in headers:
                 body = await reader.readexactly(int(headers["content-length"]))
             else:
                 body = await reader.read()
-                return Answer(int(parts[1]), headers, body), False
-            keep = headers.get("connection", "").lower() != "close" and parts[0] == "HTTP/1.1"
-            return Answer(int(parts[1]), headers, body), keep
+                return Answer(status, headers, body), False
+            return Answer(status, headers, body), keeps_alive(version, headers)
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             if isinstance(exc, TransportError):
                 raise

@@ -1,9 +1,9 @@
 """A small Python client: numpy arrays in and out, over safetensors.
 
-Built on ``http.client``: it sends a body as the list of buffers that
-:func:`service.wire.safetensors.encode_safetensors` returns (no join, no copy of
-the tensors) with a Content-Length, which is as fast as curl here. One
-``Client`` holds one keep-alive connection: use one per thread.
+Built on a small blocking HTTP/1.1 connection (``service.client.http1``): a small request
+leaves in one write, a large body as the buffers that
+:func:`service.wire.safetensors.encode_safetensors` returns (no join, no copy of the
+tensors). One ``Client`` holds one keep-alive connection: use one per thread.
 
 Contexts of any length are uploaded in chunks under the server's limits
 (``service.client.upload``; docs/CONTEXTS.md, "Uploading long contexts").
@@ -14,7 +14,6 @@ Contexts of any length are uploaded in chunks under the server's limits
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 import urllib.parse
@@ -25,6 +24,7 @@ import numpy as np
 
 from service.client.batch import BatchAnswer, decode_batch, encode_batch
 from service.client.errors import SplitkeyError, UploadError, from_answer
+from service.client.http1 import Connection
 from service.client.pipeline import Chunk, SendChunk, send_pipelined
 from service.client.upload import (
     ATTEMPT_ERRORS,
@@ -60,45 +60,6 @@ def _query(options: Mapping[str, Any]) -> str:
     return urllib.parse.urlencode(params, safe=",")
 
 
-#: A request up to this many bytes (body and headers) leaves in one write: ``http.client`` writes
-#: the headers and each buffer of the body apart, and on loopback every write is a segment the
-#: server wakes up for. Larger bodies (uploads) go out as they are, without a joined copy.
-ONE_WRITE_BYTES = 2**20
-
-
-class _OneWrite:
-    """Mixed into ``http.client``'s connections: :meth:`request_at_once` sends a small request in one write."""
-
-    _gathered: list[bytes | memoryview] | None = None
-
-    def request_at_once(self, method: str, url: str, body: list[bytes | memoryview] | None,
-                        headers: Mapping[str, str], size: int) -> None:
-        if size > ONE_WRITE_BYTES:
-            self.request(method, url, body=body, headers=headers)  # type: ignore[attr-defined]
-            return
-        self._gathered = []
-        try:
-            self.request(method, url, body=body, headers=headers)  # type: ignore[attr-defined]
-            data = b"".join(self._gathered)
-        finally:
-            self._gathered = None
-        self.send(data)
-
-    def send(self, data: Any) -> None:
-        if self._gathered is not None:
-            self._gathered.append(data)
-        else:
-            super().send(data)  # type: ignore[misc]  # connects first when not connected (auto_open)
-
-
-class _Connection(_OneWrite, http.client.HTTPConnection):
-    pass
-
-
-class _SecureConnection(_OneWrite, http.client.HTTPSConnection):
-    pass
-
-
 class Client:
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
         parts = urllib.parse.urlsplit(url)
@@ -111,7 +72,7 @@ class Client:
         self.base = parts.path.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
-        self._conn: _Connection | _SecureConnection | None = None
+        self._conn: Connection | None = None
         self._limits: Limits | None = None
         #: The ``Server-Timing`` header of the last answer ("" if it had none):
         #: ``service.client.timing.parse_server_timing`` reads it as stage durations.
@@ -331,10 +292,9 @@ class Client:
         return desc if desc["length"] == length else None
 
     # -- transport ---------------------------------------------------------------
-    def _connection(self) -> _Connection | _SecureConnection:
+    def _connection(self) -> Connection:
         if self._conn is None:
-            cls = _SecureConnection if self.https else _Connection
-            self._conn = cls(self.host, self.port, timeout=self.timeout)
+            self._conn = Connection(self.host, self.port, https=self.https, timeout=self.timeout)
         return self._conn
 
     def _request(self, method: str, path: str, query: str = "", tensors: Mapping[str, Any] | None = None, *,
@@ -344,8 +304,9 @@ class Client:
 
         The request body is the safetensors of ``tensors``, or ``body`` (buffers of one) as it is.
 
-        ``resend``: send once more on a fresh connection when the keep-alive one turns
-        out closed (the server closed it while idle); a lost connection otherwise raises.
+        ``resend``: send once more on a fresh connection when the kept one turns out closed
+        (the server closed it while idle); a lost connection otherwise raises (what
+        ``http.client`` raises for it: ``service.client.http1``).
         ``sent()`` is called once the request's body is out, before its answer is read.
         """
         headers = {"Accept": BINARY + ", application/json"}
@@ -354,33 +315,14 @@ class Client:
         if tensors is not None:
             arrays = {n: np.asarray(a) for n, a in tensors.items() if a is not None}
             body = encode_safetensors(arrays)
-        size = 0
         if body is not None:
-            size = sum(memoryview(b).nbytes for b in body)
             headers["Content-Type"] = BINARY
-            headers["Content-Length"] = str(size)
-        url = self.base + path + (f"?{query}" if query else "")
-        for attempt in (0, 1):
-            conn = self._connection()
-            try:
-                conn.request_at_once(method, url, body, headers, size)
-                if sent is not None:
-                    sent()
-                resp = conn.getresponse()
-                data = resp.read()
-                self.last_server_timing = resp.getheader("Server-Timing", "")
-                break
-            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
-                # A keep-alive connection the server closed while idle: reconnect once.
-                self.close()
-                if attempt or not resend:
-                    raise
-            except TRANSPORT_ERRORS:
-                self.close()  # in no known state: the next request starts a fresh one
-                raise
+        target = urllib.parse.quote(self.base + path, safe="/") + (f"?{query}" if query else "")
+        resp = self._connection().request(method, target, headers, body or (), resend=resend, sent=sent)
+        self.last_server_timing = resp.headers.get("server-timing", "")
         if resp.status >= 400:
-            raise from_answer(resp.status, data, resp.getheader("Retry-After"))
-        return data
+            raise from_answer(resp.status, resp.body, resp.headers.get("retry-after"))
+        return resp.body
 
 
 def _arrays(k: Any, v: Any, k_pos: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
