@@ -1,0 +1,120 @@
+"""What the app's dispatch costs per request, in process: the hot routes' direct dispatch against FastAPI's.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/dispatch.py --calls 3000 --repeats 5 --out /tmp/dispatch.md
+
+The app of ``service.app.create_app`` (no lifespan: no Ray, no workers) is called as an ASGI
+callable, request after request in one event loop, no sockets: ``POST /v1/attention`` answers
+503 ``workers_unavailable`` through the app's exception handlers, once through the hot routes'
+direct dispatch (``service.hot_routes``) and once with that table emptied, so FastAPI's
+routing, dependency solving and exception middleware dispatch it; ``GET /healthz`` goes
+through FastAPI in both; a bare ASGI callable that answers the same 503 is the floor. The
+difference between the first two rows is what the direct dispatch saves per request in a hot
+loop (inside a server that also reads sockets and sleeps between requests it costs more).
+Medians of ``--calls`` requests; each ``--repeats`` alternates the variants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # see benchmarks/service.py
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import common
+from service.app import create_app
+from service.hot_routes import HotRoutes
+from service.settings import ServiceSettings
+
+VARIANTS = ("POST /v1/attention, hot routes", "POST /v1/attention, FastAPI's dispatch", "GET /healthz, FastAPI",
+            "bare ASGI callable")
+
+
+def scope(method: str, path: str) -> dict:
+    return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+            "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": [(b"host", b"splitkey"), (b"content-type", b"application/octet-stream"),
+                        (b"content-length", b"0")],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}}
+
+
+async def receive() -> dict:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+async def bare(scope: dict, receive: Any, send: Any) -> None:
+    body = b'{"detail":"workers unavailable","code":"workers_unavailable"}'
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def median_us(app: Any, method: str, path: str, calls: int, status: int) -> float:
+    answers: list[dict] = []
+
+    async def send(message: dict) -> None:
+        answers.append(message)
+
+    seconds = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        await app(scope(method, path), receive, send)
+        seconds.append(time.perf_counter() - t)
+        if answers[0]["status"] != status:
+            raise RuntimeError(f"{method} {path} must answer {status}, got {answers[0]['status']}")
+        answers.clear()
+    return statistics.median(seconds) * 1e6
+
+
+async def measure(calls: int, repeats: int) -> list[list[float]]:
+    app = create_app(ServiceSettings())
+    await median_us(app, "GET", "/healthz", 10, 200)  # builds the middleware stack
+    node: Any = app.middleware_stack
+    while not isinstance(node, HotRoutes):
+        node = node.app
+    hot = dict(node.routes)
+    rows: list[list[float]] = []
+    for _ in range(repeats):
+        node.routes = hot
+        direct = await median_us(app, "POST", "/v1/attention", calls, 503)
+        node.routes = {}
+        fastapi = await median_us(app, "POST", "/v1/attention", calls, 503)
+        node.routes = hot
+        rows.append([direct, fastapi, await median_us(app, "GET", "/healthz", calls, 200),
+                     await median_us(bare, "POST", "/v1/attention", calls, 503)])
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=common.positive, default=3000)
+    p.add_argument("--repeats", type=common.positive, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    rows = asyncio.run(measure(args.calls, args.repeats))
+    medians = [statistics.median(col) for col in zip(*rows)]
+    text = "\n".join([
+        f"### The app's dispatch in process (us per request, medians of {args.calls} requests)", "",
+        "Command: `.venv/bin/python benchmarks/dispatch.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        + "`", "",
+        common.markdown_table(["repeat", *VARIANTS],
+                              [[str(i + 1), *(f"{v:.1f}" for v in row)] for i, row in enumerate(rows)]
+                              + [["median", *(f"{v:.1f}" for v in medians)]]),
+        "", f"The direct dispatch saves {medians[1] - medians[0]:.1f} us per request here.", ""])
+    common.emit_report(text, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
