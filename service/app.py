@@ -170,7 +170,7 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
     # Added first, so it runs inside ServiceMiddleware (the last added is the outermost).
     app.add_middleware(HotRoutes, routes={("POST", attention.ROUTE): attention.attention,
                                           ("POST", batch.ROUTE): batch.attention_batch,
-                                          ("POST", kserve.INFER): kserve.infer,
+                                          ("POST", kserve.ROUTE): kserve.infer,
                                           ("POST", kserve.VERSIONED_INFER): kserve.infer},
                        handlers=handlers)
     app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), admission=admission, drain=drain,

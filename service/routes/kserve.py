@@ -36,8 +36,7 @@ ROUTE = "/v2/models/attention/infer"
 HEADER = "Inference-Header-Content-Length"
 MODEL = f"/v2/models/{MODEL_NAME}"
 VERSIONED = f"{MODEL}/versions/{MODEL_VERSION}"
-#: The inference paths, unversioned and versioned.
-INFER = f"{MODEL}/infer"
+#: The versioned inference path (``ROUTE`` is the unversioned one, and the metrics' label of both).
 VERSIONED_INFER = f"{VERSIONED}/infer"
 SERVER_NAME = "splitkey"
 EXTENSIONS = ["binary_tensor_data"]
@@ -84,7 +83,7 @@ async def metadata() -> JSONResponse:
 
 
 @router.post(
-    INFER,
+    ROUTE,
     summary="Attention through the Open Inference Protocol, with the binary tensor extension",
     responses={200: {"content": {"application/json": {}, "application/octet-stream": {}},
                      "description": "outputs out [n_q, h_q, d_v] and lse [n_q, h_q]; see docs/KSERVE.md"},
