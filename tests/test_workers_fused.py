@@ -278,6 +278,6 @@ def test_kernel_file_names_the_digest_of_the_micro_kernels_it_compiles_in():
 
     workers_dir = Path(fused.__file__).parent
     digest = hashlib.sha256()
-    for name in ("fused_micro.py", "fused_simd.py"):
+    for name in ("fused_dots.py", "fused_micro.py", "fused_simd.py"):
         digest.update((workers_dir / name).read_bytes())
     assert fused.kernels().COMPILED_IN_DIGEST == digest.hexdigest()[:16]

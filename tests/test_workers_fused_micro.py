@@ -9,20 +9,9 @@ import pytest
 
 pytest.importorskip("numba")
 
+from kernel_bits import DTYPES, EPS32, bits  # noqa: E402
 from workers import BFLOAT16  # noqa: E402
 from workers.fused_micro import PANEL_DIMS, PV_KEYS, TILE_KEYS, TILE_ROWS, pv_f32, scores_dmajor_f32  # noqa: E402
-
-EPS32 = float(np.finfo(np.float32).eps)
-DTYPES = {"float32": np.float32, "bfloat16": BFLOAT16, "float16": np.float16}
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """The array as the kernels read it: 16-bit formats as their bits (workers.fused)."""
-    if a.dtype == BFLOAT16:
-        return a.view(np.uint16)
-    if a.dtype == np.float16:
-        return a.view(np.int16)
-    return a
 
 
 def dmajor(rng, d: int, n: int, dtype, pad: int) -> tuple[np.ndarray, int, int, np.ndarray]:

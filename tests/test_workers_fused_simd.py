@@ -1,5 +1,6 @@
 """Eight-lane building blocks of the fused kernels (workers/fused_simd.py): every 16-bit element
-widens exactly, loads work at any offset, a fused multiply-add rounds once, a prefetch never faults."""
+widens exactly, loads work at any offset, a fused multiply-add rounds once, a prefetch never faults,
+the lane sums of eight vectors come in one fixed tree."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from workers.fused_simd import LANES, prefetch, vfma, vload, vsplat_at, vstore, vzero  # noqa: E402
+from workers.fused_simd import LANES, prefetch, vfma, vload, vsplat_at, vstore, vsum8, vzero  # noqa: E402
 
 
 @numba.njit
@@ -90,3 +91,18 @@ def test_vload_refuses_strided_arrays():
 
 def test_prefetch_far_past_the_end_does_not_fault():
     assert _prefetch_far(np.zeros(64, np.float32), 1 << 30) == 64
+
+
+def test_vsum8_puts_each_vectors_lane_sum_in_its_lane_by_a_fixed_tree():
+    @numba.njit
+    def fold(a, out):
+        vstore(out, 0, vsum8(vload(a, 0), vload(a, 8), vload(a, 16), vload(a, 24),
+                             vload(a, 32), vload(a, 40), vload(a, 48), vload(a, 56)))
+
+    rng = np.random.default_rng(5)
+    a = (rng.standard_normal(64) * 10.0 ** rng.integers(-6, 6, 64)).astype(np.float32)
+    out = np.empty(LANES, np.float32)
+    fold(a, out)
+    x = a.reshape(LANES, LANES)
+    tree = ((x[:, 0] + x[:, 1]) + (x[:, 2] + x[:, 3])) + ((x[:, 4] + x[:, 5]) + (x[:, 6] + x[:, 7]))  # float32 throughout
+    np.testing.assert_array_equal(out.view(np.uint32), tree.view(np.uint32))

@@ -20,10 +20,11 @@ space of ``workers.rows``):
 
 4. ``acc[r] += p[r, :B] @ v[:B]``.
 
-For bfloat16 and float16 keys, steps 1 (resident layout) and 4 (both layouts) run
-on the register-tile micro-kernels of ``workers.fused_micro`` (:func:`scores_dmajor`
-and :func:`pv` pick at compile time, :func:`_micro` says why); float32 and float64
-keys, and the inline layout's scores, run the loops here, which numba vectorises.
+For bfloat16 and float16 keys, steps 1 and 4 run on register-tile micro-kernels:
+``workers.fused_micro`` for the resident layout's scores and for ``p @ v``,
+``workers.fused_dots`` for the inline layout's scores (:func:`scores_dmajor`,
+:func:`scores_rows` and :func:`pv` pick at compile time; :func:`_micro` says
+why); float32 and float64 keys run the loops here, which numba vectorises.
 
 Each row's arithmetic is in a fixed order that depends on the row alone (its
 dot products, its block skips, its reductions), never on how many rows share the
@@ -43,6 +44,8 @@ from numba import prange
 from numba.core import types
 from numba.extending import overload
 
+from workers.fused_dots import TILE_ROWS as DOT_ROWS
+from workers.fused_dots import scores_rows_f32
 from workers.fused_micro import pv_f32, scores_dmajor_f32
 from workers.fused_simd import _bits_to_f32, narrow, widen
 
@@ -53,12 +56,12 @@ FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 EXP32_MIN = -87.33
 #: Unsigned flat indexes (see ``_pv``).
 _U = np.uint64
-#: sha256 (first 16 hex digits) of ``workers/fused_micro.py`` then ``workers/fused_simd.py``,
-#: which the kernels below compile in. numba's disk cache (``cache=True``) checks only
-#: this file's stamp, so a change to those files must change this one too, or a worker
-#: would load machine code built from the old micro-kernels; tests/test_workers_fused.py
-#: recomputes the digest.
-COMPILED_IN_DIGEST = "4883573126ecd79e"
+#: sha256 (first 16 hex digits) of ``workers/fused_dots.py``, ``workers/fused_micro.py`` and
+#: ``workers/fused_simd.py``, in that order, which the kernels below compile in. numba's disk
+#: cache (``cache=True``) checks only this file's stamp, so a change to those files must change
+#: this one too, or a worker would load machine code built from the old micro-kernels;
+#: tests/test_workers_fused.py recomputes the digest.
+COMPILED_IN_DIGEST = "ef277fb02692123b"
 
 
 def expo(x: Any) -> Any:
@@ -152,6 +155,15 @@ def _softmax(s: Any, r: int, nb: int, m: Any, l: Any, acc: Any, d_v: int, zero: 
     m[r] = mb
 
 
+@numba.njit(inline="always", nogil=True)
+def _widen4(src: Any, o0: Any, o1: Any, o2: Any, o3: Any, n: int, w: Any) -> None:
+    """``w[i, :n]`` = the 16-bit run ``src[o_i : o_i + n]`` widened, for the four runs (L1 scratch)."""
+    for e in range(n):
+        ue = _U(e)
+        w[0, e], w[1, e] = widen(src[o0 + ue]), widen(src[o1 + ue])
+        w[2, e], w[3, e] = widen(src[o2 + ue]), widen(src[o3 + ue])
+
+
 @numba.njit(inline="always", fastmath=FASTMATH, nogil=True)
 def _pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
     """``acc[r, :d_v] += sum_j s[r, j] v_j`` for every row r with ``kind[r] != 0``, over a block's
@@ -174,10 +186,7 @@ def _pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v:
         o0, o1 = _U(base + j * step), _U(base + j1 * step)
         o2, o3 = _U(base + j2 * step), _U(base + j3 * step)
         if narrow(v):
-            for e in range(d_v):
-                ue = _U(e)
-                vw[0, e], vw[1, e] = widen(v[o0 + ue]), widen(v[o1 + ue])
-                vw[2, e], vw[3, e] = widen(v[o2 + ue]), widen(v[o3 + ue])
+            _widen4(v, o0, o1, o2, o3, d_v, vw)
             for r in range(n_rows):
                 if kind[r] == 0:
                     continue
@@ -239,13 +248,60 @@ def _scores_dmajor(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: A
         t += 1
 
 
+@numba.njit(inline="always", fastmath=FASTMATH, nogil=True)
+def _scores_rows(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any, nb: int, kw: Any,
+                 zero: Any) -> None:
+    """``s[r, j] = q[r] . k[base + j*step :][:d]`` for every row r with ``kind[r] != 0`` (keys as rows).
+
+    Keys ``j, j + n/4, j + n/4*2, j + n/4*3`` together (four streams, each q row read once for
+    four keys), then the rest one by one: a key's dot product depends on its place in the
+    block alone. 16-bit keys are widened once into ``kw [4, d]`` (L1 scratch) for all rows.
+    """
+    n_rows = s.shape[0]
+    quarter = nb // 4
+    for jj in range(quarter):
+        j1, j2, j3 = jj + quarter, jj + 2 * quarter, jj + 3 * quarter
+        c0 = _U(base + jj * step)  # key jj: k[c0:c0 + d]
+        c1, c2, c3 = c0 + _U(quarter * step), c0 + _U(2 * quarter * step), c0 + _U(3 * quarter * step)
+        if narrow(k):
+            _widen4(k, c0, c1, c2, c3, d, kw)
+        for r in range(n_rows):
+            if kind[r] == 0:
+                continue
+            t0, t1, t2, t3 = zero, zero, zero, zero
+            for dd in range(d):
+                qv = q[r, dd]
+                if narrow(k):
+                    t0 += qv * kw[0, dd]
+                    t1 += qv * kw[1, dd]
+                    t2 += qv * kw[2, dd]
+                    t3 += qv * kw[3, dd]
+                else:
+                    ud = _U(dd)
+                    t0 += qv * widen(k[c0 + ud])
+                    t1 += qv * widen(k[c1 + ud])
+                    t2 += qv * widen(k[c2 + ud])
+                    t3 += qv * widen(k[c3 + ud])
+            s[r, jj], s[r, j1], s[r, j2], s[r, j3] = t0, t1, t2, t3
+    for jj in range(4 * quarter, nb):
+        c0 = _U(base + jj * step)
+        for r in range(n_rows):
+            if kind[r] == 0:
+                continue
+            t = zero
+            for dd in range(d):
+                t += q[r, dd] * widen(k[c0 + _U(dd)])
+            s[r, jj] = t
+
+
 def _micro(rows: Any, out: Any, keys: Any) -> bool:
-    """Whether the register-tile micro-kernels (``workers.fused_micro``) serve a product: float32 rows
-    over 16-bit keys (values), C-contiguous.
+    """Whether the register-tile micro-kernels (``workers.fused_micro``, ``workers.fused_dots``) serve a
+    product: float32 rows over 16-bit keys (values), C-contiguous.
 
     For 16-bit keys they widen each element once for four rows, where the loops below widen it
-    once per row, and read 1.6-1.8x faster; for float32 keys the loops' four contiguous streams
-    measured as fast or faster (docs/BENCHMARKS.md, "Register tiles"), so float32 keys stay on them.
+    once per row: the resident layout read 1.6-1.8x faster, the inline one 1.3-1.45x. For float32
+    keys the loops measured as fast or faster (0.94-0.97x inline; docs/BENCHMARKS.md, "Register
+    tiles" and "Inline scores as register tiles"), so float32 keys stay on them.
     """
     return (all(a.layout == "C" for a in (rows, out, keys)) and rows.dtype == types.float32
             and keys.dtype in (types.uint16, types.int16))
@@ -266,6 +322,29 @@ def _scores_dmajor_impl(q: Any, kind: Any, d: int, k: Any, base: int, step: int,
 
     def loop(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any, nb: int) -> None:
         _scores_dmajor(q, kind, d, k, base, step, s, nb)
+    return loop
+
+
+def scores_rows(q: Any, kind: Any, d: int, k: Any, base: int, sk0: int, sk1: int, s: Any, nb: int, kw: Any,
+                lanes: Any, v: Any, vbase: int, sv0: int, zero: Any) -> None:
+    """A block's scores over keys stored as rows, every kv head (numba only): ``s[h, r, j] =
+    q[h, r] . k[base + j*sk0 + h*sk1 :][:d]``; the tiles where :func:`_micro` says, else the loop."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(scores_rows)
+def _scores_rows_impl(q: Any, kind: Any, d: int, k: Any, base: int, sk0: int, sk1: int, s: Any, nb: int,
+                      kw: Any, lanes: Any, v: Any, vbase: int, sv0: int, zero: Any) -> Any:  # pragma: no cover
+    if _micro(q, s, k):
+        def tiles(q: Any, kind: Any, d: int, k: Any, base: int, sk0: int, sk1: int, s: Any, nb: int, kw: Any,
+                  lanes: Any, v: Any, vbase: int, sv0: int, zero: Any) -> None:
+            scores_rows_f32(q, d, k, base, sk0, sk1, s, nb, lanes, v, vbase, sv0)
+        return tiles
+
+    def loop(q: Any, kind: Any, d: int, k: Any, base: int, sk0: int, sk1: int, s: Any, nb: int, kw: Any,
+             lanes: Any, v: Any, vbase: int, sv0: int, zero: Any) -> None:
+        for h in range(q.shape[0]):
+            _scores_rows(q[h], kind, d, k, base + h * sk1, sk0, s[h], nb, kw, zero)
     return loop
 
 
@@ -302,7 +381,8 @@ def inline_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int
     for c in prange(bounds.shape[0] - 1):
         m, l, acc = m_out[c], l_out[c], acc_out[c]  # [h_kv, R], [h_kv, R], [h_kv, R, d_v]
         s = np.empty((h_kv, n_rows, block), dtype=q.dtype)  # [h_kv, R, B] scores, then p
-        kw = np.empty((4, d), dtype=np.float32)  # [4, d] four 16-bit keys, widened
+        kw = np.empty((4, d), dtype=np.float32)  # [4, d] four 16-bit keys, widened (loops)
+        lanes = np.empty(h_kv * -(-n_rows // DOT_ROWS) * DOT_ROWS * (block + 1), dtype=np.float32)  # tiles' scores
         vw = np.empty((4, d_v), dtype=np.float32)  # [4, d_v] four 16-bit values, widened
         kind = np.empty(n_rows, dtype=np.int64)
         tmp = np.empty(1, dtype=q.dtype)
@@ -320,53 +400,8 @@ def inline_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: int
                         kmax = max(kmax, kpos[j])
             for r in range(n_rows):
                 kind[r] = _row_kind(r, kmin, kmax, masked, lo, hi, has_lo, has_hi)
+            scores_rows(q, kind, d, k, b0 * sk0, sk0, sk1, s, nb, kw, lanes, v, b0 * sv0, sv0, zero)
             for h in range(h_kv):
-                # Keys j, j + n/4, j + n/4*2, j + n/4*3 together (four streams, each q row read once
-                # for four keys), then the rest one by one: a key's dot product depends on its place
-                # in the block alone.
-                quarter = nb // 4
-                for jj in range(quarter):
-                    j1, j2, j3 = jj + quarter, jj + 2 * quarter, jj + 3 * quarter
-                    c0 = _U((b0 + jj) * sk0 + h * sk1)  # key jj of head h: k[c0:c0 + d]
-                    c1, c2, c3 = c0 + _U(quarter * sk0), c0 + _U(2 * quarter * sk0), c0 + _U(3 * quarter * sk0)
-                    if narrow(k):
-                        for dd in range(d):
-                            ud = _U(dd)  # widened once for all rows (L1 scratch)
-                            kw[0, dd], kw[1, dd] = widen(k[c0 + ud]), widen(k[c1 + ud])
-                            kw[2, dd], kw[3, dd] = widen(k[c2 + ud]), widen(k[c3 + ud])
-                        for r in range(n_rows):
-                            if kind[r] == 0:
-                                continue
-                            t0, t1, t2, t3 = zero, zero, zero, zero
-                            for dd in range(d):
-                                qv = q[h, r, dd]
-                                t0 += qv * kw[0, dd]
-                                t1 += qv * kw[1, dd]
-                                t2 += qv * kw[2, dd]
-                                t3 += qv * kw[3, dd]
-                            s[h, r, jj], s[h, r, j1], s[h, r, j2], s[h, r, j3] = t0, t1, t2, t3
-                        continue
-                    for r in range(n_rows):
-                        if kind[r] == 0:
-                            continue
-                        t0, t1, t2, t3 = zero, zero, zero, zero
-                        for dd in range(d):
-                            ud = _U(dd)
-                            qv = q[h, r, dd]
-                            t0 += qv * widen(k[c0 + ud])
-                            t1 += qv * widen(k[c1 + ud])
-                            t2 += qv * widen(k[c2 + ud])
-                            t3 += qv * widen(k[c3 + ud])
-                        s[h, r, jj], s[h, r, j1], s[h, r, j2], s[h, r, j3] = t0, t1, t2, t3
-                for jj in range(4 * quarter, nb):
-                    base = _U((b0 + jj) * sk0 + h * sk1)
-                    for r in range(n_rows):
-                        if kind[r] == 0:
-                            continue
-                        t = zero
-                        for dd in range(d):
-                            t += q[h, r, dd] * widen(k[base + _U(dd)])
-                        s[h, r, jj] = t
                 for r in range(n_rows):
                     if kind[r] == 0:
                         continue  # no key of this block is visible to row r: its state is unchanged

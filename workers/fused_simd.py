@@ -22,6 +22,8 @@ few operations on it, each one LLVM instruction or intrinsic:
 * :func:`vfma` ``a * b + c`` rounded once (``llvm.fma``): a lane's result
   depends on that lane's inputs alone, so a row computes bitwise the same
   whichever rows share its tile;
+* :func:`vsum8` the lane sums of eight vectors as one vector (lane ``i``: the
+  sum of vector ``i``'s lanes, the same fixed tree for every lane);
 * :func:`prefetch` a hint to bring a cache line in (``llvm.prefetch``).
 
 Flat indexes are element offsets from the array's first element; the typing
@@ -209,6 +211,37 @@ def vfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:  # pragma: no cover - c
         return builder.call(fn, list(args))
 
     return f32x8(a, b, c), codegen
+
+
+def _lane_pairs(builder: Any, a: Any, b: Any, lo: list[int], hi: list[int]) -> Any:
+    """``shuffle(a, b, lo) + shuffle(a, b, hi)``: one level of :func:`vsum8`'s tree (no fast-math flags)."""
+    i32 = ir.IntType(32)
+    pick = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, LANES), m)) for m in (lo, hi)]
+    return builder.fadd(pick[0], pick[1])
+
+
+@intrinsic
+def vsum8(typingctx: Any, a0: Any, a1: Any, a2: Any, a3: Any, a4: Any, a5: Any, a6: Any,
+          a7: Any) -> Any:  # pragma: no cover - compiled
+    """Lane ``i`` = the sum of ``a_i``'s eight lanes x0..x7, as ``((x0+x1) + (x2+x3)) + ((x4+x5) + (x6+x7))``.
+
+    Three levels of shuffles and adds (a transpose that adds as it goes): the tree
+    is the same for every input, so a lane's sum depends on its own vector alone.
+    """
+    if not all(a == f32x8 for a in (a0, a1, a2, a3, a4, a5, a6, a7)):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        # Level 1, vectors in pairs (a, b): [a0+a1, b0+b1, a2+a3, b2+b3, a4+a5, b4+b5, a6+a7, b6+b7].
+        one = [_lane_pairs(builder, args[i], args[i + 1], [0, 8, 2, 10, 4, 12, 6, 14], [1, 9, 3, 11, 5, 13, 7, 15])
+               for i in range(0, LANES, 2)]
+        # Level 2, pairs of those (ab, cd): [a0..3, b0..3, c0..3, d0..3, a4..7, b4..7, c4..7, d4..7].
+        two = [_lane_pairs(builder, one[i], one[i + 1], [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15])
+               for i in (0, 2)]
+        # Level 3: the low halves' sums plus the high halves' sums, vector i in lane i.
+        return _lane_pairs(builder, two[0], two[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
+
+    return f32x8(a0, a1, a2, a3, a4, a5, a6, a7), codegen
 
 
 @intrinsic
