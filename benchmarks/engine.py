@@ -18,8 +18,10 @@ with the default settings. Per round (rounds alternate the servers, each started
    client, one keep-alive connection), the same with ``AsyncClient`` from one event loop, and
    over the KServe v2 gRPC channel with ``tritonclient.grpc`` (``--grpc-port``), and as one
    pre-encoded request on a raw keep-alive socket (no client library; ``GET /healthz`` too,
-   the floor of an HTTP round trip here); p50/p99, Server-Timing stage medians; overhead =
-   p50 - in-process median;
+   the floor of an HTTP round trip here); in ``--blocks`` blocks per client, each block right
+   after the single context's in-process kernel measured anew, the clients taking turns;
+   p50/p99, Server-Timing stage medians; overhead = p50 - the round's in-process kernel, and
+   "beside it" = the median over the calls of (call - its block's kernel);
 3. **batches** (this tree only): ``--contexts`` small contexts, ``POST /v1/attention/batch``
    of B items (B in ``--batch``), item i over context i mod ``--contexts``; per-item cost =
    (p50 of the batch - B x the small context's in-process time) / B, and against the same B items
@@ -134,36 +136,56 @@ def quantiles(seconds: Sequence[float]) -> dict[str, float]:
     return {"p50": statistics.median(s), "p99": s[min(len(s) - 1, int(0.99 * len(s)))], "n": len(s)}
 
 
-def single_calls(url: str, ctx_id: str, q: np.ndarray, calls: int) -> dict[str, Any]:
-    """Sequential sync-client calls: latency quantiles and median Server-Timing stages."""
-    seconds, stages = [], []
-    with Client(url) as c:
-        for _ in range(5):
-            c.attention(q, contexts=[ctx_id])
-        for _ in range(calls):
+#: A client's block of sequential calls: ``block(n)`` -> (seconds of each call, Server-Timing stages of each).
+Block = Callable[[int], tuple[list[float], list[dict[str, float]]]]
+
+
+def client_block(url: str, ctx_id: str, q: np.ndarray) -> tuple[Block, Callable[[], None]]:
+    """Sync ``Client`` calls on one keep-alive connection; its block and its close."""
+    c = Client(url)
+    for _ in range(5):
+        c.attention(q, contexts=[ctx_id])
+
+    def block(n: int) -> tuple[list[float], list[dict[str, float]]]:
+        seconds, stages = [], []
+        for _ in range(n):
             t0 = time.perf_counter()
             c.attention(q, contexts=[ctx_id])
             seconds.append(time.perf_counter() - t0)
             stages.append(parse_server_timing(c.last_server_timing))
-    return {**quantiles(seconds), "stages": common.median_stages(stages)}
+        return seconds, stages
+    return block, c.close
 
 
-def raw_calls(url: str, request: bytes, calls: int) -> dict[str, Any]:
-    """Sequential round trips of one pre-encoded HTTP/1.1 request on a keep-alive socket (no client
-    library, nothing encoded or decoded per call): what the server and the network take alone."""
+def raw_block(url: str, request: bytes) -> tuple[Block, Callable[[], None]]:
+    """Round trips of one pre-encoded HTTP/1.1 request on a keep-alive socket (no client library,
+    nothing encoded or decoded per call): what the server and the network take alone."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
-    seconds, stages = [], []
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for i in range(calls + 5):
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def block(n: int) -> tuple[list[float], list[dict[str, float]]]:
+        seconds, stages = [], []
+        for _ in range(n):
             t0 = time.perf_counter()
             sock.sendall(request)
             status, headers = _response(sock)
+            seconds.append(time.perf_counter() - t0)
             if status != 200:
                 raise RuntimeError(f"{request[:40]!r} answered {status}")
-            if i >= 5:
-                seconds.append(time.perf_counter() - t0)
-                stages.append(parse_server_timing(headers.get("server-timing")))
+            stages.append(parse_server_timing(headers.get("server-timing")))
+        return seconds, stages
+    block(5)
+    return block, sock.close
+
+
+def raw_calls(url: str, request: bytes, calls: int) -> dict[str, Any]:
+    """``calls`` sequential round trips of a pre-encoded request (``raw_block``): quantiles and stages."""
+    block, close = raw_block(url, request)
+    try:
+        seconds, stages = block(calls)
+    finally:
+        close()
     return {**quantiles(seconds), "stages": common.median_stages(stages)}
 
 
@@ -197,38 +219,63 @@ def attention_request(ctx_id: str, q: np.ndarray) -> bytes:
 HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: splitkey\r\n\r\n"
 
 
-def async_calls(url: str, ctx_id: str, q: np.ndarray, calls: int) -> dict[str, Any]:
-    async def main() -> list[float]:
+def async_block(url: str, ctx_id: str, q: np.ndarray) -> tuple[Block, Callable[[], None]]:
+    """``AsyncClient`` calls, one after another, each block in one run of its own event loop."""
+    loop = asyncio.new_event_loop()
+    c = AsyncClient(url)
+
+    async def calls(n: int) -> list[float]:
         out = []
-        async with AsyncClient(url) as c:
-            for _ in range(5):
-                await c.attention(q, contexts=[ctx_id])
-            for _ in range(calls):
-                t0 = time.perf_counter()
-                await c.attention(q, contexts=[ctx_id])
-                out.append(time.perf_counter() - t0)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await c.attention(q, contexts=[ctx_id])
+            out.append(time.perf_counter() - t0)
         return out
-    return quantiles(asyncio.run(main()))
+
+    def close() -> None:
+        loop.run_until_complete(c.aclose())
+        loop.close()
+    loop.run_until_complete(calls(5))
+    return (lambda n: (loop.run_until_complete(calls(n)), [])), close
 
 
-def grpc_calls(target: str, ctx_id: str, q: np.ndarray, calls: int) -> dict[str, Any]:
-    """Sequential ``tritonclient.grpc`` unary calls on one channel (the persistent channel)."""
+def grpc_block(target: str, ctx_id: str, q: np.ndarray) -> tuple[Block, Callable[[], None]]:
+    """``tritonclient.grpc`` unary calls on one channel (the persistent channel)."""
     import tritonclient.grpc as triton
 
     client = triton.InferenceServerClient(target)
     inp = triton.InferInput("q", list(q.shape), "FP32")
     inp.set_data_from_numpy(q)
     outputs = [triton.InferRequestedOutput(n) for n in ("out", "lse")]
-    seconds = []
-    try:
-        for i in range(calls + 5):
+
+    def block(n: int) -> tuple[list[float], list[dict[str, float]]]:
+        seconds = []
+        for _ in range(n):
             t0 = time.perf_counter()
             client.infer("attention", [inp], outputs=outputs, parameters={"contexts": ctx_id})
-            if i >= 5:
-                seconds.append(time.perf_counter() - t0)
-    finally:
-        client.close()
-    return quantiles(seconds)
+            seconds.append(time.perf_counter() - t0)
+        return seconds, []
+    block(5)
+    return block, client.close
+
+
+def interleaved(blocks: dict[str, Block], data: dict, calls: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """Each client's ``calls`` single calls, in ``rounds`` blocks each right after the in-process kernel
+    measured anew (9 calls), the clients in a rotating order: ``beyond`` is the median over the calls of
+    (call - its block's kernel), so the kernel it is compared with was measured within about a second
+    of it (this VM's speed drifts by more than the target over minutes)."""
+    per = max(10, calls // rounds)
+    got: dict[str, dict[str, list[Any]]] = {name: {"seconds": [], "beyond": [], "stages": []} for name in blocks}
+    names = list(blocks)
+    for r in range(rounds):
+        kernel = inprocess(data["view"], data["q"], 9)[0]
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            seconds, stages = blocks[name](per)
+            got[name]["seconds"] += seconds
+            got[name]["beyond"] += [t - kernel for t in seconds]
+            got[name]["stages"] += stages
+    return {name: {**quantiles(g["seconds"]), "beyond": statistics.median(g["beyond"]),
+                   "stages": common.median_stages(g["stages"])} for name, g in got.items()}
 
 
 def batch_calls(c: Client, items: list[dict], calls: int, check: Callable[[list], None]) -> dict[str, Any]:
@@ -266,12 +313,19 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
             out["single_max_diff"] = max(common.max_diff(got[0], want[0]), common.max_diff(got[1], want[1]))
             if out["single_max_diff"] > 1e-5:
                 raise RuntimeError(f"the service's answer differs from the in-process one by {out['single_max_diff']}")
-            out["single"] = single_calls(url, ctx, data["q"], args.calls)
+            opened = {"single": client_block(url, ctx, data["q"])}
+            try:
+                if batches and clients:
+                    opened["raw"] = raw_block(url, attention_request(ctx, data["q"]))
+                    opened["async"] = async_block(url, ctx, data["q"])
+                    opened["grpc"] = grpc_block(str(grpc_target), ctx, data["q"])
+                out.update(interleaved({name: block for name, (block, _) in opened.items()}, data, args.calls,
+                                       args.blocks))
+            finally:
+                for _, close in opened.values():
+                    close()
             if batches and clients:
-                out["raw"] = raw_calls(url, attention_request(ctx, data["q"]), args.calls)
                 out["healthz"] = raw_calls(url, HEALTHZ, args.calls)
-                out["async"] = async_calls(url, ctx, data["q"], args.calls)
-                out["grpc"] = grpc_calls(str(grpc_target), ctx, data["q"], args.calls)
             if batches:
                 small = [c.create_context(*kv)["id"] for kv in data["small"]]
                 out["batch"] = {}
@@ -317,8 +371,10 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
 
     def row(name: str, rounds: list[dict], kernels: list[float], stages: bool) -> list[Any]:
         over = statistics.median(r["p50"] - k for r, k in zip(rounds, kernels))
+        beside = statistics.median(r["beyond"] for r in rounds) if all("beyond" in r for r in rounds) else None
         cells = [name, common.ms(statistics.median(r["p50"] for r in rounds)),
-                 common.ms(statistics.median(r["p99"] for r in rounds)), common.ms(over)]
+                 common.ms(statistics.median(r["p99"] for r in rounds)), common.ms(over),
+                 "-" if beside is None else common.ms(beside)]
         st = common.median_stages([r["stages"] for r in rounds]) if stages else {}
         return cells + [", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(st.items())) or "-"]
 
@@ -331,7 +387,12 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
         rows.append(row("this tree, gRPC (tritonclient.grpc)", [r["grpc"] for r in own], kernels, False))
         rows.append(row("this tree, raw HTTP/1.1 (no client library)", [r["raw"] for r in own], kernels, True))
     lines += ["#### Single calls (sequential; medians over the rounds)", "",
-              common.markdown_table(["server, client", "p50", "p99", "p50 - kernel", "Server-Timing medians"], rows),
+              f"p50 - kernel: the p50 minus the round's in-process kernel (measured before and after all its "
+              f"calls). Beside it: the median over the calls of (call - the in-process kernel measured right "
+              f"before its block of calls), {args.blocks} blocks per client and round, the clients in turn: "
+              f"the yardstick is at most seconds older than the call, not minutes.", "",
+              common.markdown_table(["server, client", "p50", "p99", "p50 - kernel", "beyond the kernel beside it",
+                                     "Server-Timing medians"], rows),
               ""]
     if own:
         healthz = statistics.median(r["healthz"]["p50"] for r in own)
@@ -376,6 +437,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=common.positive, default=3)
     p.add_argument("--calls", type=common.positive, default=300)
+    p.add_argument("--blocks", type=common.positive, default=10,
+                   help="blocks of single calls per client and round, each after the in-process kernel measured anew")
     p.add_argument("--n-k", type=common.positive, default=4096)
     p.add_argument("--small-n-k", type=common.positive, default=512)
     p.add_argument("--contexts", type=common.positive, default=64)
@@ -386,7 +449,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.calls, args.contexts, args.batch = 1, 20, 4, [1, 8]
+        args.rounds, args.calls, args.blocks, args.contexts, args.batch = 1, 20, 2, 4, [1, 8]
         args.small_n_k = 256
     return args
 

@@ -1,6 +1,7 @@
 """benchmarks/engine.py --quick: single calls (HTTP, AsyncClient, gRPC, raw socket) and batches, answers checked."""
 
 import json
+import math
 
 import pytest
 from benchloader import benchmark_module
@@ -19,3 +20,6 @@ def test_the_engine_benchmark_reports_single_calls_and_batches(tmp_path):
     assert result["single"]["this tree, Client"][0]["single"]["n"] == 20 and max(result["max_diff"]) < 1e-5
     own = result["this_tree_rounds"][0]
     assert own["raw"]["n"] == own["healthz"]["n"] == 20 and "compute" in own["raw"]["stages"]
+    # each client's calls against the kernel measured just before their block (--quick: 2 blocks of 10)
+    assert "beyond the kernel beside it" in text
+    assert all(own[c]["n"] == 20 and math.isfinite(own[c]["beyond"]) for c in ("single", "raw", "async", "grpc"))

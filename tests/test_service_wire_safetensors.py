@@ -17,6 +17,11 @@ from hypothesis import strategies as st
 from service.errors import ServiceError
 from service.wire.rules import ATTENTION, CONTEXT_CREATE, Limits
 from service.wire.safetensors import (
+    MEMO_HEADER_BYTES,
+    MEMO_HEADERS,
+    MEMO_TENSORS,
+    _header_text,
+    _memo_header,
     decode_binary_request,
     decode_safetensors,
     encode_safetensors,
@@ -251,6 +256,73 @@ def test_sizes_over_the_limits_are_413():
 def test_empty_header_and_data_is_a_valid_empty_body():
     assert decode_safetensors(raw({}), NAMES) == {}
     assert decode_safetensors(raw(b"{}      "), NAMES) == {}
+
+
+# -- headers checked once ---------------------------------------------------------------------
+
+def test_a_repeated_header_is_checked_once_and_decodes_each_body_of_its_own(rng):
+    a, b = sample(np.float32, (1, 4, 8), rng), sample(np.float32, (1, 4, 8), rng)
+    body_a, body_b = to_bytes(encode_safetensors({"q": a})), to_bytes(encode_safetensors({"q": b}))
+    assert body_a[:header_span(body_a[:8], len(body_a), Limits())] == body_b[:header_span(body_b[:8], len(body_b), Limits())]
+    decode_safetensors(body_a, {"q"})
+    hits = _memo_header.cache_info().hits
+    back = decode_safetensors(body_b, {"q"})
+    assert _memo_header.cache_info().hits == hits + 1
+    assert equal(back["q"], b)  # the same header, this body's values
+
+
+def test_a_remembered_header_is_read_only(rng):
+    body = to_bytes(encode_safetensors({"q": sample(np.float32, (1, 2, 4), rng)}, {"m": "1"}))
+    header = peek_safetensors_header(body, len(body), Limits(), {"q"})
+    with pytest.raises(TypeError):
+        header.tensors["k"] = header.tensors["q"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        header.metadata["m"] = "2"  # type: ignore[index]
+    assert peek_safetensors_header(body, len(body), Limits(), {"q"}).tensors.keys() == {"q"}
+
+
+def test_a_header_that_passed_is_checked_again_for_another_length_names_or_limits(rng):
+    body = to_bytes(encode_safetensors({"q": sample(np.float32, (2, 4, 8), rng)}))
+    decode_safetensors(body, {"q"})  # remembered as good for this length, these names and limits
+    with api_error("invalid_body", "must belong to a tensor, got trailing bytes"):
+        decode_safetensors(body + bytes(8), {"q"})
+    with api_error("invalid_tensor", "tensor names must be among"):
+        decode_safetensors(body, {"k"})
+    with api_error("body_too_large", "q must have at most 63 elements, got 64"):
+        decode_safetensors(body, {"q"}, Limits(max_elements=63))
+    assert decode_safetensors(body, {"q"})["q"].shape == (2, 4, 8)
+
+
+def test_a_header_that_failed_fails_every_time_and_is_not_remembered():
+    body = raw({"x": entry("F32", [4], 0, 12)}, bytes(12))
+    size = _memo_header.cache_info().currsize
+    for _ in range(2):
+        with api_error("invalid_body", "x data_offsets must span prod(shape) * itemsize = 16 bytes"):
+            decode_safetensors(body, NAMES)
+    assert _memo_header.cache_info().currsize <= size  # nothing added (others may have been dropped)
+
+
+def test_a_header_over_the_memo_bound_is_checked_every_time_and_not_remembered(rng):
+    metadata = {"pad": "x" * MEMO_HEADER_BYTES}
+    body = to_bytes(encode_safetensors({"x": sample(np.float32, (3,), rng)}, metadata))
+    misses = _memo_header.cache_info().misses
+    for _ in range(2):
+        assert dict(peek_safetensors_header(body, len(body), Limits(), NAMES).metadata) == metadata
+    assert _memo_header.cache_info().misses == misses
+
+
+def test_the_memo_of_headers_stays_bounded(rng):
+    for n in range(MEMO_HEADERS + 20):
+        decode_safetensors(to_bytes(encode_safetensors({"x": np.zeros(n, np.float32)})), NAMES)
+    assert _memo_header.cache_info().currsize <= MEMO_HEADERS
+    assert _header_text.cache_info().currsize <= MEMO_HEADERS
+
+
+@pytest.mark.parametrize("count", [1, MEMO_TENSORS, MEMO_TENSORS + 1])
+def test_an_encoded_header_is_the_reference_writers_whether_remembered_or_not(count, rng):
+    tensors = {f"t{i}": sample(NUMPY_DTYPES[i % len(NUMPY_DTYPES)], (i % 3, 2), rng) for i in range(count)}
+    for _ in range(2):  # the second from the memo (up to MEMO_TENSORS tensors)
+        assert to_bytes(encode_safetensors(tensors)) == safetensors.numpy.save(tensors)
 
 
 # -- fuzzing ---------------------------------------------------------------------------------

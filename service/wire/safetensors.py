@@ -15,11 +15,13 @@ kind) is 422 ``invalid_tensor``; sizes over :class:`service.wire.rules.Limits` a
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,13 @@ from service.wire.rules import (
 from service.wire.values import SAFETENSORS, WireDtype, array_bytes, from_bytes, load_json, wire_of
 
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+#: Headers up to this many bytes are checked once and remembered (:func:`peek_safetensors_header`):
+#: a decode query's header is ~100 bytes; the bound keeps the memo at most ``MEMO_HEADERS`` KiB.
+MEMO_HEADER_BYTES = 1024
+#: Checked headers remembered, least recently used dropped first (and as many encoded ones).
+MEMO_HEADERS = 256
+#: Encoded headers of at most this many tensors are remembered (:func:`encode_safetensors`).
+MEMO_TENSORS = 8
 
 
 @dataclass(frozen=True)
@@ -140,20 +149,38 @@ def peek_safetensors_header(prefix: bytes | bytearray | memoryview, body_len: in
     ``prefix`` must hold at least :func:`header_span` bytes (the rest is not read). On
     return the data section is known to be exactly tiled by tensors named in
     ``allowed`` with supported dtypes and bounded sizes: nothing about it can fail later.
+
+    A header of at most ``MEMO_HEADER_BYTES`` is checked once per (text, body length,
+    limits, names): the answer is a function of those alone, and an engine's decode loop
+    sends (and gets back) the same header byte for byte at every step. A header that
+    fails is never kept; at most ``MEMO_HEADERS`` are.
     """
     span = header_span(prefix, body_len, limits)
     if len(prefix) < span:
         raise ValueError(f"prefix must hold the first {span} bytes (length and header), got {len(prefix)}")
+    text = bytes(memoryview(prefix)[8:span])
     allowed = frozenset(allowed)
-    obj = load_json(memoryview(prefix)[8:span], "safetensors header")
+    if span - 8 <= MEMO_HEADER_BYTES:
+        return _memo_header(text, body_len, limits, allowed)
+    return _check_header(text, body_len, limits, allowed)
+
+
+def _check_header(text: bytes, body_len: int, limits: Limits, allowed: frozenset[str]) -> Header:
+    """The checked header of a ``body_len``-byte body whose JSON header is ``text`` (length field excluded)."""
+    obj = load_json(text, "safetensors header")
     if type(obj) is not dict:
         raise InvalidBody(f"safetensors header must be a JSON object, got {show(obj)}")
     metadata = obj.pop("__metadata__", {})
     if type(metadata) is not dict or any(type(v) is not str for v in metadata.values()):
         raise InvalidBody(f"__metadata__ must map strings to strings, got {show(metadata)}")
     tensors = {name: _entry(name, entry, allowed, limits) for name, entry in obj.items()}
-    _check_coverage(tensors, body_len - span)
-    return Header(tensors=tensors, metadata=metadata, data_start=span, body_len=body_len)
+    _check_coverage(tensors, body_len - 8 - len(text))
+    # Read-only: a memoized header is shared by every body that has it.
+    return Header(tensors=MappingProxyType(tensors), metadata=MappingProxyType(metadata), data_start=8 + len(text),
+                  body_len=body_len)
+
+
+_memo_header = functools.lru_cache(maxsize=MEMO_HEADERS)(_check_header)
 
 
 def decode_safetensors(buf: bytes | bytearray | memoryview, allowed: Iterable[str],
@@ -194,14 +221,32 @@ def encode_safetensors(tensors: Mapping[str, np.ndarray],
     wired = sorted(((wire, name, data, tuple(a.shape))
                     for name, a in tensors.items() for wire, data in [_wire(name, a)]),
                    key=lambda item: (-item[0].write_rank, item[1]))
-    header: dict[str, Any] = {} if metadata is None else {"__metadata__": dict(metadata)}
-    offset = 0
-    for wire, name, data, shape in wired:
-        header[name] = {"dtype": wire.safetensors, "shape": list(shape), "data_offsets": [offset, offset + data.nbytes]}
-        offset += data.nbytes
-    text = _json_header(header)
+    entries = tuple((name, wire.safetensors, shape, data.nbytes) for wire, name, data, shape in wired)
+    # Without metadata a header is a function of its entries alone: a few tensors' is remembered (decode
+    # queries and their answers repeat it at every step); a batch's hundreds, or metadata, are not.
+    if metadata is None and len(entries) <= MEMO_TENSORS:
+        text = _header_text(entries)
+    else:
+        text = _json_header(_header(entries, None if metadata is None else dict(metadata)))
     buffers: list[bytes | memoryview] = [struct.pack("<Q", len(text)), text]
     return buffers + [data.data for _, _, data, _ in wired if data.nbytes]
+
+
+Entries = tuple[tuple[str, str, tuple[int, ...], int], ...]  #: (name, safetensors dtype, shape, bytes), in file order
+
+
+def _header(entries: Entries, metadata: dict[str, str] | None) -> dict[str, Any]:
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    return header
+
+
+@functools.lru_cache(maxsize=MEMO_HEADERS)
+def _header_text(entries: Entries) -> bytes:
+    return _json_header(_header(entries, None))
 
 
 def _json_header(header: Mapping[str, Any]) -> bytes:
