@@ -12,7 +12,11 @@ routing, dependency solving and exception middleware dispatch it; ``GET /healthz
 through FastAPI in both; a bare ASGI callable that answers the same 503 is the floor. The
 difference between the first two rows is what the direct dispatch saves per request in a hot
 loop (inside a server that also reads sockets and sleeps between requests it costs more).
-Medians of ``--calls`` requests; each ``--repeats`` alternates the variants.
+The last variant is a decode query answered 200: ``q [1, 32, 128]`` float32 as safetensors over
+a context id, ``Accept`` as ``Client`` sends it, the compute stubbed (the runtime's attention
+service returns a fixed ``out, lse``): everything the front end does in Python for a decode
+call but the worker's round trip (read the body, parse, negotiate, encode, Server-Timing,
+metrics). Medians of ``--calls`` requests; each ``--repeats`` alternates the variants.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import asyncio
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
@@ -32,13 +37,22 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # see b
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import numpy as np
+
 from benchmarks import common
 from service.app import create_app
 from service.hot_routes import HotRoutes
+from service.metrics import Timings
 from service.settings import ServiceSettings
+from service.wire.safetensors import encode_safetensors, to_bytes
 
 VARIANTS = ("POST /v1/attention, hot routes", "POST /v1/attention, FastAPI's dispatch", "GET /healthz, FastAPI",
-            "bare ASGI callable")
+            "bare ASGI callable", "POST /v1/attention answered, compute stubbed")
+
+#: The answered variant's query and answer (decode shape).
+Q = np.random.default_rng(1).standard_normal((1, 32, 128), dtype=np.float32)
+Q_BODY = to_bytes(encode_safetensors({"q": Q}))
+OUT, LSE = np.zeros((1, 32, 128), np.float32), np.zeros((1, 32), np.float32)
 
 
 def scope(method: str, path: str) -> dict:
@@ -53,6 +67,28 @@ async def receive() -> dict:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
+def query_scope() -> dict:
+    """A decode query over a context, as ``Client`` sends it."""
+    s = scope("POST", "/v1/attention")
+    s["query_string"] = b"contexts=0123456789abcdef"
+    s["headers"] = [(b"host", b"splitkey"), (b"content-type", b"application/octet-stream"),
+                    (b"content-length", str(len(Q_BODY)).encode()),
+                    (b"accept", b"application/octet-stream, application/json")]
+    return s
+
+
+async def receive_query() -> dict:
+    return {"type": "http.request", "body": Q_BODY, "more_body": False}
+
+
+class StubAttention:
+    """The runtime's attention service with the compute stubbed: a fixed answer, no workers."""
+
+    async def attention(self, req: Any, timings: Timings) -> tuple[np.ndarray, np.ndarray]:
+        timings.add("compute", 0.0)
+        return OUT, LSE
+
+
 async def bare(scope: dict, receive: Any, send: Any) -> None:
     body = b'{"detail":"workers unavailable","code":"workers_unavailable"}'
     await send({"type": "http.response.start", "status": 503,
@@ -60,7 +96,9 @@ async def bare(scope: dict, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def median_us(app: Any, method: str, path: str, calls: int, status: int) -> float:
+async def median_us(app: Any, method: str, path: str, calls: int, status: int,
+                    make_scope: Callable[[], dict] | None = None,
+                    body: Callable[[], Awaitable[dict]] = receive) -> float:
     answers: list[dict] = []
 
     async def send(message: dict) -> None:
@@ -68,8 +106,9 @@ async def median_us(app: Any, method: str, path: str, calls: int, status: int) -
 
     seconds = []
     for _ in range(calls):
+        sc = make_scope() if make_scope is not None else scope(method, path)
         t = time.perf_counter()
-        await app(scope(method, path), receive, send)
+        await app(sc, body, send)
         seconds.append(time.perf_counter() - t)
         if answers[0]["status"] != status:
             raise RuntimeError(f"{method} {path} must answer {status}, got {answers[0]['status']}")
@@ -91,8 +130,14 @@ async def measure(calls: int, repeats: int) -> list[list[float]]:
         node.routes = {}
         fastapi = await median_us(app, "POST", "/v1/attention", calls, 503)
         node.routes = hot
-        rows.append([direct, fastapi, await median_us(app, "GET", "/healthz", calls, 200),
-                     await median_us(bare, "POST", "/v1/attention", calls, 503)])
+        row = [direct, fastapi, await median_us(app, "GET", "/healthz", calls, 200),
+               await median_us(bare, "POST", "/v1/attention", calls, 503)]
+        app.state.splitkey.runtime = SimpleNamespace(attention=StubAttention())
+        try:
+            row.append(await median_us(app, "POST", "/v1/attention", calls, 200, query_scope, receive_query))
+        finally:
+            app.state.splitkey.runtime = None
+        rows.append(row)
     return rows
 
 

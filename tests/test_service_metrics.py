@@ -1,11 +1,13 @@
-import time
-
 """Stage timings and the metrics registry of one app."""
+
+import threading
+import time
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from service.metrics import Metrics, Timings
+from service.metrics import BUCKETS, Metrics, Timings
 
 
 def test_timings_accumulate_and_render_server_timing():
@@ -41,3 +43,44 @@ def test_stage_timings_feed_the_histogram_of_their_route():
     text = m.render().decode()
     assert 'splitkey_request_stage_seconds_count{route="/v1/attention",stage="compute"} 1.0' in text
     assert 'splitkey_request_stage_seconds_sum{route="/v1/attention",stage="compute"} 0.25' in text
+
+
+def test_stage_histograms_render_as_prometheus_clients_histogram_would(rng):
+    """The same observations give the same buckets, counts and sums as a prometheus_client
+    Histogram (whose ``_created`` series we do not export), values on bucket edges included."""
+    m = Metrics()
+    registry = CollectorRegistry()
+    ref = Histogram("splitkey_request_stage_seconds", "Seconds per request stage (service.metrics.STAGES).",
+                    ["route", "stage"], buckets=BUCKETS, registry=registry)
+    values = [*BUCKETS, 0.0, 1e-9, 500.0, *rng.exponential(0.01, 200)]
+    for i, sec in enumerate(values):
+        route, stage = ("/v1/attention", "compute") if i % 3 else ("/v1/contexts", "store")
+        t = Timings()
+        t.add(stage, float(sec))
+        m.observe_stages(route, t)
+        ref.labels(route, stage).observe(float(sec))
+
+    def lines(text: bytes) -> list[str]:
+        return sorted(line for line in text.decode().splitlines()
+                      if "splitkey_request_stage_seconds" in line and "_created" not in line)
+    ours = lines(m.render())
+    assert len(ours) == 2 + 2 * (len(BUCKETS) + 3) and ours == lines(generate_latest(registry))
+
+
+def test_stage_histograms_lose_no_observation_across_threads():
+    m = Metrics()
+    t = Timings()
+    t.add("parse", 0.001)
+    t.add("compute", 0.002)
+
+    def observe() -> None:
+        for _ in range(2000):
+            m.observe_stages("/v1/attention", t)
+    threads = [threading.Thread(target=observe) for _ in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    text = m.render().decode()
+    for stage in ("parse", "compute"):
+        assert f'splitkey_request_stage_seconds_count{{route="/v1/attention",stage="{stage}"}} 8000.0' in text

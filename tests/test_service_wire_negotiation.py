@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.errors import ServiceError
-from service.wire.negotiation import content_type, request_format, response_format
+from service.wire.negotiation import (
+    MEMO_ACCEPT_CHARS,
+    _negotiate_memo,
+    content_type,
+    request_format,
+    response_format,
+)
 
 # -- content negotiation ---------------------------------------------------------------------
 
@@ -59,6 +65,23 @@ def test_request_format_rejects_other_media_types_with_415(header, fragment):
 ])
 def test_response_format_follows_accept_and_falls_back_to_the_request_format(accept, request_fmt, fmt):
     assert response_format(accept, request_fmt) == fmt
+
+
+@pytest.mark.parametrize("request_fmt", ["json", "safetensors"])
+def test_an_accept_negotiated_once_answers_each_request_format_on_its_own(request_fmt):
+    accept = "application/json;q=0.5, application/octet-stream;q=0.5"  # a tie: the request's format
+    assert response_format(accept, "json") == "json"
+    assert response_format(accept, "safetensors") == "safetensors"
+    assert response_format(accept, request_fmt) == request_fmt  # again, from the memo
+
+
+def test_a_long_accept_is_negotiated_every_time_and_not_remembered():
+    accept = "text/html;q=0.9, " * (MEMO_ACCEPT_CHARS // 17) + "application/json"
+    assert len(accept) > MEMO_ACCEPT_CHARS
+    misses = _negotiate_memo.cache_info().misses
+    assert response_format(accept, "safetensors") == "json"
+    assert response_format(accept, "safetensors") == "json"
+    assert _negotiate_memo.cache_info().misses == misses
 
 
 def test_responses_are_labelled_with_the_primary_media_type():

@@ -97,7 +97,7 @@ def encode_result(request: Request, fmt: Format, out: np.ndarray, lse: np.ndarra
     else:
         content = to_bytes(encode_safetensors({"out": out, "lse": lse}))
     timings.add("encode", time.perf_counter() - t0)
-    return Response(content=content, media_type=content_type(resp_fmt), headers={"Server-Timing": timings.header()})
+    return Response(content=content, media_type=content_type(resp_fmt))  # the caller adds Server-Timing, with total
 
 
 async def with_deadline(work: Awaitable[T], seconds: float) -> T:

@@ -10,6 +10,7 @@ lets a server disregard ``Accept``, so the response falls back to the request's 
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 from service.errors import UnsupportedMediaType
@@ -22,6 +23,8 @@ MEDIA_TYPES: dict[Format, tuple[str, ...]] = {
     "json": ("application/json",),
     "safetensors": ("application/octet-stream", "application/vnd.safetensors"),
 }
+#: ``Accept`` values up to this long are negotiated once and remembered (:func:`response_format`).
+MEMO_ACCEPT_CHARS = 256
 _FORMAT_OF: dict[str, Format] = {media: fmt for fmt, medias in MEDIA_TYPES.items() for media in medias}
 
 
@@ -70,9 +73,19 @@ def _quality(params: dict[str, str]) -> float | None:
 
 
 def response_format(accept: str | None, request_fmt: Format) -> Format:
-    """The response format for ``Accept``: the best q > 0, ties and no match going to ``request_fmt``."""
+    """The response format for ``Accept``: the best q > 0, ties and no match going to ``request_fmt``.
+
+    A function of its arguments alone: an ``Accept`` of up to ``MEMO_ACCEPT_CHARS`` is
+    negotiated once (a client sends the same one with every request; 64 kept at most).
+    """
     if not accept or not accept.strip():
         return request_fmt
+    if len(accept) <= MEMO_ACCEPT_CHARS:
+        return _negotiate_memo(accept, request_fmt)
+    return _negotiate(accept, request_fmt)
+
+
+def _negotiate(accept: str, request_fmt: Format) -> Format:
     best: dict[str, tuple[int, float]] = {}  # format -> (specificity, q) of its most specific range
     for item in accept.split(","):
         media, params = _split(item)
@@ -99,3 +112,6 @@ def response_format(accept: str | None, request_fmt: Format) -> Format:
     if q_other > q_request:
         return other
     return request_fmt
+
+
+_negotiate_memo = functools.lru_cache(maxsize=64)(_negotiate)
