@@ -8,7 +8,13 @@ for the SDPA column, which is skipped cleanly without it)::
 Everything runs in one process with the same number of threads for everyone:
 
 * limits: read bandwidth of a large float32 GEMV and sgemm FLOP/s, BLAS at
-  ``T`` threads (and the GEMV at one thread, the per-core figure);
+  ``T`` threads (and the GEMV at one thread, the per-core figure); from them,
+  decode's roof for each K/V dtype: the lower of the GEMV bandwidth and the
+  compute roof, sgemm's FLOP/s over decode's flops per K+V byte (see
+  :func:`decode_roof`); and, in every decode case's interleaved rounds, a
+  GEMV over 256 MiB at ``T`` BLAS threads ("GEMV beside"): this VM's
+  bandwidth moves by 1.5-2x within minutes, so each case's share of GEMV is
+  taken against the GEMV of the same minutes, not the run's first;
 * splitkey: ``threads=T`` worker threads with BLAS at one thread each (the
   kernel splits the work itself; README, "Library use"), on the resident
   streaming layout (``StreamingKV.from_arrays(...).snapshot()`` +
@@ -48,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import gc
 import json
 import math
@@ -84,6 +91,9 @@ GEN_CHUNK = 64 * 1024
 #: Largest ``out`` difference from the resident kernel's, relative to its largest |out|.
 AGREE_RTOL = 1e-3
 SEED = 20261129
+#: The GEMV timed beside each decode case: [rows, cols] float32, 256 MiB (8x this VM's L3), 32 MiB quick.
+GEMV_BESIDE = (16384, 4096)
+QUICK_GEMV_BESIDE = (2048, 4096)
 #: Pause before each implementation's calls (see :func:`measure`).
 SETTLE_S = 0.3
 
@@ -304,6 +314,12 @@ class Row:
     max_diff: float = 0.0
     skipped: str = ""  # why the case was not run
     two_phases: bool = False  # the layouts did not fit in memory together
+    gemv_bytes: float = 0.0  # of the GEMV timed beside the case (its "gemv" cell), 0 when none was
+
+    def gemv_gbs(self) -> float | None:
+        """The GEMV's read rate in the case's own rounds, GB/s (None when not measured)."""
+        cell = self.cells.get("gemv")
+        return self.gemv_bytes / cell.median / 1e9 if cell is not None and self.gemv_bytes else None
 
 
 IMPLS = ("resident", "inline", "naive", "sdpa")
@@ -332,6 +348,21 @@ def run_limits(threads: int, repeat: int, quick: bool) -> dict[str, tuple[float,
     return limits
 
 
+@functools.cache
+def gemv_operands(quick: bool) -> tuple[Any, Any]:
+    """``a [rows, cols]`` and ``x [cols]`` float32 of the GEMV timed beside each decode case."""
+    rng = np.random.default_rng(SEED + 1)
+    rows, cols = QUICK_GEMV_BESIDE if quick else GEMV_BESIDE
+    return rng.standard_normal((rows, cols), dtype=np.float32), rng.standard_normal(cols, dtype=np.float32)
+
+
+def gemv(a: Any, x: Any, threads: int) -> tuple[None, None]:
+    """``a @ x`` with BLAS at ``threads`` (the first call of each round absorbs the switch; see measure)."""
+    with blas_threads(threads):
+        a @ x
+    return None, None
+
+
 def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespace, torch: Any,
              fused: bool = False) -> Row:
     """Time the four implementations on one case and check that they agree.
@@ -345,6 +376,7 @@ def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespac
     kv_bytes = 2 * n_k * h_kv * d * dt.itemsize
     if dt != np.float32:
         torch = None  # SDPA and naive NumPy: float32 only
+    a, x = gemv_operands(args.quick)  # made once per run, timed beside decode cases only
     apart = kv_bytes * (1.5 if torch is not None else 1.0)
     avail = meminfo("MemAvailable")
     if avail is not None and apart + GIB > avail:
@@ -358,6 +390,8 @@ def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespac
     first: dict[str, Callable[[], Any]] = {"resident": lambda: ours_resident(q, view, causal, args.threads)}
     if fused:
         first["fused_resident"] = lambda: ours_resident(q, view, causal, args.threads, FUSED)
+        first["gemv"] = lambda: gemv(a, x, args.threads)  # beside the kernels, in the same rounds
+        row.gemv_bytes = float(a.nbytes)
     if torch is not None:
         v_sdpa = torch.from_numpy(view.v)[None]  # [1, h_kv, n_k, d], each head contiguous
         first["sdpa"] = lambda: sdpa(torch, q, k_sdpa, v_sdpa, causal)
@@ -367,6 +401,8 @@ def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespac
         fns: dict[str, Callable[[], Any]] = {"inline": lambda: ours_inline(q, k, v, causal, args.threads)}
         if fused:
             fns["fused_inline"] = lambda: ours_inline(q, k, v, causal, args.threads, FUSED)
+            if not together:  # the second phase's own minutes: its GEMV beside it too
+                fns["gemv_inline"] = lambda: gemv(a, x, args.threads)
         if dt == np.float32:
             fns["naive"] = lambda: naive_numpy(q, k, v, causal, args.threads)
         return fns
@@ -424,6 +460,31 @@ def machine(torch: Any) -> list[str]:
     ]
 
 
+def decode_flop_per_byte(dtype: str, n_q: int = 1) -> float:
+    """Flops of a decode call per byte of K+V it reads: ``2 n_q g / itemsize``.
+
+    Each key of a kv head costs ``g n_q d`` multiply-adds for the scores and
+    ``g n_q d_v`` for ``p @ v`` (``g = h_q / h_kv``; 2 flops each) and is read
+    once, ``(d + d_v) itemsize`` bytes: float32 decode at g = 4 is 2 flop per
+    byte, 16-bit 4 (twice the work per byte read).
+    """
+    g = HEADS["h_q"] // HEADS["h_kv"]
+    return 2.0 * n_q * g / dtype_of(dtype).itemsize
+
+
+def decode_roof(dtype: str, gemv_gbs: float, sgemm_gfs: float) -> tuple[float, float]:
+    """``(compute_gbs, roof_gbs)`` of decode over K and V of ``dtype``.
+
+    ``compute_gbs``: the K+V bytes a second the core(s) could consume at
+    sgemm's FLOP/s (the best multiply-add rate BLAS reaches here; a fused
+    kernel that also widens and exponentiates cannot beat it). ``roof_gbs``:
+    the lower of that and the GEMV read bandwidth, the rate a kernel can reach
+    at best.
+    """
+    compute = sgemm_gfs / decode_flop_per_byte(dtype)
+    return compute, min(gemv_gbs, compute)
+
+
 def table_row(head: list[str], row: Row, limit: float) -> str:
     """``head`` cells, then rates of the four implementations, ratios to SDPA and to ``limit``, the diff."""
     c = row.cells
@@ -434,13 +495,21 @@ def table_row(head: list[str], row: Row, limit: float) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def decode_row(row: Row, limit: float) -> str:
-    """A decode row: rates of every implementation, the fused kernel against SDPA, each kernel against GEMV."""
+def decode_row(row: Row, run_gemv_gbs: float, compute_gbs: float) -> str:
+    """A decode row: rates of every implementation, the GEMV beside them, the fused kernel against SDPA, each
+    kernel against that GEMV (the run's first, ``run_gemv_gbs``, when none was timed beside), the fused
+    kernel against the dtype's roof (the lower of that GEMV and ``compute_gbs``). When the layouts were
+    timed in two phases, the inline kernels are compared with the second phase's GEMV."""
     c = row.cells
-    share = [f"{row.work / c[n].median / 1e9 / limit:.0%}" if n in c else "-"
+    beside = row.gemv_gbs() or run_gemv_gbs
+    second = row.gemv_bytes / c["gemv_inline"].median / 1e9 if "gemv_inline" in c else beside
+    limit = {"resident": beside, "fused_resident": beside, "inline": second, "fused_inline": second}
+    share = [f"{row.work / c[n].median / 1e9 / limit[n]:.0%}" if n in c else "-"
              for n in ("resident", "inline", "fused_resident", "fused_inline")]
+    share += [f"{row.work / c[n].median / 1e9 / min(limit[n], compute_gbs):.0%}" if n in c else "-"
+              for n in ("fused_resident", "fused_inline")]
     cells = [row.label + " *" * row.two_phases, f"{row.work / GIB:.2f} GiB",
-             *(rate(row.work, c.get(n)) for n in DECODE_IMPLS),
+             *(rate(row.work, c.get(n)) for n in DECODE_IMPLS), rate(row.gemv_bytes, c.get("gemv")),
              ratio(c.get("fused_resident"), c.get("sdpa")), ratio(c.get("fused_inline"), c.get("sdpa")), *share,
              f"{row.max_diff:.1e}"]
     return "| " + " | ".join(cells) + " |"
@@ -453,6 +522,7 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
     sgemm_work, sgemm = limits["sgemm"]
     gemv_gbs = gemv_work / gemv.median / 1e9
     sgemm_gfs = sgemm_work / sgemm.median / 1e9
+    roofs = {dt: decode_roof(dt, gemv_gbs, sgemm_gfs) for dt in args.dtypes}
     lines = [
         f"Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
         f"Command: `{' '.join(['python', 'benchmarks/kernel.py', *argv])}`",
@@ -472,29 +542,43 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         f"| float32 GEMV read, 1 BLAS thread (GB/s) | {rate(*limits['gemv1'])} |",
         f"| sgemm {t} BLAS threads (GFLOP/s) | {rate(sgemm_work, sgemm)} |",
         "",
+        ("Decode's roof per K/V dtype: the compute roof is sgemm's FLOP/s over decode's flops per K+V byte "
+         "(2 n_q g / itemsize: QK and PV, one read of each key); the roof is the lower of it and the GEMV. "
+         "\"85% of GEMV\" is the target's rate as a share of the compute roof: above ~90% it asks for more "
+         "multiply-adds a second than sgemm reaches."),
+        "",
+        "| K and V | flop per byte | compute roof (GB/s) | GEMV (GB/s) | roof (GB/s) | 85% of GEMV / compute roof |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *(f"| {dt} | {decode_flop_per_byte(dt):g} | {roofs[dt][0]:.1f} | {gemv_gbs:.1f} | {roofs[dt][1]:.1f} "
+          f"| {0.85 * gemv_gbs / roofs[dt][0]:.0%} |" for dt in args.dtypes),
+        "",
         "### Decode: n_q=1, h_q={h_q}, h_kv={h_kv}, d={d} (GB/s of K+V in their own dtype)".format(**HEADS),
         "",
         ("\"resident\"/\"inline\": the NumPy kernel on the resident layout and on the contract layout; "
-         "\"fused\": the same calls with `cpu_kernels=\"fused\"`. Naive NumPy and SDPA: float32 only."),
+         "\"fused\": the same calls with `cpu_kernels=\"fused\"`. Naive NumPy and SDPA: float32 only. "
+         f"\"GEMV beside\": float32 GEMV over {gemv_operands(args.quick)[0].nbytes / 2**20:.0f} MiB at {t} BLAS "
+         "threads, timed in the case's own interleaved rounds; every \"/ GEMV\" and \"/ roof\" share is taken "
+         "against it (the lower of it and the dtype's compute roof for \"/ roof\")."),
     ]
     for dtype in args.dtypes:
         lines += [
             "",
             f"#### K and V {dtype}",
             "",
-            ("| n_k | K+V | resident | inline | fused resident | fused inline | naive NumPy | SDPA "
+            ("| n_k | K+V | resident | inline | fused resident | fused inline | naive NumPy | SDPA | GEMV beside "
              "| fused resident / SDPA | fused inline / SDPA | resident / GEMV | inline / GEMV "
-             "| fused resident / GEMV | fused inline / GEMV | max abs diff |"),
-            "| --- " * 15 + "|",
+             "| fused resident / GEMV | fused inline / GEMV | fused resident / roof | fused inline / roof "
+             "| max abs diff |"),
+            "| --- " * 18 + "|",
         ]
         for row in decode:
             if row.dtype != dtype:
                 continue
             if row.skipped:
-                lines.append("| " + " | ".join([row.label, f"{row.work / GIB:.2f} GiB", row.skipped] + ["-"] * 12)
+                lines.append("| " + " | ".join([row.label, f"{row.work / GIB:.2f} GiB", row.skipped] + ["-"] * 15)
                              + " |")
             else:
-                lines.append(decode_row(row, gemv_gbs))
+                lines.append(decode_row(row, gemv_gbs, roofs[dtype][0]))
     n_q, n_k = args.prefill["n_q"], args.prefill["n_k"]
     lines += [
         "",
@@ -520,7 +604,7 @@ def row_json(row: Row, **extra: Any) -> dict[str, Any]:
     """One case's raw timings (seconds per implementation) and the resident kernel's median."""
     resident = row.cells.get("resident")
     return {"label": row.label, "work": row.work, **extra, "skipped": row.skipped, "two_phases": row.two_phases,
-            "max_diff": row.max_diff, "seconds": {name: cell.seconds for name, cell in row.cells.items()},
+            "max_diff": row.max_diff, "gemv_bytes": row.gemv_bytes, "seconds": {name: cell.seconds for name, cell in row.cells.items()},
             "resident_s": resident.median if resident is not None else None}
 
 

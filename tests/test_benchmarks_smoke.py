@@ -55,6 +55,14 @@ def test_disagreement_stops_the_run(bench):
         bench.check_agree("wrong", out * 1.01, out)
 
 
+def test_decode_roof_is_the_lower_of_bandwidth_and_compute(bench):
+    # g = 32 / 8 = 4 query rows per kv head: 2 g flops per key element, read once.
+    assert bench.decode_flop_per_byte("float32") == 2.0
+    assert bench.decode_flop_per_byte("bfloat16") == bench.decode_flop_per_byte("float16") == 4.0
+    assert bench.decode_roof("float32", gemv_gbs=30.0, sgemm_gfs=100.0) == (50.0, 30.0)  # memory-bound
+    assert bench.decode_roof("bfloat16", gemv_gbs=30.0, sgemm_gfs=100.0) == (25.0, 25.0)  # compute-bound
+
+
 def test_sizes_and_quick_arguments(bench):
     assert bench.parse_args(["--sizes", "64K,1M,3000"]).sizes == [65536, 2**20, 3000]
     quick = bench.parse_args(["--quick"])
@@ -74,6 +82,7 @@ def test_quick_run_writes_the_markdown_report(bench, tmp_path, capsys, monkeypat
     for heading in ("### Limits measured in the same run", "### Decode", "### Prefill"):
         assert heading in text
     rows = [ln for ln in text.splitlines() if ln.startswith("| 2K |")]
-    assert len(rows) == 3 and all(r.count("|") == 16 for r in rows)  # a row per dtype, 15 columns
+    assert len(rows) == 3 and all(r.count("|") == 19 for r in rows)  # a row per dtype, 18 columns
+    assert "| K and V | flop per byte | compute roof (GB/s)" in text
     for dtype in ("float32", "bfloat16", "float16"):
         assert f"#### K and V {dtype}" in text
