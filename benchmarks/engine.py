@@ -18,7 +18,9 @@ with the default settings. Per round (rounds alternate the servers, each started
    client, one keep-alive connection), the same with ``AsyncClient`` from one event loop, and
    over the KServe v2 gRPC channel with ``tritonclient.grpc`` (``--grpc-port``), and as one
    pre-encoded request on a raw keep-alive socket (no client library; ``GET /healthz`` too,
-   the floor of an HTTP round trip here); in ``--blocks`` blocks per client, each block right
+   the floor of an HTTP round trip here), and that raw request over the first small context (the
+   same path after a kernel whose keys do not push the rest out of the caches, compared with
+   that context's kernel); in ``--blocks`` blocks per client, each block right
    after the single context's in-process kernel measured anew, the clients taking turns;
    p50/p99, Server-Timing stage medians; overhead = p50 - the round's in-process kernel, and
    "beside it" = the median over the calls of (call - its block's kernel);
@@ -259,20 +261,27 @@ def grpc_block(target: str, ctx_id: str, q: np.ndarray) -> tuple[Block, Callable
     return block, client.close
 
 
+#: The client block over the first small context (the others are over the single context).
+SMALL_RAW = "raw_small"
+
+
 def interleaved(blocks: dict[str, Block], data: dict, calls: int, rounds: int) -> dict[str, dict[str, Any]]:
     """Each client's ``calls`` single calls, in ``rounds`` blocks each right after the in-process kernel
-    measured anew (9 calls), the clients in a rotating order: ``beyond`` is the median over the calls of
-    (call - its block's kernel), so the kernel it is compared with was measured within about a second
-    of it (this VM's speed drifts by more than the target over minutes)."""
+    measured anew (9 calls; the small context's too when ``SMALL_RAW`` is among the blocks), the clients
+    in a rotating order: ``beyond`` is the median over the calls of (call - its block's kernel), so the
+    kernel it is compared with was measured within about a second of it (this VM's speed drifts by more
+    than the target over minutes)."""
     per = max(10, calls // rounds)
     got: dict[str, dict[str, list[Any]]] = {name: {"seconds": [], "beyond": [], "stages": []} for name in blocks}
     names = list(blocks)
     for r in range(rounds):
-        kernel = inprocess(data["view"], data["q"], 9)[0]
+        kernel = {"single": inprocess(data["view"], data["q"], 9)[0]}
+        if SMALL_RAW in blocks:
+            kernel["small"] = inprocess(data["small_views"][0], data["q"], 9)[0]
         for name in names[r % len(names):] + names[:r % len(names)]:
             seconds, stages = blocks[name](per)
             got[name]["seconds"] += seconds
-            got[name]["beyond"] += [t - kernel for t in seconds]
+            got[name]["beyond"] += [t - kernel["small" if name == SMALL_RAW else "single"] for t in seconds]
             got[name]["stages"] += stages
     return {name: {**quantiles(g["seconds"]), "beyond": statistics.median(g["beyond"]),
                    "stages": common.median_stages(g["stages"])} for name, g in got.items()}
@@ -314,9 +323,12 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
             if out["single_max_diff"] > 1e-5:
                 raise RuntimeError(f"the service's answer differs from the in-process one by {out['single_max_diff']}")
             opened = {"single": client_block(url, ctx, data["q"])}
+            small = [c.create_context(*kv)["id"] for kv in data["small"]] if batches else []
             try:
                 if batches and clients:
                     opened["raw"] = raw_block(url, attention_request(ctx, data["q"]))
+                    # The path with a kernel that leaves the caches alone: what the big one's footprint costs.
+                    opened[SMALL_RAW] = raw_block(url, attention_request(small[0], data["q"]))
                     opened["async"] = async_block(url, ctx, data["q"])
                     opened["grpc"] = grpc_block(str(grpc_target), ctx, data["q"])
                 out.update(interleaved({name: block for name, (block, _) in opened.items()}, data, args.calls,
@@ -327,7 +339,6 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
             if batches and clients:
                 out["healthz"] = raw_calls(url, HEALTHZ, args.calls)
             if batches:
-                small = [c.create_context(*kv)["id"] for kv in data["small"]]
                 out["batch"] = {}
                 for b in args.batch:
                     items = [{"q": data["q"], "contexts": [small[i % len(small)]]} for i in range(b)]
@@ -386,6 +397,9 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
         rows.append(row("this tree, AsyncClient", [r["async"] for r in own], kernels, False))
         rows.append(row("this tree, gRPC (tritonclient.grpc)", [r["grpc"] for r in own], kernels, False))
         rows.append(row("this tree, raw HTTP/1.1 (no client library)", [r["raw"] for r in own], kernels, True))
+        if all(SMALL_RAW in r for r in own):
+            rows.append(row(f"this tree, raw HTTP/1.1, over a {args.small_n_k}-key context",
+                            [r[SMALL_RAW] for r in own], [round_kernel(r, "small") for r in own], True))
     lines += ["#### Single calls (sequential; medians over the rounds)", "",
               f"p50 - kernel: the p50 minus the round's in-process kernel (measured before and after all its "
               f"calls). Beside it: the median over the calls of (call - the in-process kernel measured right "
@@ -397,7 +411,10 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
     if own:
         healthz = statistics.median(r["healthz"]["p50"] for r in own)
         lines += ["raw HTTP/1.1: the same request pre-encoded once, sent on a keep-alive socket and its answer "
-                  "read without decoding it (what the client library adds is the Client row minus this one). "
+                  "read without decoding it (what the client library adds is the Client row minus this one); "
+                  f"over a {args.small_n_k}-key context, the same path after a kernel that streams "
+                  f"{args.small_n_k / args.n_k:.0%} of the bytes through the caches (its rows are compared with "
+                  "that context's kernel). "
                   f"`GET /healthz` the same way (an HTTP round trip that does no work): p50 {common.ms(healthz)}.",
                   ""]
     if own:
