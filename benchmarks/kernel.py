@@ -544,8 +544,8 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         "",
         ("Decode's roof per K/V dtype: the compute roof is sgemm's FLOP/s over decode's flops per K+V byte "
          "(2 n_q g / itemsize: QK and PV, one read of each key); the roof is the lower of it and the GEMV. "
-         "\"85% of GEMV\" is the target's rate as a share of the compute roof: above ~90% it asks for more "
-         "multiply-adds a second than sgemm reaches."),
+         "\"85% of GEMV\" is the target's rate as a share of the compute roof: at 100% or more it asks for as "
+         "many multiply-adds a second as sgemm reaches on in-cache blocks, or more."),
         "",
         "| K and V | flop per byte | compute roof (GB/s) | GEMV (GB/s) | roof (GB/s) | 85% of GEMV / compute roof |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -604,7 +604,8 @@ def row_json(row: Row, **extra: Any) -> dict[str, Any]:
     """One case's raw timings (seconds per implementation) and the resident kernel's median."""
     resident = row.cells.get("resident")
     return {"label": row.label, "work": row.work, **extra, "skipped": row.skipped, "two_phases": row.two_phases,
-            "max_diff": row.max_diff, "gemv_bytes": row.gemv_bytes, "seconds": {name: cell.seconds for name, cell in row.cells.items()},
+            "max_diff": row.max_diff, "gemv_bytes": row.gemv_bytes,
+            "seconds": {name: cell.seconds for name, cell in row.cells.items()},
             "resident_s": resident.median if resident is not None else None}
 
 
