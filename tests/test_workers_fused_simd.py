@@ -1,6 +1,7 @@
 """Eight-lane building blocks of the fused kernels (workers/fused_simd.py): every 16-bit element
 widens exactly, loads work at any offset, a fused multiply-add rounds once, a prefetch never faults,
-the lane sums of eight vectors come in one fixed tree."""
+the lane sums of eight vectors come in one fixed tree, sixteen elements load in their dtype's tile order
+and weave back in order."""
 
 from __future__ import annotations
 
@@ -9,7 +10,20 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from workers.fused_simd import LANES, prefetch, vfma, vload, vsplat_at, vstore, vsum8, vzero  # noqa: E402
+from kernel_bits import DTYPES, bits  # noqa: E402
+from workers.fused_simd import (  # noqa: E402
+    LANES,
+    prefetch,
+    split_order,
+    vfma,
+    vload,
+    vload16,
+    vsplat_at,
+    vstore,
+    vsum8,
+    vweave,
+    vzero,
+)
 
 
 @numba.njit
@@ -106,3 +120,49 @@ def test_vsum8_puts_each_vectors_lane_sum_in_its_lane_by_a_fixed_tree():
     x = a.reshape(LANES, LANES)
     tree = ((x[:, 0] + x[:, 1]) + (x[:, 2] + x[:, 3])) + ((x[:, 4] + x[:, 5]) + (x[:, 6] + x[:, 7]))  # float32 throughout
     np.testing.assert_array_equal(out.view(np.uint32), tree.view(np.uint32))
+
+
+@numba.njit
+def _load16_at(a, i, out):
+    x, y = vload16(a, i)
+    vstore(out, 0, x)
+    vstore(out, LANES, y)
+
+
+@numba.njit
+def _load16_woven(a, out):
+    for i in range(0, a.size, 2 * LANES):
+        x, y = vload16(a, i)
+        if split_order(a):
+            x, y = vweave(x, y)
+        vstore(out, i, x)
+        vstore(out, i + LANES, y)
+
+
+@numba.njit
+def _split(a):
+    return split_order(a)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("offset", [0, 1, 3, 8])
+def test_vload16_gives_sixteen_elements_in_tile_order_from_any_offset(rng, dtype, offset):
+    a = rng.standard_normal(40).astype(np.float32).astype(DTYPES[dtype])
+    out = np.empty(2 * LANES, np.float32)
+    _load16_at(bits(a), offset, out)
+    x = a[offset:offset + 2 * LANES].astype(np.float32)  # exact: every element widens exactly
+    expected = np.concatenate([x[0::2], x[1::2]]) if dtype == "bfloat16" else x
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_split_order_is_bfloat16s_alone(dtype):
+    assert _split(bits(np.zeros(4, DTYPES[dtype]))) == (dtype == "bfloat16")
+
+
+def test_vload16_then_vweave_widens_every_bfloat16_bit_pattern_in_order():
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    out = np.empty(patterns.size, np.float32)
+    _load16_woven(patterns, out)
+    expected = (patterns.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))

@@ -11,7 +11,13 @@ them):
 Both hold a tile of :data:`TILE_ROWS` rows x :data:`TILE_KEYS` lanes (two
 ``f32x8``) of accumulators in registers across a stretch of their reduction, so
 that each key (value) vector loaded serves four rows, widened once for all four
-when it is 16-bit:
+when it is 16-bit. The scores tile holds its 16 keys in the key array's tile
+order (``workers.fused_simd.split_order``): in order, or for bfloat16 the even
+keys and the odd ones, which widen from one load with half the instructions; the
+partial sums keep that order in ``s`` from panel to panel, and after the last
+panel one pass over the block puts each tile's keys in order. (``p @ v`` widens
+its values in order: there the accumulators go back to ``acc`` every
+:data:`PV_KEYS` keys, and reordering them in and out cost what the split load saves.)
 
 * **scores** walk the block in panels of :data:`PANEL_DIMS` dims: a panel reads
   its dims' runs side by side, each front to back, and prefetches the next
@@ -41,13 +47,15 @@ from typing import Any
 import numba
 
 import workers.fused_simd as fused_simd
-from workers.fused_simd import widen
+from workers.fused_simd import split_order, widen
 
 # The eight-lane intrinsics, typed as their calls in compiled code read (numba supplies
 # the typing context that their Python signatures start with).
 prefetch: Any = fused_simd.prefetch
 vfma: Any = fused_simd.vfma
 vload: Any = fused_simd.vload
+vload16: Any = fused_simd.vload16
+vweave: Any = fused_simd.vweave
 vsplat_at: Any = fused_simd.vsplat_at
 vstore: Any = fused_simd.vstore
 vzero: Any = fused_simd.vzero
@@ -83,6 +91,16 @@ def _store4(a: Any, i: int, row: int, t: Any) -> None:  # pragma: no cover - com
 
 
 @numba.njit(inline="always", nogil=True)
+def _weave4(t: Any) -> Any:  # pragma: no cover - compiled
+    """A tile's four rows from (even, odd) keys to keys in order (:func:`workers.fused_simd.vweave`)."""
+    a0, a1 = vweave(t[0], t[1])
+    a2, a3 = vweave(t[2], t[3])
+    a4, a5 = vweave(t[4], t[5])
+    a6, a7 = vweave(t[6], t[7])
+    return (a0, a1, a2, a3, a4, a5, a6, a7)
+
+
+@numba.njit(inline="always", nogil=True)
 def _fma4(src: Any, i: int, row: int, w0: Any, w1: Any, t: Any) -> Any:  # pragma: no cover - compiled
     """The tile ``t`` plus ``src[i + n row] * (w0, w1)`` on row ``n`` (one fused multiply-add per lane)."""
     x0, x1 = vsplat_at(src, i), vsplat_at(src, i + row)
@@ -97,7 +115,8 @@ def _scores_tile4(q: Any, r: int, t0: int, n_t: int, k: Any, base: int, step: in
     """Rows ``r..r+3``, keys ``j0..j0+15``, dims ``[t0, t0 + n_t)`` added onto ``s`` (or into it when ``first``).
 
     ``q [R, d]`` and ``s [R, sb]`` indexed flat; ``n_t`` is a compile-time constant
-    (a whole panel, unrolled) or the last panel's width.
+    (a whole panel, unrolled) or the last panel's width. The 16 keys go to ``s`` in
+    ``k``'s tile order (:func:`scores_dmajor_f32` puts them in order after the last panel).
     """
     d = q.shape[1]
     i0 = r * sb + j0  # flat s[r, j0]
@@ -109,7 +128,7 @@ def _scores_tile4(q: Any, r: int, t0: int, n_t: int, k: Any, base: int, step: in
     o = base + t0 * step + j0  # key j0 of dim t
     qi = r * d + t0  # flat q[r, t]
     for _ in range(n_t):
-        k0, k1 = vload(k, o), vload(k, o + 8)
+        k0, k1 = vload16(k, o)  # keys j0..j0+15 of dim t, in tile order
         prefetch(k, o + PANEL_DIMS * step)  # the next panel's run, as far along
         t = _fma4(q, qi, d, k0, k1, t)
         o += step
@@ -164,6 +183,13 @@ def scores_dmajor_f32(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s
                 for t in range(t0, t1):
                     x += q[r, t] * widen(k[base + t * step + j])
                 s[r, j] = x
+    if split_order(k):  # the tiles' keys from (even, odd) to in order
+        for j0 in range(0, full, TILE_KEYS):
+            r = 0
+            while r + TILE_ROWS <= n_rows:
+                i0 = r * sb + j0
+                _store4(s, i0, sb, _weave4(_load4(s, i0, sb)))
+                r += TILE_ROWS
 
 
 @numba.njit(inline="always", fastmath=_FM, nogil=True)

@@ -17,6 +17,12 @@ few operations on it, each one LLVM instruction or intrinsic:
 
 * :func:`vload` eight consecutive elements of a contiguous array from a flat
   index, widened to float32 as :func:`widen` does, for all eight at once;
+* :func:`vload16` sixteen elements as two vectors in the array's **tile order**
+  (:func:`split_order`): elements ``0..7`` and ``8..15`` for float32 and float16,
+  but for bfloat16 the even elements and the odd ones, which one 256-bit load, a
+  shift and a mask widen (two ``vload`` calls take two loads, two zero-extending
+  shuffles and two shifts, and the shuffles share ports with the multiply-adds);
+  :func:`vweave` puts a pair of even and odd elements in order;
 * :func:`vstore`, :func:`vzero`, and :func:`vsplat_at` one element broadcast to
   every lane;
 * :func:`vfma` ``a * b + c`` rounded once (``llvm.fma``): a lane's result
@@ -107,6 +113,21 @@ def _narrow_impl(a: Any) -> Any:  # pragma: no cover - compiled
     return impl
 
 
+def split_order(a: Any) -> Any:
+    """Whether :func:`vload16` gives array ``a``'s sixteen elements even/odd (bfloat16 bits) rather
+    than in order, as a compile-time constant (numba only)."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(split_order)
+def _split_order_impl(a: Any) -> Any:  # pragma: no cover - compiled
+    split = a.dtype == types.uint16
+
+    def impl(a: Any) -> Any:
+        return split
+    return impl
+
+
 #: Lanes of :data:`f32x8`.
 LANES = 8
 
@@ -138,28 +159,85 @@ def _element_ptr(context: Any, builder: Any, aty: Any, arr: Any, index: Any) -> 
     return builder.gep(data, [builder.sext(index, ir.IntType(64)) if index.type.width < 64 else index])
 
 
+def _loadable(a: Any, index: Any) -> bool:
+    """Whether the loads read ``a`` at ``index``: a C-contiguous float32, bfloat16 or float16 array, an integer index."""
+    return (_contiguous(a) and isinstance(index, types.Integer)
+            and a.dtype in (types.float32, types.uint16, types.int16))
+
+
 @intrinsic
 def vload(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
     """Elements ``a[index : index + 8]`` (flat) as float32 lanes."""
-    if not _contiguous(a) or not isinstance(index, types.Integer):
+    if not _loadable(a, index):
         return None
     dt = a.dtype
-    if dt not in (types.float32, types.uint16, types.int16):
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return _load8(builder, _element_ptr(context, builder, signature.args[0], args[0], args[1]), dt)
+
+    return f32x8(a, index), codegen
+
+
+def _load8(builder: Any, ptr: Any, dt: Any) -> Any:
+    """Eight elements of type ``dt`` from ``ptr``, widened to float32 lanes."""
+    if dt == types.float32:
+        return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+    bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), LANES).as_pointer()), align=2)
+    if dt == types.uint16:  # bfloat16: the float32 with these bits on top
+        wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
+        wide = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES))
+        return builder.bitcast(wide, _VEC)
+    half = builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES))  # float16
+    return builder.fpext(half, _VEC)
+
+
+#: The lanes of a pair in order, picked from (even, odd) (lanes 8..15 are the odd vector's).
+_WEAVE = ([0, 8, 1, 9, 2, 10, 3, 11], [4, 12, 5, 13, 6, 14, 7, 15])
+_PAIR = types.UniTuple(f32x8, 2)
+
+
+@intrinsic
+def vload16(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
+    """Elements ``a[index : index + 16]`` (flat) as float32 lanes, two vectors in tile order
+    (:func:`split_order`): ``(a[i : i+8], a[i+8 : i+16])``, or for bfloat16 bits (uint16)
+    ``(a[i : i+16 : 2], a[i+1 : i+16 : 2])``.
+
+    A bfloat16 is the top half of a float32, so the 16 elements read as eight 32-bit
+    lanes hold element ``2l + 1`` on top of element ``2l``: the lane with its low half
+    cleared is the odd element, the lane shifted up 16 the even one (both exact).
+    """
+    if not _loadable(a, index):
         return None
+    dt = a.dtype
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1])
-        if dt == types.float32:
-            return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
-        bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), LANES).as_pointer()), align=2)
-        if dt == types.uint16:  # bfloat16: the float32 with these bits on top
-            wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
-            wide = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES))
-            return builder.bitcast(wide, _VEC)
-        half = builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES))  # float16
-        return builder.fpext(half, _VEC)
+        if dt == types.uint16:
+            i32x8 = ir.VectorType(ir.IntType(32), LANES)
+            both = builder.load(builder.bitcast(ptr, i32x8.as_pointer()), align=2)  # [8] (odd << 16 | even)
+            even = builder.shl(both, ir.Constant(i32x8, [16] * LANES))
+            odd = builder.and_(both, ir.Constant(i32x8, [0xFFFF0000] * LANES))
+            pair = (builder.bitcast(even, _VEC), builder.bitcast(odd, _VEC))
+        else:
+            second = builder.gep(ptr, [ir.Constant(ir.IntType(64), LANES)])
+            pair = tuple(_load8(builder, p, dt) for p in (ptr, second))
+        return context.make_tuple(builder, signature.return_type, pair)
 
-    return f32x8(a, index), codegen
+    return _PAIR(a, index), codegen
+
+
+@intrinsic
+def vweave(typingctx: Any, even: Any, odd: Any) -> Any:  # pragma: no cover - compiled
+    """The pair in order from its even and odd elements: ``(e0 o0 e1 o1 .. e3 o3, e4 o4 .. e7 o7)``."""
+    if not (even == odd == f32x8):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i32 = ir.IntType(32)
+        out = [builder.shuffle_vector(args[0], args[1], ir.Constant(ir.VectorType(i32, LANES), m)) for m in _WEAVE]
+        return context.make_tuple(builder, signature.return_type, out)
+
+    return _PAIR(even, odd), codegen
 
 
 @intrinsic
