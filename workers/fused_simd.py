@@ -21,7 +21,7 @@ few operations on it, each one LLVM instruction or intrinsic:
   (:func:`split_order`): elements ``0..7`` and ``8..15`` for float32 and float16,
   but for bfloat16 the even elements and the odd ones, which one 256-bit load, a
   shift and a mask widen (two ``vload`` calls take two loads, two zero-extending
-  shuffles and two shifts, and the shuffles share ports with the multiply-adds);
+  shuffles and two shifts);
   :func:`vweave` puts a pair of even and odd elements in order;
 * :func:`vstore`, :func:`vzero`, and :func:`vsplat_at` one element broadcast to
   every lane;
