@@ -57,23 +57,29 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         key = state.settings.api_key()
         self.api_key = key.encode() if key else None
 
-    # -- health and metadata (open, as the HTTP probes are) --------------------------------
+    # -- health (open, as GET /v2/health/live and /ready are) ------------------------------
     async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - the protocol's names
         return service_pb2.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request: Any, context: Any) -> Any:  # noqa: N802
         return service_pb2.ServerReadyResponse(ready=self._ready())
 
+    # -- metadata (behind the key, as GET /v2 and /v2/models/attention[/ready] are) -------
     async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return service_pb2.ModelReadyResponse(ready=request.name == MODEL_NAME and self._ready())
+        await self._authorize_or_abort(context)
+        return service_pb2.ModelReadyResponse(ready=_served(request) and self._ready())
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
+        await self._authorize_or_abort(context)
         return service_pb2.ServerMetadataResponse(name=PLATFORM, version="0.1.0", extensions=[])
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        await self._authorize(context)
-        if request.name != MODEL_NAME:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"name must be {MODEL_NAME}, got {request.name[:64]!r}")
+        await self._authorize_or_abort(context)
+        if not _served(request):
+            # Another model or version is not served: NOT_FOUND, as HTTP's 404 for its path.
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"name must be {MODEL_NAME} and version empty or {MODEL_VERSION}, got "
+                                f"{request.name[:64]!r} version {request.version[:64]!r}")
         meta = model_metadata()
         tensor = service_pb2.ModelMetadataResponse.TensorMetadata
         return service_pb2.ModelMetadataResponse(
@@ -136,6 +142,14 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             state.metrics.count_request(ROUTE, code)
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
+    async def _authorize_or_abort(self, context: Any) -> None:
+        """:meth:`_authorize`, a refusal ending the call ``UNAUTHENTICATED`` as ``ModelInfer``'s does."""
+        try:
+            await self._authorize(context)
+        except Unauthorized as err:
+            metadata = [(k.encode(), v.encode()) for k, v in context.invocation_metadata() if isinstance(v, str)]
+            await self._abort(context, err, request_id.assign(metadata))
+
     async def _authorize(self, context: Any) -> None:
         if self.api_key is None:
             return
@@ -157,6 +171,12 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             detail = f"{err.code.replace('_', ' ')}: the server log has the details under request id {rid}"
         context.set_trailing_metadata((("x-request-id", rid), ("splitkey-code", ERRORS[type(err)].code)))
         await context.abort(STATUS.get(err.status, grpc.StatusCode.UNKNOWN), detail)
+
+
+def _served(request: Any) -> bool:
+    """Whether a ``ModelReady``/``ModelMetadata`` request names the model served: ``attention``, version
+    empty (the latest) or ``1``."""
+    return request.name == MODEL_NAME and request.version in ("", MODEL_VERSION)
 
 
 def _decode(request: Any, state: AppState) -> tuple[Any, Any]:

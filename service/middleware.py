@@ -53,13 +53,19 @@ UNMATCHED = "unmatched"
 
 
 def route_label(path: str, paths: frozenset[str]) -> str:
-    """A low-cardinality route name for metrics: context ids stripped, and ``UNMATCHED`` for a path
-    that is neither one of the app's fixed ``paths`` nor under a context or model."""
+    """A low-cardinality route name for metrics: ``UNMATCHED`` for a path the app has no route for;
+    a context's routes with the id stripped; the model's routes (metadata and ready, each also
+    under ``versions/1``) as ``/v2/models/attention``, its inference as ``.../infer``."""
     if path.startswith("/v1/contexts/"):
-        return "/v1/contexts/{id}/append" if path.endswith("/append") else "/v1/contexts/{id}"
+        rest = path[len("/v1/contexts/"):].split("/")  # ID, or ID/append
+        if rest[0] and (len(rest) == 1 or (len(rest) == 2 and rest[1] == "append")):
+            return "/v1/contexts/{id}" if len(rest) == 1 else "/v1/contexts/{id}/append"
+        return UNMATCHED
+    if path not in paths:
+        return UNMATCHED
     if path.startswith("/v2/models/"):
         return "/v2/models/attention/infer" if path.endswith("/infer") else "/v2/models/attention"
-    return path if path in paths else UNMATCHED
+    return path
 
 
 class ServiceMiddleware:

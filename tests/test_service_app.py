@@ -3,6 +3,7 @@
 import asyncio
 
 import httpx
+import pytest
 import ray
 
 from service.app import create_app
@@ -99,3 +100,28 @@ def test_requests_to_paths_without_a_route_share_one_metrics_label():
     text = request(app, "GET", "/metrics").text
     assert 'splitkey_requests_total{code="404",route="unmatched"} 3.0' in text
     assert 'route="/healthz"' in text and "made-up" not in text
+
+
+@pytest.mark.parametrize("path", ["/v2/models/attention/zzz", "/v2/models/other", "/v2/models/other/infer",
+                                  "/v2/models/attention/versions/2/infer", "/v1/contexts/a/b", "/v1/contexts/a/append/x"])
+def test_paths_without_a_route_under_models_and_contexts_count_as_unmatched(path):
+    app = create_app(ServiceSettings())
+    assert request(app, "GET", path).status_code in (404, 405)
+    text = request(app, "GET", "/metrics").text
+    assert 'route="unmatched"' in text and 'route="/v2/models/attention' not in text and "{id}" not in text
+
+
+@pytest.mark.parametrize("path, label", [
+    ("/v2/models/attention/infer", "/v2/models/attention/infer"),
+    ("/v2/models/attention/versions/1/infer", "/v2/models/attention/infer"),
+    ("/v2/models/attention/versions/1/ready", "/v2/models/attention"),
+    ("/v2/models/attention", "/v2/models/attention"),
+    ("/v1/contexts/ctx_1", "/v1/contexts/{id}"),
+    ("/v1/contexts/ctx_1/append", "/v1/contexts/{id}/append"),
+    ("/healthz", "/healthz"),
+])
+def test_route_labels_name_the_route_with_ids_and_versions_folded(path, label):
+    app = create_app(ServiceSettings())
+    request(app, "POST" if path.endswith("/infer") else "GET", path)
+    text = request(app, "GET", "/metrics").text
+    assert f'route="{label}"' in text and 'route="unmatched"' not in text

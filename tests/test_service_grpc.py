@@ -73,11 +73,39 @@ def test_grpc_answers_are_exact_and_bitwise_the_http_answers(grpc_server, tc, rn
 
 
 def test_grpc_health_is_open_and_metadata_describes_the_model(tc):
-    assert tc.is_server_live() and tc.is_server_ready() and tc.is_model_ready("attention")
-    assert not tc.is_model_ready("other")
+    assert tc.is_server_live() and tc.is_server_ready()
+    assert tc.is_model_ready("attention", headers=AUTH) and tc.is_model_ready("attention", "1", headers=AUTH)
+    assert not tc.is_model_ready("other", headers=AUTH) and not tc.is_model_ready("attention", "2", headers=AUTH)
     meta = tc.get_model_metadata("attention", headers=AUTH, as_json=True)
     assert meta["name"] == "attention" and [t["name"] for t in meta["inputs"]][:3] == ["q", "k", "v"]
-    assert tc.get_server_metadata(as_json=True)["name"] == "splitkey"
+    assert tc.get_server_metadata(headers=AUTH, as_json=True)["name"] == "splitkey"
+
+
+def test_grpc_metadata_of_another_model_version_is_not_found(tc):
+    with pytest.raises(InferenceServerException) as info:
+        tc.get_model_metadata("attention", "2", headers=AUTH)
+    assert info.value.status() == "StatusCode.NOT_FOUND" and "'2'" in info.value.message()
+
+
+@pytest.mark.parametrize("rpc", ["ModelMetadata", "ModelReady", "ServerMetadata"])
+@pytest.mark.parametrize("token", [None, "wrong-key"])
+def test_grpc_metadata_without_the_key_is_unauthenticated_as_over_http(grpc_server, rpc, token):
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    request = {"ModelMetadata": service_pb2.ModelMetadataRequest(name="attention"),
+               "ModelReady": service_pb2.ModelReadyRequest(name="attention"),
+               "ServerMetadata": service_pb2.ServerMetadataRequest()}[rpc]
+    metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+    with grpc.insecure_channel(grpc_server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            getattr(stub, rpc)(request, metadata=metadata)
+    err = info.value
+    assert err.code() == grpc.StatusCode.UNAUTHENTICATED and "Authorization" in err.details()
+    assert dict(err.trailing_metadata())["splitkey-code"] == "unauthorized" and "service." not in err.details()
+    assert httpx.get(grpc_server.url + {"ModelMetadata": "/v2/models/attention", "ModelReady": "/v2/models/attention/ready",
+                                        "ServerMetadata": "/v2"}[rpc], timeout=10).status_code == 401
 
 
 @pytest.mark.parametrize("case, status, word", [
@@ -85,7 +113,7 @@ def test_grpc_health_is_open_and_metadata_describes_the_model(tc):
     ("unknown_context", "StatusCode.NOT_FOUND", "ctx_nope"),
     ("bad_shape", "StatusCode.INVALID_ARGUMENT", "q"),
     ("bad_option", "StatusCode.INVALID_ARGUMENT", "causal"),
-    ("typed_contents", "StatusCode.INVALID_ARGUMENT", "raw_input_contents"),
+    ("typed_contents", "StatusCode.INVALID_ARGUMENT", "inputs[0] (q) must travel in raw_input_contents"),
 ])
 def test_grpc_errors_have_the_status_and_message_and_the_server_stays_up(grpc_server, tc, rng, case, status, word):
     q = rng.standard_normal((1, 4, 16)).astype(np.float32)

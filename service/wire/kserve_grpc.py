@@ -43,14 +43,15 @@ def infer_body(req: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, int]:
         raise InvalidBody(f"model_name must be {MODEL_NAME}, got {show(req.model_name)}")
     if req.model_version not in ("", MODEL_VERSION):
         raise InvalidBody(f"model_version must be empty or {MODEL_VERSION}, got {show(req.model_version)}")
+    for i, spec in enumerate(req.inputs):  # before the count: typed contents leave raw_input_contents empty
+        typed = next((f for f in _TYPED_CONTENTS if len(getattr(spec.contents, f))), None)
+        if typed is not None:
+            raise InvalidTensor(f"inputs[{i}] ({spec.name}) must travel in raw_input_contents, got {typed}")
     raw = list(req.raw_input_contents)
     if len(raw) != len(req.inputs):
         raise InvalidBody(f"raw_input_contents must hold one entry per input ({len(req.inputs)}), got {len(raw)}")
     inputs = []
     for i, (spec, data) in enumerate(zip(req.inputs, raw)):
-        typed = next((f for f in _TYPED_CONTENTS if len(getattr(spec.contents, f))), None)
-        if typed is not None:
-            raise InvalidTensor(f"inputs[{i}] ({spec.name}) must travel in raw_input_contents, got {typed}")
         entry: dict[str, Any] = {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape),
                                  "parameters": {"binary_data_size": len(data)}}
         for name, p in spec.parameters.items():
