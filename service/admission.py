@@ -49,7 +49,7 @@ class Ticket:
             return
         if a.inflight >= a.max_inflight:
             a.metrics.rejected.labels(reason="inflight").inc()
-            raise Overloaded(f"in-flight requests must stay below {a.max_inflight}, got one more; retry later",
+            raise Overloaded(f"in-flight requests must be at most {a.max_inflight} at once, got one more; retry later",
                              a.retry_after_s)
         a.inflight += 1
         a.metrics.inflight.inc()

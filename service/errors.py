@@ -169,9 +169,20 @@ INTERNALS: Mapping[str, re.Pattern[str]] = {
 }
 
 
+#: The client's value quoted after "got" in a detail: how the checks echo what was sent
+#: (``got {show(value)}``, ``got unknown id {id!r}``).
+QUOTED = re.compile(r"\bgot\b[^'\"\n]{0,40}(?:'[^'\n]*'|\"[^\"\n]*\")")
+
+
 def internals(detail: str) -> str | None:
-    """The name of the first kind of machine detail in ``detail`` (:data:`INTERNALS`), or None."""
-    return next((name for name, pattern in INTERNALS.items() if pattern.search(detail)), None)
+    """The name of the first kind of machine detail in ``detail`` (:data:`INTERNALS`), or None.
+
+    A long run of hex digits counts as a Ray id only outside the quoted value after "got": there
+    it is the client's own value echoed back (a context id, a number), which the detail must name
+    (Ray's own messages name their ids unquoted, or as ``ActorID`` and the like)."""
+    unquoted = QUOTED.sub("got ''", detail)
+    return next((name for name, pattern in INTERNALS.items()
+                 if pattern.search(unquoted if name == "a Ray id" else detail)), None)
 
 
 def error_body(err: ServiceError, *, kserve: bool = False, rid: str | None = None,

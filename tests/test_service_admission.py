@@ -22,7 +22,7 @@ def test_slots_are_taken_once_per_ticket_and_given_back_on_release():
     t1.admit()
     t1.admit()  # idempotent: one request, one slot
     t2.admit()
-    with pytest.raises(Overloaded, match="in-flight requests must stay below 2") as err:
+    with pytest.raises(Overloaded, match="in-flight requests must be at most 2 at once") as err:
         t3.admit()
     assert err.value.headers["Retry-After"] == "1" and rejected(a, "inflight") == 1
     t1.release()

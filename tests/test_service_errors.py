@@ -67,6 +67,8 @@ RAY_TRACEBACK = (
     ("node 10.1.2.3:6379 is gone", "an address"),
     ("worker (pid=4242) died", "a process id"),
     ("actor 6f1c0b3a9e2d4f5a8b7c6d5e01000000 died", "a Ray id"),
+    ("actor '6f1c0b3a9e2d4f5a8b7c6d5e01000000' died, got 'x'", "a Ray id"),
+    ('{"detail":"actor 6f1c0b3a9e2d4f5a8b7c6d5e01000000 died, got \\"x\\""}', "a Ray id"),
     ("The ActorID is unknown", "a Ray id"),
 ])
 def test_internals_are_found_in_a_detail(detail, kind):
@@ -80,6 +82,10 @@ def test_internals_are_found_in_a_detail(detail, kind):
     "window must be [left, right] with each >= 0 or null, got [-1, 0.5]",
     "request body must be at most 67108864 bytes, got Content-Length 67108865",
     "POST /v1/contexts/{id}/append must name the context length as after, got 12",
+    # The client's own hex-like values, echoed: not Ray ids.
+    "contexts must name existing contexts, got unknown id 'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa'",
+    'scale must be a number, got "111111111111111111111111111111111111111111"',
+    'window must be [left, right], got "12345678901234567890123456789012345678901234567890,"',
 ])
 def test_a_detail_in_the_services_words_is_kept(detail):
     assert errors.internals(detail) is None

@@ -17,7 +17,7 @@ chunked uploads, and retries that are safe for what they retry:
     >>> async with AsyncClient("http://127.0.0.1:8000") as c:
     ...     out, lse = await c.attention(q, contexts=[ctx_id])
 
-docs/SERVICE.md, "The asyncio client", has an engine's decode loop.
+docs/ENGINE.md, "A decode loop", has an engine's decode loop.
 """
 
 from __future__ import annotations

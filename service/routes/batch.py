@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -13,7 +14,7 @@ from service.metrics import Timings
 from service.routes.common import app_state, body_limit, off_loop, read_body, runtime, with_deadline
 from service.wire.batch import Item, decode_binary_batch, decode_json_batch, encode_binary_batch, encode_json_batch
 from service.wire.negotiation import Format, content_type, request_format, response_format
-from service.wire.rules import Limits
+from service.wire.rules import Limits, refuse_query
 from service.wire.safetensors import to_bytes
 
 router = APIRouter(tags=["attention"])
@@ -56,7 +57,8 @@ BODY_DOC = {"requestBody": {"required": True, "content": {
                                             "__metadata__.items: JSON array of each item's options"}}}}}
 
 
-def _decode(fmt: Format, body: memoryview, limits: Limits) -> list[Item]:
+def _decode(fmt: Format, body: memoryview, query: Mapping[str, str], limits: Limits) -> list[Item]:
+    refuse_query(query, "a batch request")
     return decode_json_batch(body, limits) if fmt == "json" else decode_binary_batch(body, limits)
 
 
@@ -75,7 +77,7 @@ async def attention_batch(request: Request) -> Response:
     timings = Timings()
     fmt = request_format(request.headers.get("content-type"))
     body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
-    items = await off_loop(len(body), _decode, fmt, body, state.limits)
+    items = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
     timings.add("parse", time.perf_counter() - t0)
     answers = await with_deadline(rt.batch.run(items, timings), state.settings.request_timeout_s)
     t1 = time.perf_counter()

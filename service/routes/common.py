@@ -19,7 +19,7 @@ from service.wire.body import declared_length, paced, read_into_buffer
 from service.wire.json_codec import decode_json_request, encode_json_result
 from service.wire.negotiation import Format, content_type, response_format
 from service.wire.request import Decoded
-from service.wire.rules import BodyKind, Limits
+from service.wire.rules import BodyKind, Limits, refuse_query
 from service.wire.safetensors import decode_binary_request, encode_safetensors, to_bytes
 
 T = TypeVar("T")
@@ -75,8 +75,10 @@ async def read_body(request: Request, limit: int, route: str,
 
 
 def decode_body(fmt: Format, body: memoryview, query: Any, kind: BodyKind, limits: Limits) -> Decoded:
-    """The tensors and options of a ``/v1`` body: JSON fields, or safetensors with options in the URL query."""
+    """The tensors and options of a ``/v1`` body: JSON fields (and no URL query), or safetensors with
+    options in the URL query."""
     if fmt == "json":
+        refuse_query(query, "a JSON body")
         return decode_json_request(body, limits, kind)
     return decode_binary_request(body, query, kind, limits)
 

@@ -133,7 +133,7 @@ def attention_request(decoded: Decoded) -> AttentionRequest:
     try:
         check_alibi(options.attention.alibi_slopes, h_q)
     except ValueError as exc:
-        raise InvalidOption(str(exc)) from None
+        raise InvalidTensor(str(exc)) from None
     return AttentionRequest(q=q, q_pos=_positions("q_pos", t.get("q_pos"), n_q), kv=kv, options=options.attention,
                             contexts=options.contexts, n_q=n_q, h_q=h_q, d=d)
 

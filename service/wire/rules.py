@@ -60,8 +60,8 @@ class Limits:
 #: The limits used when a caller gives none.
 DEFAULT_LIMITS = Limits()
 
-#: Largest key count an option may name (``expected_length``, ``after``): positions are
-#: bounded by 2**62 (docs/API.md section 2), so no context holds more keys.
+#: Largest key count an option may name (``expected_length``, ``after``): far beyond any
+#: memory (docs/API.md section 8), and within int64 with room for a sum of two.
 MAX_KEYS = 2**62
 
 
@@ -230,7 +230,7 @@ def check_options(raw: Mapping[str, Any], kind: BodyKind, limits: Limits = DEFAU
             causal=given.get("causal", False),
             window=_window(given["window"]) if "window" in given else None,
             softcap=_number("softcap", given["softcap"]) if "softcap" in given else None,
-            alibi_slopes=alibi_slopes,
+            alibi_slopes=alibi_slopes,  # a tensor: checked with the others (service.wire.request)
         )
     except ValueError as exc:
         raise InvalidOption(str(exc)) from None
@@ -287,6 +287,16 @@ def _query_items(params: Mapping[str, str] | Iterable[tuple[str, str]]) -> list[
     if isinstance(params, Mapping):
         return list(params.items())
     return list(params)
+
+
+def refuse_query(params: Mapping[str, str] | Iterable[tuple[str, str]], where: str) -> None:
+    """Refuse URL query parameters on a request whose options travel in its body (a JSON body, a
+    batch): ignoring one would answer a question the client did not ask (docs/API.md section 6.3)."""
+    items = _query_items(params)
+    if items:
+        name, text = items[0]
+        raise InvalidOption(f"query parameters must be absent from {where} (its options travel in the body), "
+                            f"got {show(f'{name}={text}')}")
 
 
 def parse_query_options(params: Mapping[str, str] | Iterable[tuple[str, str]], kind: BodyKind = ATTENTION,
