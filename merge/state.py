@@ -27,8 +27,8 @@ NO_SCORE = -np.inf
 STATE_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def array_module(x: Any) -> ModuleType:
-    """Return ``numpy`` or ``cupy``, whichever owns ``x``.
+def array_module(x: Any, name: str = "array") -> ModuleType:
+    """Return ``numpy`` or ``cupy``, whichever owns ``x`` (else ValueError naming it as ``name``).
 
     CuPy is looked up in ``sys.modules`` instead of imported: if the caller holds a
     CuPy array, CuPy is already imported; if not, we must not import it.
@@ -38,7 +38,7 @@ def array_module(x: Any) -> ModuleType:
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(x, cupy.ndarray):
         return cupy
-    raise TypeError(f"array must be a numpy or cupy array, got {type(x).__name__}")
+    raise ValueError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,9 @@ class State:
     acc: Any
 
     def __post_init__(self) -> None:
-        xp = array_module(self.m)
+        xp = array_module(self.m, "State.m")
         for name in ("l", "acc"):
-            if array_module(getattr(self, name)) is not xp:
+            if array_module(getattr(self, name), f"State.{name}") is not xp:
                 raise ValueError(f"State.{name} must live in the same array module as m, got {type(getattr(self, name)).__name__}")
         if self.m.ndim != 2:
             raise ValueError(f"State.m must be [n_q, h_q], got shape {tuple(self.m.shape)}")
@@ -101,7 +101,10 @@ class State:
 
 
 def _check_state_dtype(dtype: Any) -> np.dtype:
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype must be float32 or float64, got {dtype!r}") from None
     if dt not in STATE_DTYPES:
         raise ValueError(f"dtype must be float32 or float64, got {dt}")
     return dt
@@ -122,6 +125,8 @@ def empty(n_q: int, h_q: int, d_v: int, dtype: Any = np.float32, xp: ModuleType 
 
 def finalize(state: State) -> tuple[Any, Any]:
     """``out = acc / l`` (0 where ``l == 0``) and ``lse = m + ln(l)`` (-inf where ``l == 0``)."""
+    if not isinstance(state, State):
+        raise ValueError(f"state must be a State, got {type(state).__name__}")
     xp = state.xp
     seen = state.l > 0
     # Guard: rows with no visible key have l == 0; divide by 1 there instead of
@@ -139,8 +144,8 @@ def from_lse(out: Any, lse: Any) -> State:
     ``acc = out``; a row with ``lse = -inf`` becomes the empty row (m = -inf,
     l = 0, acc = 0), whatever its ``out`` holds.
     """
-    xp = array_module(out)
-    if array_module(lse) is not xp:
+    xp = array_module(out, "out")
+    if array_module(lse, "lse") is not xp:
         raise ValueError("lse must live in the same array module as out, got a mix of numpy and cupy")
     if out.ndim != 3:
         raise ValueError(f"out must be [n_q, h_q, d_v], got shape {tuple(out.shape)}")

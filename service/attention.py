@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
+
 from merge import empty, finalize
 from service.cluster.orchestrator import Job, Orchestrator, inline_shard_count, shard_bounds
 from service.cluster.pool import InlineWork, WorkerPool
@@ -27,19 +29,53 @@ from workers.tasks import ShardQuery
 
 
 
-def union_positions(req: AttentionRequest, next_pos: int) -> tuple[Any, Any]:
-    """``(q_pos, k_pos of the inline keys)`` over the contexts' keys and the inline ones.
+def union_positions(req: AttentionRequest, next_pos: int | None) -> tuple[Any, Any]:
+    """``(q_pos, k_pos of the inline keys)`` over the contexts' keys and the inline ones; ``next_pos``:
+    the largest of the contexts' (None without contexts).
 
     Given positions were checked at the edge; defaults are made here and checked
     against the position range like any others.
     """
     n_k = 0 if req.kv is None else req.kv.dims.n_k
-    k_pos: Any = Arange(next_pos, n_k) if req.kv is None or req.kv.k_pos is None else req.kv.k_pos
+    start = 0 if next_pos is None else next_pos
+    k_pos: Any = Arange(start, n_k) if req.kv is None or req.kv.k_pos is None else req.kv.k_pos
     q_pos = req.q_pos if req.q_pos is not None else last_positions(req.n_q, end_of(k_pos, start=next_pos))
     try:
         return check_positions("q_pos", q_pos, req.n_q), check_positions("k_pos", k_pos, n_k)
     except ValueError as exc:
         raise InvalidTensor(str(exc)) from None
+
+
+def request_dtypes(req: AttentionRequest, resolved: Resolved | None) -> list[Any]:
+    """The dtypes that set a request's accumulation dtype: ``q``, the inline ``k`` and ``v``, and each
+    context's stored dtype (docs/API.md section 2, "Precision")."""
+    dtypes: list[Any] = [req.q.dtype] + ([req.kv.k.dtype, req.kv.v.dtype] if req.kv is not None else [])
+    return dtypes + list(resolved.dtypes if resolved is not None else ())
+
+
+def widened_q(q: Any, acc_dtype: Any) -> Any:
+    """``q`` in ``acc_dtype`` when that is wider (exact: every narrower float is a float64).
+
+    Each shard's kernel accumulates in the widest dtype of ``q`` and its own keys; a float32
+    shard beside a float64 one would give a float32 state the merge refuses. With ``q`` in the
+    request's accumulation dtype every shard computes in it, as section 2 says.
+    """
+    return q if q.dtype == acc_dtype or q.dtype.itemsize >= acc_dtype.itemsize else q.astype(acc_dtype)
+
+
+def checked_answer(out: Any, lse: Any) -> tuple[Any, Any]:
+    """``(out, lse)``, or 422 when they hold NaN: the scores overflowed the accumulation dtype.
+
+    The kernels put ``q`` times ``scale`` (over ``softcap``) in the accumulation dtype; past its
+    range (float32: about 3.4e38) a score is infinite and the state NaN. That is refused with what
+    to change, never answered (docs/API.md section 4, "Overflow").
+    """
+    if np.isnan(out).any() or np.isnan(lse).any():
+        raise InvalidTensor(f"q, k and the options must give scores within the {out.dtype} range (about "
+                            f"{float(np.finfo(out.dtype).max):.1e}), got a score beyond it (scale / softcap x q.k "
+                            f"overflowed): use a smaller scale, a softcap of 0 or not tiny, smaller q or k, or float64 "
+                            f"tensors")
+    return out, lse
 
 
 def settled(exc: RecordStale) -> WorkersUnavailable:
@@ -90,7 +126,7 @@ class AttentionService:
         # 1. The contexts were resolved (the lookup stage).
         t0 = time.perf_counter()
         # 2. Positions over the union: inline keys continue after the contexts.
-        q_pos, k_pos = union_positions(req, resolved.next_pos if resolved is not None else 0)
+        q_pos, k_pos = union_positions(req, resolved.next_pos if resolved is not None else None)
         query = ShardQuery(q_pos=q_pos, options=req.options)
         # 3. Scatter: q and each inline shard go into the object store once.
         bounds: list[tuple[int, int]] = []
@@ -99,19 +135,17 @@ class AttentionService:
             bounds = shard_bounds(n_k, inline_shard_count(n_k, self.pool.size, self.settings.shards,
                                                           self.settings.min_shard_keys))
         kv = req.kv
+        acc_dtype = accumulation_dtype(*request_dtypes(req, resolved))
         parts = [a for lo, hi in bounds for a in (kv.k[lo:hi], kv.v[lo:hi])] if kv is not None else []
-        q, *refs = await self.pool.put(req.q, *parts)
+        q, *refs = await self.pool.put(widened_q(req.q, acc_dtype), *parts)
         jobs: list[Job] = resolved.jobs(self.pool, self.settings.merge_fanin) if resolved is not None else []
         jobs += [Job(InlineWork(refs[2 * i], refs[2 * i + 1], k_pos[lo:hi]), None, f"inline shard {i}")
                  for i, (lo, hi) in enumerate(bounds)]
         timings.add("scatter", time.perf_counter() - t0)
         # 4. Compute and merge; one state is n_q * h_q * (d_v + 2) numbers of the accumulation dtype.
-        dtypes: list[Any] = [req.q.dtype] + ([kv.k.dtype, kv.v.dtype] if kv is not None else [])
-        dtypes += resolved.dtypes if resolved is not None else []
         d_v = kv.dims.d_v if kv is not None else resolved.dims.d_v if resolved is not None else 0
-        acc_dtype = accumulation_dtype(*dtypes)
         if not jobs:  # contexts that hold no keys: the state over no keys (m = -inf, l = 0), nothing to send
             timings.add("compute", 0.0)
             return finalize(empty(req.n_q, req.h_q, d_v, acc_dtype))
         state_nbytes = req.n_q * req.h_q * (d_v + 2) * acc_dtype.itemsize
-        return await self.orch.run(q, query, jobs, timings, state_nbytes)
+        return checked_answer(*await self.orch.run(q, query, jobs, timings, state_nbytes))

@@ -24,23 +24,28 @@ its own answer; the others are unaffected.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from merge import State, finalize, merge_all
-from service.attention import AttentionService, union_positions
+from service import request_id
+from service.attention import AttentionService, checked_answer, request_dtypes, union_positions, widened_q
 from service.cluster.orchestrator import LOCAL_MERGE_INLINE_BYTES
 from service.cluster.pool import WorkerPool
 from service.contexts.records import ContextRecord
 from service.contexts.service import ContextService, Resolved
-from service.errors import ContextNotFound, Internal, ServiceError, WorkersUnavailable
+from service.errors import ContextNotFound, Internal, InvalidTensor, ServiceError, WorkersUnavailable
 from service.metrics import Timings
 from service.settings import ServiceSettings
 from service.wire.batch import Answer, Item, ItemError
 from service.wire.request import AttentionRequest
+from workers.dtypes import accumulation_dtype
 from workers.tasks import ResidentQuery, ShardQuery, ShardRead, carry
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +58,7 @@ class Planned:
     reads: list[tuple[ShardRead, tuple[int, ...]]]  #: each shard and its live replicas (pool indexes)
     cached: bool  #: its records came from the front end's cache
     states: list[State | None] = field(default_factory=list)
+    q: Any = None  #: the item's q in its accumulation dtype (service.attention.widened_q)
     failed: bool = False
 
 
@@ -103,8 +109,23 @@ class BatchService:
         return answered
 
     def _merge(self, done: list[Planned]) -> list[Answer]:
-        """Each item's states merged in key order over the single request's fixed tree, finalized."""
-        return [finalize(merge_all(p.states, self.settings.merge_fanin)) for p in done]  # type: ignore[arg-type]
+        """Each item's states merged in key order over the single request's fixed tree, finalized.
+
+        A merge that refuses its states (``merge`` checks they agree) fails its item alone, as a
+        500 with the request id: a bug, never an answer, and not the other items' answers.
+        """
+        answers: list[Answer] = []
+        for p in done:
+            try:
+                answers.append(checked_answer(*finalize(merge_all(p.states, self.settings.merge_fanin))))  # type: ignore[arg-type]
+            except InvalidTensor as exc:
+                answers.append(ItemError.of(p.index, exc))
+            except ValueError:
+                rid = request_id.current()
+                log.exception("request %s item %d: its states did not merge", rid, p.index)
+                answers.append(ItemError.of(p.index, Internal(
+                    f"the service failed on this item; the server log has the details under request id {rid}")))
+        return answers
 
     async def _single(self, index: int, req: AttentionRequest) -> Answer:
         """One item through the single-request path; its error is its answer."""
@@ -137,8 +158,9 @@ class BatchService:
             if not reads or any(not live for _, live in reads):  # no keys, or a shard to look for elsewhere
                 single.append(i)
                 continue
+            q = widened_q(req.q, accumulation_dtype(*request_dtypes(req, resolved)))
             planned.append(Planned(i, req, ShardQuery(q_pos=q_pos, options=req.options), reads, resolved.cached,
-                                   states=[None] * len(reads)))
+                                   states=[None] * len(reads), q=q))
         return planned
 
     async def _compute(self, planned: list[Planned]) -> None:
@@ -166,7 +188,7 @@ class BatchService:
                     p.states[j] = st
 
     async def _call(self, worker: int, work: list[tuple[Planned, list[int]]]) -> list[Any]:
-        items = [ResidentQuery(carry(p.req.q), p.query, tuple(p.reads[j][0] for j in js)) for p, js in work]
+        items = [ResidentQuery(carry(p.q), p.query, tuple(p.reads[j][0] for j in js)) for p, js in work]
         try:
             return await self.pool.compute_many(worker, items)
         except WorkersUnavailable as exc:

@@ -59,6 +59,17 @@ def test_empty_rejects_negative_sizes_and_bad_dtype():
         empty(1, 2, 3, dtype=np.float16)
 
 
+@pytest.mark.parametrize("call, match", [
+    (lambda: finalize((1, 2, 3)), "state must be a State, got tuple"),
+    (lambda: empty(1, 2, 3, dtype="foo"), "dtype must be float32 or float64, got 'foo'"),
+    (lambda: from_lse([[[1.0]]], [[0.0]]), "out must be a numpy or cupy array, got list"),
+    (lambda: State([[0.0]], [[0.0]], [[[0.0]]]), "State.m must be a numpy or cupy array, got list"),
+])
+def test_arguments_of_the_wrong_kind_raise_value_error_naming_them(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
 def test_from_lse_rejects_nan_lse_and_wrong_shapes():
     with pytest.raises(ValueError, match="lse must be finite or -inf"):
         from_lse(np.zeros((1, 1, 2)), np.full((1, 1), np.nan))

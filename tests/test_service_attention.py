@@ -92,6 +92,22 @@ def test_binary_request_with_query_options_and_json_answer(server, rng):
                               window=(128, None), softcap=30.0)
 
 
+@pytest.mark.parametrize("route", ["/v1/attention", "/v1/attention/batch"])
+@pytest.mark.parametrize("query", ["scale=0.5", "foo=1", "scale=abc"])
+def test_query_parameters_beside_a_body_that_carries_the_options_are_422(server, route, query):
+    """A JSON body (and any batch) carries its options: a URL option would be ignored, so it is refused."""
+    one = {"q": [[[1.0, 2.0]]], "k": [[[1.0, 0.0]], [[0.0, 1.0]]], "v": [[[1.0]], [[2.0]]]}
+    body = one if route == "/v1/attention" else {"items": [one]}
+    r = httpx.post(f"{server.url}{route}?{query}", json=body, timeout=30)
+    assert r.status_code == 422 and r.json()["code"] == "invalid_option", r.text
+    assert query.split("=")[0] in r.json()["detail"] and "query parameters" in r.json()["detail"]
+    if route.endswith("batch"):
+        binary = {"Content-Type": "application/octet-stream"}
+        r = httpx.post(f"{server.url}{route}?{query}", content=b"not read", headers=binary, timeout=30)
+        assert r.status_code == 422 and r.json()["code"] == "invalid_option", r.text
+    assert httpx.post(f"{server.url}{route}", json=body, timeout=30).status_code == 200
+
+
 def test_thirty_two_concurrent_requests_are_all_exact(server):
     rng = np.random.default_rng(7)
     cases = [inputs(rng, n_q=int(rng.integers(1, 6)), n_k=int(rng.integers(1, 3000))) for _ in range(32)]
@@ -168,14 +184,43 @@ def test_non_finite_inputs_are_refused(client):
     assert (err.value.status, err.value.code) == (422, "invalid_tensor")
 
 
+def test_default_query_positions_end_one_past_negative_key_positions(server):
+    body = {"q": [[[1.0]], [[1.0]], [[1.0]]], "k": [[[1.0]]], "v": [[[5.0]]], "k_pos": [-5], "causal": True}
+    r = httpx.post(f"{server.url}/v1/attention", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"out": [[[0.0]], [[0.0]], [[5.0]]], "lse": [[None], [None], [1.0]]}
+
+
+@pytest.mark.parametrize("case", ["tiny_softcap", "huge_scale", "huge_q_and_k"])
+def test_scores_beyond_float32_are_refused_not_answered_nan(client, case):
+    q = np.array([[[1.0, 2.0]]], np.float32)
+    k = np.array([[[1.0, 0.0]], [[0.0, 1.0]]], np.float32)
+    v = np.array([[[1.0]], [[2.0]]], np.float32)
+    opts = {"tiny_softcap": dict(softcap=1e-39), "huge_scale": dict(scale=3.4e38), "huge_q_and_k": {}}[case]
+    if case == "huge_q_and_k":
+        q, k = q * np.float32(1e20), k * np.float32(1e20)
+    with pytest.raises(SplitkeyError, match="scores within the float32 range") as err:
+        client.attention(q, k, v, **opts)
+    assert (err.value.status, err.value.code) == (422, "invalid_tensor")
+    ctx = client.create_context(k, v)["id"]
+    answers = client.attention_batch([{"q": q, "contexts": [ctx], **opts}, {"q": q * 0, "contexts": [ctx]}])
+    client.delete_context(ctx)
+    assert isinstance(answers[0], SplitkeyError) and answers[0].status == 422, answers[0]
+    out, _ = answers[1]
+    np.testing.assert_allclose(out[0, 0], [1.5], rtol=1e-6)
+    out, lse = client.attention(q.astype(np.float64), k, v, **opts)  # float64 holds these scores
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
 def test_non_finite_alibi_slopes_over_a_context_are_422_not_a_worker_failure(client):
     ctx = client.create_context(np.ones((8, 1, 4), np.float32), np.ones((8, 1, 4), np.float32))
     slopes = np.array([np.nan], np.float32)
     with pytest.raises(SplitkeyError, match="alibi_slopes must be finite") as err:
         client.attention(np.ones((1, 1, 4), np.float32), contexts=[ctx["id"]], alibi_slopes=slopes)
-    assert (err.value.status, err.value.code) == (422, "invalid_option")
+    assert (err.value.status, err.value.code) == (422, "invalid_tensor")  # a tensor's values, as q's
     with pytest.raises(SplitkeyError, match=r"alibi_slopes must have shape \[1\]") as err:
         client.attention(np.ones((1, 1, 4), np.float32), contexts=[ctx["id"]], alibi_slopes=np.ones(2, np.float32))
+    assert (err.value.status, err.value.code) == (422, "invalid_tensor")
     client.delete_context(ctx["id"])
 
 

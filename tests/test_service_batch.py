@@ -104,6 +104,26 @@ def test_batch_item_errors_are_their_own_and_the_others_are_answered(client, con
         assert err.detail.startswith(f"items[{i}]: ") and word in err.detail, err.detail
 
 
+def test_batch_items_mixing_float32_and_float64_keys_compute_in_float64(client, contexts, rng):
+    """An item over a float32 and a float64 context (the grouped path), and one with float64 inline keys
+    over a float32 context (the single path), beside a plain float32 item: each answered in its dtype."""
+    (long_id, lk, lv), (short_id, sk, sv) = contexts["long"], contexts["short"]
+    k64, v64 = kv(rng, 90, dtype=np.float64)
+    c64 = client.create_context(k64, v64)["id"]
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    items = [{"q": q, "contexts": [short_id, c64]}, {"q": q, "contexts": [long_id], "k": k64, "v": v64},
+             {"q": q, "contexts": [short_id]}]
+    answers = client.attention_batch(items)
+    client.delete_context(c64)
+    up = lambda *a: np.concatenate([x.astype(np.float64) for x in a])  # noqa: E731
+    wanted = [(up(sk, k64), up(sv, v64), np.concatenate([np.arange(70), np.arange(90)])),
+              (up(lk, k64), up(lv, v64), np.concatenate([np.arange(900), 900 + np.arange(90)])),
+              (sk, sv, np.arange(70))]
+    for (out, lse), (k, v, k_pos), dtype in zip(answers, wanted, (np.float64, np.float64, np.float32)):
+        assert out.dtype == dtype and lse.dtype == dtype
+        assert_close_to_reference(out, lse, q.astype(dtype), k, v, k_pos=k_pos)
+
+
 def test_batch_in_json_answers_per_item(server, contexts, rng):
     ctx_id, k, v = contexts["short"]
     q = rng.standard_normal((2, 4, 16))

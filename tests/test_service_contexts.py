@@ -326,3 +326,44 @@ def test_context_writes_report_their_stages_in_server_timing_and_metrics(server,
     for route in ("/v1/contexts", "/v1/contexts/{id}/append"):
         assert f'splitkey_request_stage_seconds_count{{route="{route}",stage="store"}}' in metrics
     httpx.delete(f"{server.url}/v1/contexts/{created.json()['id']}", timeout=30)
+
+
+@pytest.mark.parametrize("case", ["f64_inline_over_f32_context", "f32_inline_over_f64_context",
+                                  "f32_and_f64_contexts", "f64_and_f32_contexts", "f64_v_only"])
+def test_a_query_mixing_float32_and_float64_keys_computes_in_float64(client, rng, case):
+    """docs/API.md section 2: float64 as soon as one of q, k, v (or a context's stored dtype) is."""
+    k32, v32 = kv(rng, 300)
+    k64, v64 = kv(rng, 200, dtype=np.float64)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    c32 = client.create_context(k32, v32, shards=2)["id"]
+    c64 = client.create_context(k64, v64)["id"]
+    inline = {"f64_inline_over_f32_context": ([c32], k64, v64), "f32_inline_over_f64_context": ([c64], k32, v32),
+              "f32_and_f64_contexts": ([c32, c64], None, None), "f64_and_f32_contexts": ([c64, c32], None, None),
+              "f64_v_only": ([c32], k32[:50], v64[:50])}
+    names, k, v = inline[case]
+    out, lse = client.attention(q, k, v, contexts=names, causal=True)
+    held = {c32: (k32, v32), c64: (k64, v64)}
+    keys = [held[c] for c in names] + ([(k, v)] if k is not None else [])
+    k_all = np.concatenate([a.astype(np.float64) for a, _ in keys])
+    v_all = np.concatenate([b.astype(np.float64) for _, b in keys])
+    # Positions: each context's keys from 0, inline keys after the furthest context (docs/API.md section 2).
+    positions = [np.arange(len(held[c][0])) for c in names]
+    nxt = max(len(held[c][0]) for c in names)
+    if k is not None:
+        positions.append(nxt + np.arange(len(k)))
+    k_pos = np.concatenate(positions)
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+    q_pos = k_pos.max() - 1 + np.arange(2)  # the n_q positions ending one past the last key's
+    assert_close_to_reference(out, lse, q.astype(np.float64), k_all, v_all, causal=True, k_pos=k_pos, q_pos=q_pos)
+    for c in (c32, c64):
+        client.delete_context(c)
+
+
+def test_an_unknown_hex_like_context_id_is_named_in_the_404(client):
+    unknown = "a" * 32  # as long as a Ray actor id: the client's own value, echoed, not withheld
+    with pytest.raises(SplitkeyError) as err:
+        client.get_context(unknown)
+    assert err.value.status == 404 and unknown in err.value.detail, err.value.detail
+    with pytest.raises(SplitkeyError) as err:
+        client.attention(np.ones((1, 2, 16), np.float32), contexts=[unknown])
+    assert err.value.status == 404 and unknown in err.value.detail, err.value.detail

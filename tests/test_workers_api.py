@@ -8,6 +8,8 @@ from reference import assert_close_to_reference, reference
 
 from merge import finalize, merge_all
 from workers import BFLOAT16, attention, bfloat16_from_bits, partial_attention
+from workers.api import partial_attention_shard
+from workers.options import AttentionOptions, KernelOptions
 
 DTYPES = [np.float16, BFLOAT16, np.float32, np.float64]
 
@@ -160,6 +162,14 @@ def test_default_query_positions_end_one_past_the_last_given_key_position(rng):
     assert np.isfinite(lse).all()
 
 
+def test_default_query_positions_end_one_past_negative_key_positions_too(rng):
+    q, k, v = make(rng, 3, 2, 1, 8, 8, 1)
+    out, lse = attention(q, k, v, causal=True, k_pos=np.array([-5]))
+    explicit = attention(q, k, v, causal=True, q_pos=np.array([-7, -6, -5]), k_pos=np.array([-5]))
+    np.testing.assert_array_equal(out, explicit[0])
+    assert np.isneginf(lse[:2]).all() and np.isfinite(lse[2]).all()  # queries at -7 and -6 see no key
+
+
 def test_gqa_maps_query_head_i_to_kv_head_i_div_g(rng):
     q, k, v = make(rng, 1, 4, 2, 8, 8, 20)
     out, _ = attention(q, k, v)
@@ -187,10 +197,16 @@ def test_gqa_maps_query_head_i_to_kv_head_i_div_g(rng):
          r"window must be \[left, right\], each null or an int in \[0, 2\*\*62\], got \[-1, None\]"),
         (lambda q, k, v: partial_attention(q, k, v, softcap=-2.0), "softcap must be a finite number >= 0, got -2.0"),
         (lambda q, k, v: partial_attention(q, k, v, alibi_slopes=np.ones(3)), r"alibi_slopes must have shape \[4\], got \(3,\)"),
+        (lambda q, k, v: partial_attention(q, k, v, alibi_slopes=np.array([1.0, 1e39, 1.0, 1.0])),
+         r"alibi_slopes must lie within \+-3.403e\+38 \(float32's range\), got a slope of magnitude 1e\+39"),
         (lambda q, k, v: partial_attention(q, k, v, block_size=0), "block_size must be null or an int >= 1, got 0"),
         (lambda q, k, v: partial_attention(q, k, v, causal="yes"), "causal must be a bool, got 'yes'"),
         (lambda q, k, v: attention(q, k, v, shards=0), "shards must be an int >= 1, got 0"),
         (lambda q, k, v: partial_attention(q.tolist(), k, v), "q must be a numpy or cupy array, got list"),
+        (lambda q, k, v: partial_attention_shard(q, k, v, q_pos=None, k_pos=None, options=None,
+                                                 kernel=KernelOptions()), "options must be an AttentionOptions, got NoneType"),
+        (lambda q, k, v: partial_attention_shard(q, k, v, q_pos=None, k_pos=None, options=AttentionOptions(),
+                                                 kernel=None), "kernel must be a KernelOptions, got NoneType"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(call, match):

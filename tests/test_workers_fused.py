@@ -88,6 +88,16 @@ def test_gqa_mqa_and_dv_shapes_match_reference(rng, layout, shape):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_block_far_longer_than_the_keys_runs_fused_and_keeps_the_kernel(rng, layout):
+    q, k, v, k_pos, q_pos = make(rng, n_k=40)
+    want = run(layout, q, k, v, k_pos, q_pos, AttentionOptions(), fused_opts(block_size=40))
+    got = run(layout, q, k, v, k_pos, q_pos, AttentionOptions(), fused_opts(block_size=2**40))
+    assert fused.available()  # no scratch of 2**40 keys tried, so the compiled path was not given up
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("block", [1, 7, 64, 100, 1000, None])
 @pytest.mark.parametrize("shards", [1, 3, 5])
 def test_block_sizes_and_shard_counts_match_reference(rng, layout, block, shards):
@@ -281,3 +291,29 @@ def test_kernel_file_names_the_digest_of_the_micro_kernels_it_compiles_in():
     for name in ("fused_dots.py", "fused_micro.py", "fused_simd.py"):
         digest.update((workers_dir / name).read_bytes())
     assert fused.kernels().COMPILED_IN_DIGEST == digest.hexdigest()[:16]
+
+
+P = 2**61  # workers.options.MAX_POSITION: the range's ends
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "fused"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case, q_pos, k_pos, opts, want_out, want_lse", [
+    # ALiBi's distance 2P: the far key gets a penalty of 2P, not a wrapped-around bonus.
+    ("alibi", [P], [-P, P], dict(alibi_slopes=np.array([1.0])), [20.0], [1.0]),
+    ("window", [P], [-P, P], dict(window=(0, None)), [20.0], [1.0]),
+    ("window_right", [-P], [-P, P], dict(window=(None, 0)), [10.0], [1.0]),
+    ("wide_window", [P], [-P, P], dict(window=(2**62, 2**62)), [15.0], [1.0 + np.log(2.0)]),
+    ("causal", [0, P], [P, 0, -P], dict(causal=True), [30.0, 70.0 / 3], [1.0 + np.log(2.0), 1.0 + np.log(3.0)]),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_positions_at_the_ends_of_their_range_mask_and_bias_exactly(layout, kernel, case, q_pos, k_pos, opts,
+                                                                   want_out, want_lse):
+    """Every q_pos - k_pos within +-2**61 positions fits int64 (docs/API.md section 2, "Position range")."""
+    n_q, n_k = len(q_pos), len(k_pos)
+    q = np.ones((n_q, 1, 1))
+    k = np.ones((n_k, 1, 1))
+    v = np.array([10.0, 20.0, 40.0][:n_k]).reshape(n_k, 1, 1)
+    chosen = fused_opts() if kernel == "fused" else KernelOptions()
+    out, lse = run(layout, q, k, v, np.array(k_pos), np.array(q_pos), AttentionOptions(scale=1.0, **opts), chosen)
+    np.testing.assert_allclose(out[:, 0, 0], want_out, rtol=1e-12)
+    np.testing.assert_allclose(lse[:, 0], want_lse, rtol=1e-12)

@@ -21,6 +21,14 @@ from workers.options import AttentionOptions, GpuKernels, KernelOptions, gpu_ker
 from workers.problem import Problem, build_problem, check_arrays, check_problem
 
 
+def _typed(options: Any, kernel: Any) -> None:
+    """The typed functions take their options as the dataclasses, never None or a dict."""
+    if not isinstance(options, AttentionOptions):
+        raise ValueError(f"options must be an AttentionOptions, got {type(options).__name__}")
+    if not isinstance(kernel, KernelOptions):
+        raise ValueError(f"kernel must be a KernelOptions, got {type(kernel).__name__}")
+
+
 def _run(q: Any, kv: NaturalKV | StreamingView, problem: Problem, kernel: KernelOptions) -> State:
     """The state of a checked problem on the backend of ``q``'s array module."""
     return _run_many([(q, problem)], kv, kernel)[0]
@@ -55,6 +63,7 @@ def partial_attention(q: Any, k: Any, v: Any, *, scale: float | None = None, cau
 def partial_attention_shard(q: Any, k: Any, v: Any, *, q_pos: Any, k_pos: Any, options: AttentionOptions,
                             kernel: KernelOptions) -> State:
     """:func:`partial_attention` with typed options: what a shard worker runs on an inline shard."""
+    _typed(options, kernel)
     problem = check_problem(q, k, v, q_pos, k_pos, options)
     return _run(q, NaturalKV(k, v, problem.k_pos), problem, kernel)
 
@@ -77,6 +86,7 @@ def partial_attention_resident_many(queries: Sequence[tuple[Any, Any, AttentionO
     """
     parts = []
     for q, q_pos, options in queries:
+        _typed(options, kernel)
         if q_pos is None:
             raise ValueError("q_pos must be given for resident keys, got None")
         xp = check_arrays(q=q, kt=view.kt, v=view.v)

@@ -194,7 +194,9 @@ def run_fused(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingVie
     v_arr = kv.v
     (k_flat, ks), (v_flat, vs) = _flat(k_arr), _flat(v_arr)  # type: ignore[misc]  # choose() checked
     n_k = p0.n_k
-    block = kopts.block_size or (RESIDENT_BLOCK if resident else INLINE_BLOCK)
+    # The kernels size their scratch by the block: a block longer than the keys is their length
+    # (the same single block), so any block_size >= 1 the options allow runs.
+    block = min(kopts.block_size or (RESIDENT_BLOCK if resident else INLINE_BLOCK), max(n_k, 1))
     bounds = _chunks(n_k, block, h_kv if resident else 1, kopts.threads)
     n_chunks = int(bounds.shape[0]) - 1
     # One state per key chunk: m [C, h_kv, R], l [C, h_kv, R], acc [C, h_kv, R, d_v]; the empty state to start.

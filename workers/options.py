@@ -17,9 +17,12 @@ from typing import Any
 
 import numpy as np
 
-#: Positions and window bounds are kept within +-2**62 so that q_pos - left and
-#: q_pos + right never overflow int64.
-MAX_POSITION = 2**62
+#: Positions lie within +-2**61 and window bounds within [0, 2**62], so that every
+#: difference the kernels form stays inside int64: q_pos - k_pos (causal, ALiBi's
+#: distance) within +-2**62, q_pos - left and q_pos + right within +-3 * 2**61.
+MAX_POSITION = 2**61
+#: The largest window bound (see MAX_POSITION).
+MAX_WINDOW = 2**62
 
 #: Default scratch budget of the CPU kernel: the score tile and its temporaries.
 DEFAULT_SCRATCH_BYTES = 8 * 2**20
@@ -85,7 +88,7 @@ class AttentionOptions:
         if self.window is not None:
             w = self.window
             if not isinstance(w, (tuple, list)) or len(w) != 2 or any(
-                    b is not None and (not is_int(b) or not 0 <= b <= MAX_POSITION) for b in w):
+                    b is not None and (not is_int(b) or not 0 <= b <= MAX_WINDOW) for b in w):
                 raise ValueError(f"window must be [left, right], each null or an int in [0, 2**62], "
                                  f"got {short_repr(list(w) if isinstance(w, (tuple, list)) else w)}")
             object.__setattr__(self, "window", (None if w[0] is None else int(w[0]), None if w[1] is None else int(w[1])))

@@ -5,7 +5,7 @@ Every caller validates through these functions: the library entry points
 check a request once where it enters (docs/API.md section 2). Messages name the
 argument: "x must be ..., got ...".
 
-Positions are int64 within +-2**62 (``MAX_POSITION``). When none are given, keys
+Positions are int64 within +-2**61 (``MAX_POSITION``). When none are given, keys
 sit at ``0 .. n_k-1``, and queries are the ``n_q`` positions just before the end of
 the keys (one past the largest key position): the last ``n_q`` keys' positions by
 default (bottom-right alignment).
@@ -76,11 +76,15 @@ def last_positions(n_q: int, end: int, xp: Any = np) -> Any:
     return xp.arange(end - n_q, end, dtype=xp.int64)
 
 
-def end_of(k_pos: Any, start: int = 0) -> int:
-    """One past the largest key position, at least ``start``: where default queries end."""
-    if isinstance(k_pos, Arange):
-        return max(k_pos.start + k_pos.n, start)
-    return max(int(k_pos.max()) + 1 if k_pos.shape[0] else 0, start)
+def end_of(k_pos: Any, start: int | None = None) -> int:
+    """Where default queries end (docs/API.md section 2): one past the largest key position, at least
+    ``start`` when given (the contexts' ``next_pos``); with no keys, ``start`` or 0. Negative when
+    every key position is."""
+    n = k_pos.n if isinstance(k_pos, Arange) else k_pos.shape[0]
+    if not n:
+        return 0 if start is None else start
+    end = k_pos.start + k_pos.n if isinstance(k_pos, Arange) else int(k_pos.max()) + 1
+    return end if start is None else max(end, start)
 
 
 def check_positions(name: str, pos: Any, n: int, xp: Any = np) -> Any:
@@ -89,7 +93,7 @@ def check_positions(name: str, pos: Any, n: int, xp: Any = np) -> Any:
         if pos.n != n:
             raise ValueError(f"{name} must have shape [{n}], got ({pos.n},)")
         if n and (pos.max() > MAX_POSITION or pos.min() < -MAX_POSITION):
-            raise ValueError(f"{name} must lie within +-2**62, got values in [{pos.min()}, {pos.max()}]")
+            raise ValueError(f"{name} must lie within +-2**61, got values in [{pos.min()}, {pos.max()}]")
         return pos
     if not hasattr(pos, "shape"):
         pos = np.asarray(pos)
@@ -100,7 +104,7 @@ def check_positions(name: str, pos: Any, n: int, xp: Any = np) -> Any:
     if np.dtype(pos.dtype).kind not in "iu":
         raise ValueError(f"{name} must be an integer array, got dtype {pos.dtype}")
     if n and (int(pos.max()) > MAX_POSITION or int(pos.min()) < -MAX_POSITION):
-        raise ValueError(f"{name} must lie within +-2**62, got values in [{int(pos.min())}, {int(pos.max())}]")
+        raise ValueError(f"{name} must lie within +-2**61, got values in [{int(pos.min())}, {int(pos.max())}]")
     return pos.astype(xp.int64, copy=False)
 
 
@@ -191,8 +195,13 @@ def check_heads(h_q: int, d: int, kv: KVDims, keys: str = "k") -> None:
                          + ("" if keys == "k" else f" of {keys}"))
 
 
+#: The largest ALiBi slope magnitude: float32's largest finite value.
+MAX_SLOPE = float(np.finfo(np.float32).max)
+
+
 def check_alibi(slopes: Any, h_q: int) -> None:
-    """ALiBi slopes are ``[h_q]`` finite reals."""
+    """ALiBi slopes are ``[h_q]`` finite reals within float32's range (the scores' dtype at least: a
+    slope that overflowed it would make even the query's own position ``inf * 0``)."""
     if slopes is None:
         return
     if not hasattr(slopes, "shape"):
@@ -204,6 +213,10 @@ def check_alibi(slopes: Any, h_q: int) -> None:
     host = slopes.get() if hasattr(slopes, "get") else slopes
     if not bool(np.all(np.isfinite(np.asarray(host, dtype=np.float64)))):
         raise ValueError("alibi_slopes must be finite, got NaN or infinity")
+    biggest = float(np.max(np.abs(np.asarray(host, dtype=np.float64)), initial=0.0))
+    if biggest > MAX_SLOPE:
+        raise ValueError(f"alibi_slopes must lie within +-{MAX_SLOPE:.4g} (float32's range), got a slope of "
+                         f"magnitude {biggest:.4g}")
 
 
 def check_problem(q: Any, k: Any, v: Any, q_pos: Any, k_pos: Any, options: AttentionOptions) -> Problem:
