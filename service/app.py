@@ -124,6 +124,7 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
         summary="Exact split-key attention over HTTP.",
         description="See README.md and docs/API.md. Errors are JSON {detail, code}.",
         lifespan=lifespan,
+        redirect_slashes=False,  # a path with a stray "/" is a 404 with a body, not a bare 307 to follow
     )
     drain = Drain(settings.shutdown_grace_s)
     app.state.splitkey = AppState(settings=settings, limits=settings.limits(), pace=settings.pace(), metrics=metrics,

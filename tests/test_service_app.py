@@ -102,6 +102,13 @@ def test_requests_to_paths_without_a_route_share_one_metrics_label():
     assert 'route="/healthz"' in text and "made-up" not in text
 
 
+@pytest.mark.parametrize("path", ["/v1/contexts/", "/healthz/", "/v1/limits/"])
+def test_a_trailing_slash_is_a_404_with_a_body_not_a_redirect(path):
+    app = create_app(ServiceSettings())
+    r = request(app, "GET", path)
+    assert r.status_code == 404 and r.json()["detail"], r.text
+
+
 @pytest.mark.parametrize("path", ["/v2/models/attention/zzz", "/v2/models/other", "/v2/models/other/infer",
                                   "/v2/models/attention/versions/2/infer", "/v1/contexts/a/b", "/v1/contexts/a/append/x"])
 def test_paths_without_a_route_under_models_and_contexts_count_as_unmatched(path):
