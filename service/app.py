@@ -78,6 +78,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
                     await grpc_server.stop(grace=5.0)
                     grpc_server = None
                 healer.cancel()
+                # Its cleanup (a lease released on the directory) runs now, while Ray is still there:
+                # left for later it ran after the disconnect, where a Ray call starts ray.init() and
+                # the process hung instead of exiting.
+                await asyncio.wait({healer}, timeout=HEALER_STOP_S)
                 state.runtime = None
         finally:
             pool.shutdown()
@@ -87,6 +91,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         disconnect(started)
         if reaper is not None:
             reaper.close()
+
+
+#: How long shutdown waits for the repair loop's cancelled round to clean up.
+HEALER_STOP_S = 10.0
 
 
 def _serve(state: AppState, pool: WorkerPool, directory: Directory) -> asyncio.Task:

@@ -35,9 +35,12 @@ def test_contexts_survive_a_restart_and_answer_bit_for_bit_as_before(tmp_path):
             c.append(plain["id"], k[1000:], v[1000:])
             replicated = c.create_context(k[:700], v[:700], replicas=2)
             half = c.create_context(k[:600].astype(BFLOAT16), v[:600].astype(BFLOAT16))
+            empty = c.create_context(k[:0], v[:0])  # no keys: a context all the same
+            planned = c.create_context(k[:100], v[:100], expected_length=1000, shards=2)  # shard 1 empty so far
             before = {ctx: c.attention(q.astype(BFLOAT16) if ctx == half["id"] else q, contexts=[ctx])
                       for ctx in (plain["id"], replicated["id"], half["id"])}
             listed = sorted((d["id"], d["length"], d["replicas"], d["dtype"]) for d in c.list_contexts())
+            assert c.get_context(planned["id"])["shard_lengths"][1] == 0
     finally:
         srv.stop()
     srv = serve(tmp_path / "b", store)
@@ -49,6 +52,12 @@ def test_contexts_survive_a_restart_and_answer_bit_for_bit_as_before(tmp_path):
                 got, got_lse = c.attention(q.astype(BFLOAT16) if ctx == half["id"] else q, contexts=[ctx])
                 assert got.tobytes() == out.tobytes() and got_lse.tobytes() == lse.tobytes()
             c.append(replicated["id"], k[700:], v[700:])  # writes go on after the restart
+            c.append(planned["id"], k[100:], v[100:], chunk_keys=300)  # the planned upload goes on
+            out, lse = c.attention(q, contexts=[planned["id"]])
+            assert_close_to_reference(out, lse, q, k, v)
+            out, lse = c.attention(q, contexts=[empty["id"]])
+            assert not out.any() and np.isneginf(lse).all()
+            c.delete_context(empty["id"])
             out, lse = c.attention(q, contexts=[replicated["id"]])
             assert_close_to_reference(out, lse, q, k, v)
             c.delete_context(plain["id"])
@@ -59,6 +68,10 @@ def test_contexts_survive_a_restart_and_answer_bit_for_bit_as_before(tmp_path):
         with Client(srv.url) as c:
             ids = {d["id"]: d["length"] for d in c.list_contexts()}
             assert plain["id"] not in ids and ids[replicated["id"]] == 1500  # the delete and the append lasted
+            assert empty["id"] not in ids and ids[planned["id"]] == 1500
+            c.delete_context(planned["id"])
+        left = [p for p in store.rglob("*") if planned["id"] in str(p) or empty["id"] in str(p)]
+        assert not left, left  # deleted contexts leave the disk, their empty shards too
     finally:
         srv.stop()
 

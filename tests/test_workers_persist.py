@@ -86,3 +86,29 @@ def test_a_shard_over_the_budget_at_restart_stays_on_disk_unloaded(tmp_path):
     small = ShardStore(1000, files=ShardFiles(tmp_path))
     assert small.restore() == 0 and small.held() == []
     assert (tmp_path / "c" / "0").exists()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
+def test_a_shard_without_keys_yet_comes_back_after_a_restart(tmp_path, dtype):
+    name = "bfloat16" if dtype == BFLOAT16 else "float32"
+    st = ShardStore(10**8, files=ShardFiles(tmp_path))
+    k, v = kv(0, dtype)
+    st.create(ShardWrite("c", 1, name, 1000, np.arange(0), reserve=300), k, v, context={"version": 1})
+    again = restarted(tmp_path)
+    [info] = again.held()
+    assert (info.context_id, info.index, info.length, info.dtype) == ("c", 1, 0, name)
+    assert again.used == st.used  # reserved as before: the planned appends still fit without growing
+    more_k, more_v = kv(20, dtype, seed=1)
+    again.append(ShardWrite("c", 1, name, 1000, np.arange(20)), more_k, more_v, committed=0)
+    got_k, _ = contract_layout(again.view("c", 1, 20))
+    assert got_k.tobytes() == more_k.tobytes()
+
+
+def test_dropping_a_context_removes_its_shards_left_on_disk_unloaded(tmp_path):
+    st = ShardStore(10**8, files=ShardFiles(tmp_path))
+    k, v = kv(1000, np.float32)
+    st.create(ShardWrite("c", 0, "float32", 1000, np.arange(1000)), k, v, context={})
+    small = ShardStore(1000, files=ShardFiles(tmp_path))
+    assert small.restore() == 0
+    small.drop("c")
+    assert not (tmp_path / "c").exists()

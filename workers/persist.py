@@ -85,14 +85,17 @@ class ShardFiles:
         return self.root / context_id / str(index)
 
     # -- writes -------------------------------------------------------------------
-    def create(self, context_id: str, index: int, dtype: str, reserve: int, max_capacity: int) -> None:
-        """Start a shard (its old files, if any, go): what it is, before any keys."""
+    def create(self, context_id: str, index: int, dtype: str, reserve: int, max_capacity: int,
+               dims: tuple[int, int, int]) -> None:
+        """Start a shard (its old files, if any, go): what it is, before any keys; ``dims`` is
+        ``(h_kv, d, d_v)``, so that a shard that holds no keys (yet) comes back as one."""
         folder = self._shard_dir(context_id, index)
         if folder.exists():
             shutil.rmtree(folder)
         folder.mkdir(parents=True)
         _fsync_dir(folder.parent)
-        meta = {"dtype": dtype, "reserve": int(reserve), "max_capacity": int(max_capacity)}
+        meta = {"dtype": dtype, "reserve": int(reserve), "max_capacity": int(max_capacity),
+                "dims": [int(x) for x in dims]}
         _atomic_write(folder / SHARD, lambda p: p.write_text(json.dumps(meta)))
 
     def write(self, context_id: str, index: int, start: int, k: np.ndarray, v: np.ndarray, k_pos: np.ndarray) -> None:
@@ -166,7 +169,15 @@ class ShardFiles:
             parts.append(load_file(str(path)))
             expect = stop
         if not parts:
-            return None
+            if "dims" not in meta:  # written before shards recorded their dims: nothing to rebuild it from
+                return None
+            # No keys yet (a context created empty, or a shard planned for appends to come): a shard all the
+            # same, or its context would come back without it.
+            h_kv, d, d_v = meta["dims"]
+            dt = dtype_of(meta["dtype"])
+            k, v = np.zeros((0, h_kv, d), dt), np.zeros((0, h_kv, d_v), dt)
+            return LoadedShard(context_id, index, meta["dtype"], meta["reserve"], meta["max_capacity"], k, v,
+                               np.zeros(0, np.int64))
         k, v = (np.concatenate([_from_bits(t[x]) for t in parts]) for x in ("k", "v"))
         k_pos = np.concatenate([t["k_pos"] for t in parts])
         return LoadedShard(context_id, index, meta["dtype"], meta["reserve"], meta["max_capacity"], k, v, k_pos)

@@ -138,7 +138,7 @@ class ShardStore:
         kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity)
         kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos), max_capacity=write.max_capacity)
         if self.files is not None and persist:
-            self.files.create(context_id, index, write.dtype, capacity, write.max_capacity)
+            self.files.create(context_id, index, write.dtype, capacity, write.max_capacity, (h_kv, d, d_v))
             self.files.write(context_id, index, 0, self._host(k, dt), self._host(v, dt), np.asarray(write.k_pos))
         if capacity > n and self.xp is np:
             # Reserved for the appends to come: fault its memory in now, beside the
@@ -194,9 +194,8 @@ class ShardStore:
             if not any(key[0] == context_id for key in self._shards):
                 self._info.pop(context_id, None)
                 self._committed.pop(context_id, None)
-            if self.files is not None:
-                for _, i in keys:
-                    self.files.drop(context_id, i)
+            if self.files is not None:  # what is on disk goes too, held or not (a shard the budget left there)
+                self.files.drop(context_id, index)
             return len(keys)
 
     def note_context(self, context_id: str, record: dict) -> None:

@@ -184,11 +184,13 @@ class WorkerPool:
             raise WorkersUnavailable(f"workers did not start: {', '.join(dead)}")
         return pool
 
-    def _spawn(self, name: str) -> Any:
+    def _spawn(self, name: str, reuse: bool = True) -> Any:
+        """A worker under ``name``: the one already there when ``reuse`` (a front end joining detached
+        workers), else a new one (ValueError while the name is held)."""
         opts: dict[str, Any] = {
             "name": name,
             "namespace": self.settings.ray_namespace,
-            "get_if_exists": True,
+            "get_if_exists": reuse,
             "max_restarts": 0,
             # Threaded: a call waits in its own thread for the worker's one compute
             # thread (workers.batch), so queries that arrive together share a pass
@@ -228,12 +230,27 @@ class WorkerPool:
 
         await asyncio.gather(*(one(s) for s in self.slots))
 
-    def replace(self, slot: Slot) -> None:
-        """Start a new, empty worker under a dead one's name (the caller first forgets what it held)."""
-        slot.handle = self._spawn(slot.name)
-        slot.incarnation = ""  # the next refresh learns the new one
+    def replace(self, slot: Slot) -> bool:
+        """Start a new, empty worker under a dead one's name (the caller first forgets what it held);
+        False when the name is still held, to try again next round.
+
+        The dead worker's handle is dropped first: Ray keeps a dead actor's name while a handle to it
+        lives, and asking for the name with ``get_if_exists`` then gives back the dead worker (a
+        worker whose process was killed stayed dead for good that way). A name still held after
+        that is a replacement another front end started (detached workers), or a death Ray has not
+        processed yet: the slot takes whatever holds it, and keeps its incarnation, so that the next
+        refresh either adopts a live worker (a new incarnation) or finds it dead and replaces again.
+        """
         slot.drop_channel()
         slot.channel_retry_at = 0.0
+        slot.handle = None
+        try:
+            slot.handle = self._spawn(slot.name, reuse=False)
+        except ValueError:  # the name is held: take its holder (or a new worker, were it freed meanwhile)
+            slot.handle = self._spawn(slot.name, reuse=True)
+            return False
+        slot.incarnation = ""  # the next refresh learns the new one
+        return True
 
     def shutdown(self) -> None:
         """Close the channels; kill the workers unless they are detached (they belong to the cluster)."""

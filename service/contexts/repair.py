@@ -85,9 +85,12 @@ class Repairer:
             self.stats.replicas_forgotten += await self.directory.forget_worker(slot.name)  # before any replacement
             self.pool.replaced_elsewhere.discard(slot.name)
             if not slot.alive:
-                self.pool.replace(slot)
-                self.stats.workers_replaced += 1
-                log.warning("worker %s died: its replicas are forgotten and it is replaced", slot.name)
+                if self.pool.replace(slot):
+                    self.stats.workers_replaced += 1
+                    log.warning("worker %s died: its replicas are forgotten and it is replaced", slot.name)
+                else:
+                    log.warning("worker %s died: its replicas are forgotten; its name is still held, "
+                                "so it is replaced in a later round", slot.name)
         if gone:
             await self.pool.refresh(timeout_s=PING_TIMEOUT_S)
         records = await self.directory.all()
