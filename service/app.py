@@ -47,6 +47,31 @@ CLIENT_CLOSED = 499
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """:func:`_lifespan`, a start-up that fails kept as one line in ``AppState.startup_error``.
+
+    What fails once Ray is up (the workers do not fit the cluster, ``--device gpu`` without
+    one, an unusable ``--persist-dir``, the gRPC port taken) is the operator's to fix, and
+    ``splitkey serve`` says it in one line (service.cli); anything else is logged with its
+    traceback as well.
+    """
+    state: AppState = app.state.splitkey
+    running = False
+    try:
+        async with _lifespan(app):
+            running = True
+            yield
+    except Exception as exc:
+        if running:
+            raise
+        known = isinstance(exc, (ServiceError, OSError, ValueError, RuntimeError))
+        state.startup_error = exc.detail if isinstance(exc, ServiceError) else (str(exc) or type(exc).__name__)
+        if not known:
+            log.exception("start-up failed")
+        raise
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Ray, then the gRPC port (if asked for), then the worker pool and the services over it.
 
     The HTTP port was bound before all of it (service.cli.listen); the gRPC port is bound

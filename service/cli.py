@@ -36,6 +36,14 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"splitkey serve: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
+    if settings.grpc_port:  # tried now, so a port in use fails before Ray starts (the server binds it later)
+        try:
+            listen(settings.host, settings.grpc_port).close()
+        except OSError as exc:
+            sock.close()
+            print(f"splitkey serve: cannot listen on {settings.host}:{settings.grpc_port} (--grpc-port): "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("splitkey")
     if warning:
@@ -50,7 +58,16 @@ def _serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     app.state.splitkey.drain.stop = stop
-    server.run(sockets=[sock])
+    state = app.state.splitkey
+    logging.getLogger("uvicorn.error").addFilter(lambda record: state.startup_error is None)  # one line, below
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:  # uvicorn's answer to a failed start-up
+        if state.startup_error is None:
+            raise
+    if state.startup_error is not None:
+        print(f"splitkey serve: the start failed: {state.startup_error}", file=sys.stderr)
+        return 1
     return 0 if server.started else 1
 
 

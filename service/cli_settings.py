@@ -99,7 +99,8 @@ def explain(exc: ValidationError) -> str:
         loc = [str(p) for p in err["loc"]]
         if loc and loc[0] in ServiceSettings.model_fields:
             name = loc[0]
-            lines.append(f"{flag(name)} ({env_var(name)}): {err['msg']}, got {err['input']!r}")
+            lines.append(f"{flag(name)} ({env_var(name)}): {err['msg'].removeprefix('Value error, ')}, "
+                         f"got {err['input']!r}")
         else:  # a rule over several settings (a model validator): its message names them
             lines.append(err["msg"].removeprefix("Value error, "))
     return "; ".join(lines)

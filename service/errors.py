@@ -170,8 +170,9 @@ INTERNALS: Mapping[str, re.Pattern[str]] = {
 
 
 #: The client's value quoted after "got" in a detail: how the checks echo what was sent
-#: (``got {show(value)}``, ``got unknown id {id!r}``).
-QUOTED = re.compile(r"\bgot\b[^'\"\n]{0,40}(?:'[^'\n]*'|\"[^\"\n]*\")")
+#: (``got {show(value)}``, ``got unknown id {id!r}``); ``show`` cuts a long value short
+#: after its opening quote (``"ccc...``), so a quote may run to the end of the line.
+QUOTED = re.compile(r"\bgot\b[^'\"\n]{0,40}(?:'[^'\n]*'?|\"[^\"\n]*\"?)")
 
 
 def internals(detail: str) -> str | None:

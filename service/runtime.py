@@ -45,3 +45,4 @@ class AppState:
     runtime: Runtime | None = None
     admission: Admission | None = None  #: the HTTP routes' admission control, shared by the gRPC server
     grpc_port: int | None = None  #: where the KServe v2 gRPC server listens (service.grpc_server), if it runs
+    startup_error: str | None = None  #: why the start-up failed, in one line (service.app.lifespan)

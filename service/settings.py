@@ -94,14 +94,14 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def _address(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
-            raise ValueError("ray_address must be 'auto' or HOST:PORT, got an empty string")
+            raise ValueError("must be 'auto' or HOST:PORT, not blank")
         return v
 
     @model_validator(mode="after")
     def _budget_holds_a_body(self) -> ServiceSettings:
         if self.max_inflight_bytes < self.max_body_bytes:
-            raise ValueError(f"max_inflight_bytes must be at least max_body_bytes ({self.max_body_bytes}), "
-                             f"got {self.max_inflight_bytes}")
+            raise ValueError(f"--max-inflight-bytes (SPLITKEY_MAX_INFLIGHT_BYTES) must be at least --max-body-bytes "
+                             f"(SPLITKEY_MAX_BODY_BYTES, {self.max_body_bytes}), got {self.max_inflight_bytes}")
         return self
 
     def pace(self) -> Pace:
@@ -140,6 +140,10 @@ class ServiceSettings(BaseSettings):
         """The bearer token, read from ``api_key_file`` (stripped), or None."""
         if self.api_key_file is None:
             return None
+        where = f"--api-key-file (SPLITKEY_API_KEY_FILE) {str(self.api_key_file)!r}"
+        if not self.api_key_file.is_file():
+            raise ValueError(f"{where} must be a readable file holding the token, got "
+                             f"{'a directory' if self.api_key_file.is_dir() else 'no such file'}")
         mode = self.api_key_file.stat().st_mode
         if mode & stat.S_IROTH:
             raise ValueError(f"api_key_file must not be readable by every user, got mode {stat.S_IMODE(mode):04o} for "

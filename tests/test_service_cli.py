@@ -41,8 +41,9 @@ def test_serve_with_device_gpu_on_a_cluster_without_gpus_fails_fast(tmp_path):
     env = {**os.environ, "HOME": str(tmp_path)}
     run = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--device", "gpu", "--workers", "1"],
                          capture_output=True, text=True, timeout=120, env=env)
-    assert run.returncode != 0
-    assert "the Ray cluster has no GPU" in run.stdout + run.stderr
+    assert run.returncode == 1
+    assert "the Ray cluster has no GPU" in run.stderr and "Traceback" not in run.stdout + run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith("splitkey serve: the start failed: ")
 
 
 @pytest.mark.ray
@@ -51,7 +52,7 @@ def test_more_workers_than_the_cpus_hold_fail_at_once_naming_what_is_missing(tmp
     env = {**os.environ, "HOME": str(tmp_path)}
     cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--workers", str(cpus + 1)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)  # not Ray's minute-long wait
-    assert run.returncode != 0
+    assert run.returncode == 1 and "Traceback" not in run.stdout + run.stderr
     assert (f"workers must fit the cluster: {cpus + 1} new worker(s) x 1 CPU each need {cpus + 1} CPU, the cluster "
             f"has {cpus} free of {cpus}") in run.stdout + run.stderr
     assert "--worker-cpus" in run.stdout + run.stderr
@@ -88,6 +89,19 @@ def test_serve_on_a_port_in_use_exits_1_naming_it_before_starting_ray(tmp_path):
                              capture_output=True, text=True, timeout=60, env=env)
     assert run.returncode == 1
     assert f"splitkey serve: cannot listen on 127.0.0.1:{port}: Address already in use" in run.stderr
+    assert not list(tmp_path.rglob("session_*")), "Ray must not start when the port is taken"
+
+
+def test_serve_with_its_grpc_port_in_use_exits_1_naming_it_before_starting_ray(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path), "TMPDIR": str(tmp_path), "RAY_TMPDIR": str(tmp_path)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--grpc-port", str(port)],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 1
+    assert f"splitkey serve: cannot listen on 127.0.0.1:{port} (--grpc-port): Address already in use" in run.stderr
     assert not list(tmp_path.rglob("session_*")), "Ray must not start when the port is taken"
 
 

@@ -63,7 +63,10 @@ def test_flag_names_drop_the_seconds_suffix_and_variables_keep_the_field_name():
     (["--body-timeout", "soon"], "--body-timeout (SPLITKEY_BODY_TIMEOUT_S): Input should be a valid number"),
     (["--port", "70000"], "--port (SPLITKEY_PORT): Input should be less than or equal to 65535, got '70000'"),
     (["--max-body-bytes", "4096", "--max-inflight-bytes", "2048"],
-     "max_inflight_bytes must be at least max_body_bytes (4096), got 2048"),
+     "--max-inflight-bytes (SPLITKEY_MAX_INFLIGHT_BYTES) must be at least --max-body-bytes (SPLITKEY_MAX_BODY_BYTES, "
+     "4096), got 2048"),
+    (["--ray-address", " "], "--ray-address (SPLITKEY_RAY_ADDRESS): must be 'auto' or HOST:PORT, not blank, "
+                             "got ' '"),
 ])
 def test_a_bad_value_is_explained_by_flag_variable_and_value(argv, expected):
     with pytest.raises(ValidationError) as err:

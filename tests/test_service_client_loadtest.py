@@ -115,6 +115,12 @@ def test_an_inline_body_over_the_server_limit_is_refused_before_any_request(serv
     # The session server takes bodies up to 64 MiB; 1M keys of this shape is 128 MiB of K+V.
     assert loadtest(server.url, "--mode", "inline", "--n-k", "1M", "--requests", "1") == 1
     assert "over the server's 67108864-byte limit: use --mode decode" in capsys.readouterr().err
+    # Also when another mode comes first: refused before its upload and points, not after them.
+    before = context_ids(server.url)
+    assert loadtest(server.url, *SMALL, "--mode", "decode,inline", "--n-k", "2K,1M", "--requests", "1") == 1
+    err = capsys.readouterr().err
+    assert "over the server's 67108864-byte limit" in err and "upload" not in err
+    assert context_ids(server.url) == before
 
 
 @pytest.mark.ray

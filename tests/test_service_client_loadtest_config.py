@@ -53,7 +53,7 @@ def test_fail_on_names_only_numeric_metrics():
 def test_arguments_become_one_config():
     cfg = config_from_args(args("--mode", "decode,context,multi-turn", "--n-k", "4K,1M", "--rate", "2,8.5",
                                 "--dtype", "bfloat16", "--d-v", "64", "--fail-on", "latency_p99_ms>500"))
-    assert cfg.modes == ("decode", "decode", "multi-turn")  # "context" is the old name of decode
+    assert cfg.modes == ("decode", "multi-turn")  # "context" is the old name of decode: one mode, once
     assert cfg.n_k == (4096, 2**20) and cfg.rates == (2.0, 8.5)
     assert cfg.concurrency == ()  # --rate alone: open loop only
     assert cfg.shape == Shape(32, 8, 128, 64, "bfloat16") and cfg.shape.key_bytes == (128 + 64) * 8 * 2
@@ -63,6 +63,9 @@ def test_arguments_become_one_config():
 
 @pytest.mark.parametrize("extra, message", [
     (["--mode", "decode,chat"], "--mode must list decode, inline, prefill, shared-prefix, multi-turn, got 'decode,chat'"),
+    (["--seed", "-1"], "--seed must be an int in [0, 2**63), got -1"),
+    (["--url", "notaurl"], "--url must be http(s)://HOST[:PORT], got 'notaurl'"),
+    (["--url", "ftp://host"], "--url must be http(s)://HOST[:PORT], got 'ftp://host'"),
     (["--concurrency", "1,0"], "--concurrency must list ints >= 1, got '1,0'"),
     (["--concurrency", "two"], "--concurrency must list ints >= 1, got 'two'"),
     (["--rate", "0"], "--rate must list request rates > 0 per second, got (0.0,)"),
@@ -93,5 +96,7 @@ def test_the_config_checks_its_own_fields_for_library_callers():
         SweepConfig(url="http://x", n_k=(0,))
     with pytest.raises(ValueError, match="modes must list"):
         SweepConfig(url="http://x", modes=("nope",))
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63\), got -1"):
+        SweepConfig(url="http://x", seed=-1)
     with pytest.raises(ValueError, match="dtype must be one of"):
         Shape(dtype="int8")

@@ -85,6 +85,7 @@ def test_internals_are_found_in_a_detail(detail, kind):
     # The client's own hex-like values, echoed: not Ray ids.
     "contexts must name existing contexts, got unknown id 'aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa'",
     'scale must be a number, got "111111111111111111111111111111111111111111"',
+    'contexts[0] must be an id of 1 to 128 characters, got "cccccccccccccccccccccccccccccccccccccccccccccccccccccc...',
     'window must be [left, right], got "12345678901234567890123456789012345678901234567890,"',
 ])
 def test_a_detail_in_the_services_words_is_kept(detail):

@@ -63,8 +63,18 @@ def test_a_key_file_every_user_can_read_is_refused(tmp_path):
     assert ServiceSettings(api_key_file=f).api_key() == "abc123"
 
 
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_an_api_key_file_that_is_not_a_file_is_named_with_its_flag(tmp_path, kind):
+    path = tmp_path / "key"
+    if kind == "directory":
+        path.mkdir()
+    with pytest.raises(ValueError, match=r"--api-key-file \(SPLITKEY_API_KEY_FILE\) '.*key' must be a readable file "
+                                         r"holding the token, got " + ("a directory" if kind == "directory" else "no such file")):
+        ServiceSettings(api_key_file=path).api_key()
+
+
 def test_the_body_budget_must_hold_at_least_one_largest_body():
-    with pytest.raises(ValueError, match="max_inflight_bytes must be at least max_body_bytes"):
+    with pytest.raises(ValueError, match=r"--max-inflight-bytes \(SPLITKEY_MAX_INFLIGHT_BYTES\) must be at least"):
         ServiceSettings(max_body_bytes=2**20, max_inflight_bytes=2**19)
     s = ServiceSettings(max_body_bytes=2**20, max_inflight_bytes=2**20, body_timeout_s=5, min_body_rate=0,
                         body_grace_s=1)

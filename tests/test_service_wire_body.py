@@ -108,6 +108,15 @@ def test_pace_refuses_impossible_settings(bad):
         Pace(**bad)
 
 
+@pytest.mark.parametrize("received, elapsed, limit", [
+    (15933, 7.99, "must arrive within 8 s"),  # cut by the timeout, the timer a hair early
+    (15933, 8.0, "must arrive within 8 s"),
+    (100, 2.1, "must arrive at 1000 bytes/s or more after the first 2 s"),  # the rate's deadline came first
+])
+def test_a_body_too_slow_names_the_limit_whose_deadline_came_first(received, elapsed, limit):
+    assert limit in Pace(timeout_s=8, min_rate=1000, grace_s=2).too_slow(received, elapsed).detail
+
+
 def test_a_body_at_the_pace_is_read_whole():
     clock = Clock()
     pace = Pace(timeout_s=60, min_rate=100, grace_s=1)

@@ -14,6 +14,7 @@ connection closed, so a client that trickles bytes holds nothing for long.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -58,7 +59,10 @@ class Pace:
         return end
 
     def too_slow(self, received: int, elapsed: float) -> RequestTimeout:
-        if elapsed >= self.timeout_s:
+        """The error naming the limit that was missed: the one whose deadline came first for these
+        bytes (not read from ``elapsed``, which a timer may stop a hair short of the deadline)."""
+        rate_end = self.grace_s + received / self.min_rate if self.min_rate > 0 else math.inf
+        if rate_end >= self.timeout_s:
             return RequestTimeout(f"the request body must arrive within {self.timeout_s:g} s, got {received} "
                                   f"bytes in {elapsed:.1f} s")
         return RequestTimeout(f"the request body must arrive at {self.min_rate:g} bytes/s or more after the first "

@@ -87,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
     """The sweep the arguments describe; ValueError naming the flag for a bad value."""
     key = pathlib.Path(args.api_key_file).read_text().strip() if args.api_key_file else None
-    modes = tuple(ALIASES.get(m.strip(), m.strip()) for m in args.mode.split(",") if m.strip())
+    # Each mode once, in the order first named (an old name and its new one are one mode).
+    modes = tuple(dict.fromkeys(ALIASES.get(m.strip(), m.strip()) for m in args.mode.split(",") if m.strip()))
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise ValueError(f"--mode must list {', '.join(MODES)}, got {args.mode!r}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import operator
 import re
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,7 +53,7 @@ def parse_rate(text: str, name: str) -> float:
 
 @dataclass(frozen=True)
 class FailOn:
-    """A threshold that fails the run when any point's ``metric`` compares true: ``p99_ms>500``."""
+    """A threshold that fails the run when any point's ``metric`` compares true: ``latency_p99_ms>500``."""
 
     metric: str
     op: str
@@ -67,7 +68,7 @@ class FailOn:
                     return cls(name.strip(), op, float(value))
                 except ValueError:
                     break
-        raise ValueError(f"--fail-on must be METRIC<op>NUMBER with <op> one of > >= < <=, such as p99_ms>500, "
+        raise ValueError(f"--fail-on must be METRIC<op>NUMBER with <op> one of > >= < <=, such as latency_p99_ms>500, "
                          f"got {text!r}")
 
     def violated(self, value: float) -> bool:
@@ -135,8 +136,13 @@ class SweepConfig:
     per_request: bool = False
 
     def __post_init__(self) -> None:
-        if not self.modes or any(m not in MODES for m in self.modes):
-            raise ValueError(f"modes must list {', '.join(MODES)}, got {','.join(self.modes)!r}")
+        parts = urllib.parse.urlsplit(self.url) if isinstance(self.url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url must be http(s)://HOST[:PORT], got {self.url!r}")
+        if not self.modes or any(m not in MODES for m in self.modes) or len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"modes must list {', '.join(MODES)}, each once, got {','.join(self.modes)!r}")
+        if type(self.seed) is not int or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if not self.n_k or any(type(n) is not int or n < 1 for n in self.n_k):
             raise ValueError(f"n_k must list key counts >= 1, got {self.n_k!r}")
         if any(type(c) is not int or c < 1 for c in self.concurrency):

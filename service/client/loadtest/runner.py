@@ -161,6 +161,9 @@ def run_sweep(config: SweepConfig, *, stream: TextIO | None = None, stop: thread
             failures.setdefault(f"cleanup {what}", f"could not delete {what}: {exc}")
 
     try:
+        for n_k in config.n_k:  # what the server cannot take is refused before any request
+            for mode in config.modes:
+                WORKLOADS[mode](config, source, n_k).check(admin)
         for n_k in config.n_k:
             for mode in config.modes:
                 workload = WORKLOADS[mode](config, source, n_k)

@@ -123,6 +123,9 @@ class Workload:
         self.config, self.source, self.n_k = config, source, n_k
         self.created: list[str] = []  # contexts this workload made (deleted by teardown)
 
+    def check(self, client: Client) -> None:
+        """Raise ValueError if the server cannot take this workload (before any request of the sweep)."""
+
     def setup(self, client: Client, contexts: Contexts) -> None:
         """Upload what the requests read."""
 
@@ -158,12 +161,15 @@ class Inline(Workload):
 
     mode = "inline"
 
-    def setup(self, client: Client, contexts: Contexts) -> None:
+    def check(self, client: Client) -> None:
         body = self.n_k * self.config.shape.key_bytes + self.config.n_q * self.config.shape.h_q * self.config.shape.d * 8
         limit = client.limits().max_body_bytes
         if body + HEADER_ROOM > limit:
             raise ValueError(f"n_k = {self.n_k} makes an inline body of {body} bytes, over the server's "
                              f"{limit}-byte limit: use --mode decode (a stored context) for this length")
+
+    def setup(self, client: Client, contexts: Contexts) -> None:
+        self.check(client)
         self.k, self.v = self.source.kv(INLINE_STREAM, 0, self.n_k)
 
     def call(self, i: int) -> Call:
