@@ -51,6 +51,24 @@ def test_missing_or_wrong_key_gets_401_and_probes_stay_open(tight):
     assert httpx.get(tight.url + "/v1/limits", headers=auth()).json()["max_body_bytes"] == 2 * 2**30
 
 
+@pytest.mark.parametrize("content_type, what", [
+    ("application/json", "a JSON request body (the JSON limit; safetensors bodies may be larger) must be at most "
+                         "67108864 bytes"),
+    ("application/octet-stream", "request body must be at most 2147483648 bytes"),
+])
+def test_a_body_over_its_limit_names_which_limit(tight, content_type, what):
+    import socket
+
+    from server import read_response
+
+    declared = 64 * 2**20 + 1 if content_type == "application/json" else 2 * 2**30 + 1
+    with socket.create_connection(("127.0.0.1", tight.port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/attention HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: {content_type}\r\nContent-Length: {declared}\r\n\r\n".encode())
+        answer = read_response(sock)
+    assert answer.startswith("HTTP/1.1 413") and what in answer, answer
+
+
 def test_remote_merge_tree_over_four_shards_is_exact_and_deterministic(tight):
     rng = np.random.default_rng(3)
     q = rng.standard_normal((64, 4, 16)).astype(np.float32)

@@ -59,13 +59,16 @@ async def read_body(request: Request, limit: int, route: str,
     encoding = request.headers.get("content-encoding")
     if encoding is not None and encoding.strip().lower() != "identity":  # nothing here decompresses
         raise UnsupportedMediaType(f"Content-Encoding must be identity (send the body uncompressed), got {encoding!r}")
-    length = declared_length(request.headers.get("content-length"), limit)
+    lim = state.limits
+    what = ("a JSON request body (the JSON limit; safetensors bodies may be larger)"
+            if limit == lim.max_json_body_bytes < lim.max_body_bytes else "request body")
+    length = declared_length(request.headers.get("content-length"), limit, what)
     if length is not None:
         if before_read is not None:
             before_read(length)
         ticket.expect(length)
     try:
-        body = await read_into_buffer(paced(request.receive, state.pace), length, limit, ticket.charge)
+        body = await read_into_buffer(paced(request.receive, state.pace), length, limit, ticket.charge, what)
     except RequestTimeout:
         state.metrics.rejected.labels(reason="slow_body").inc()
         raise

@@ -95,24 +95,24 @@ async def paced(receive: Callable[[], Awaitable[MutableMapping[str, Any]]], pace
             return
 
 
-def _too_large(limit: int, got: str) -> BodyTooLarge:
-    return BodyTooLarge(f"request body must be at most {limit} bytes, got {got}")
+def _too_large(limit: int, got: str, what: str) -> BodyTooLarge:
+    return BodyTooLarge(f"{what} must be at most {limit} bytes, got {got}")
 
 
-def declared_length(content_length: str | None, limit: int) -> int | None:
-    """The Content-Length as an int (None if absent), refused when over the limit."""
+def declared_length(content_length: str | None, limit: int, what: str = "request body") -> int | None:
+    """The Content-Length as an int (None if absent), refused when over the limit (``what`` names it)."""
     if content_length is None:
         return None
     if not content_length.isdigit():
         raise InvalidBody(f"Content-Length must be a non-negative integer, got {content_length!r}")
     n = int(content_length)
     if n > limit:
-        raise _too_large(limit, f"Content-Length {n}")
+        raise _too_large(limit, f"Content-Length {n}", what)
     return n
 
 
 async def read_into_buffer(chunks: AsyncIterator[bytes], length: int | None, limit: int,
-                           charge: Callable[[int], None] = lambda n: None) -> memoryview:
+                           charge: Callable[[int], None] = lambda n: None, what: str = "request body") -> memoryview:
     """Read every chunk into one buffer; returns a view of exactly the bytes read.
 
     ``charge(n)`` is told of every chunk before it is kept (it may refuse it by raising).
@@ -138,7 +138,7 @@ async def read_into_buffer(chunks: AsyncIterator[bytes], length: int | None, lim
     async for chunk in chunks:
         n = len(chunk)
         if pos + n > limit:
-            raise _too_large(limit, f"more than {limit} bytes (chunked)")
+            raise _too_large(limit, f"more than {limit} bytes (chunked)", what)
         charge(n)
         if pos + n > len(buf):
             buf.extend(bytes(min(max(len(buf), pos + n - len(buf)), limit - len(buf))))
