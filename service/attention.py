@@ -28,7 +28,6 @@ from workers.store import RecordStale
 from workers.tasks import ShardQuery
 
 
-
 def union_positions(req: AttentionRequest, next_pos: int | None) -> tuple[Any, Any]:
     """``(q_pos, k_pos of the inline keys)`` over the contexts' keys and the inline ones; ``next_pos``:
     the largest of the contexts' (None without contexts).
@@ -54,13 +53,14 @@ def request_dtypes(req: AttentionRequest, resolved: Resolved | None) -> list[Any
 
 
 def widened_q(q: Any, acc_dtype: Any) -> Any:
-    """``q`` in ``acc_dtype`` when that is wider (exact: every narrower float is a float64).
+    """``q`` as float64 when the request accumulates in float64 (exact: every float is a float64);
+    else ``q`` as sent.
 
-    Each shard's kernel accumulates in the widest dtype of ``q`` and its own keys; a float32
-    shard beside a float64 one would give a float32 state the merge refuses. With ``q`` in the
-    request's accumulation dtype every shard computes in it, as section 2 says.
+    Each shard's kernel accumulates in float64 only when ``q`` or its own keys are float64; a
+    float32 shard beside a float64 one would give a float32 state the merge refuses. With ``q``
+    in float64 every shard computes in it, as section 2 says.
     """
-    return q if q.dtype == acc_dtype or q.dtype.itemsize >= acc_dtype.itemsize else q.astype(acc_dtype)
+    return q.astype(acc_dtype) if acc_dtype == np.float64 and q.dtype != np.float64 else q
 
 
 def checked_answer(out: Any, lse: Any) -> tuple[Any, Any]:
