@@ -212,6 +212,9 @@ class WorkerPool:
         :attr:`replaced_elsewhere`, for the repair loop to take.
         """
         async def one(slot: Slot) -> None:
+            if slot.handle is None:  # a replacement Ray refused (WorkerPool.replace): dead, tried again next round
+                slot.alive = False
+                return
             try:
                 slot.info = await asyncio.wait_for(_await(slot.handle.ping.remote()), timeout_s)
                 slot.node_id = slot.info.get("node_id", "")
@@ -243,7 +246,8 @@ class WorkerPool:
         """
         slot.drop_channel()
         slot.channel_retry_at = 0.0
-        slot.handle = None
+        dead, slot.handle = slot.handle, None  # the slot holds the only handle the front end keeps
+        del dead
         try:
             slot.handle = self._spawn(slot.name, reuse=False)
         except ValueError:  # the name is held: take its holder (or a new worker, were it freed meanwhile)
