@@ -57,6 +57,18 @@ def test_a_forgotten_worker_leaves_every_shard_and_each_record_is_versioned_agai
     assert d.forget_worker("w1") == 0 and d.get("c")["version"] == 2  # nothing left to forget: untouched
 
 
+def test_a_replacement_keeps_the_replicas_it_reports_holding_in_full():
+    """Another front end replaced the worker and rebuilt some replicas on it already: those stay."""
+    d = DirectoryActor([], "ns")
+    d.commit({"id": "e", "version": 1, "shards": [{"index": 0, "length": 5, "workers": ["w0", "w1"]},
+                                                  {"index": 1, "length": 8, "workers": ["w0", "w1"]},
+                                                  {"index": 2, "length": 0, "workers": ["w0", "w1"]}]})
+    # Shard 0 rebuilt in full, shard 1 only partly (a stale copy), shard 2 empty and held.
+    assert d.forget_worker("w1", {"e/0": 5, "e/1": 3, "e/2": 0}) == 1
+    assert [s["workers"] for s in d.get("e")["shards"]] == [["w0", "w1"], ["w0"], ["w0", "w1"]]
+    assert d.get("e")["version"] == 2
+
+
 def test_health_says_ready_degraded_or_lost_from_the_live_workers():
     from service.contexts.records import health
 

@@ -53,6 +53,15 @@ def test_a_worker_process_killed_is_replaced_and_its_replicas_rebuilt(tmp_path):
                 pytest.fail(f"not repaired in 60 s: {desc}, repair {c.cluster()['repair']}")
             assert c.cluster()["repair"]["workers_replaced"] >= 1
             assert pids[0] not in shard_worker_pids(srv.proc.pid)
+            # The rebuilt replica is sized as the original (its keys: no expected_length), not for a
+            # whole --context-shard-keys: both workers hold the same bytes once the pings catch up.
+            held: list = []
+            while time.monotonic() < deadline + 30:
+                held = [w["bytes_held"] for w in c.cluster()["workers"]]
+                if len(set(held)) == 1:
+                    break
+                time.sleep(0.5)
+            assert len(set(held)) == 1 and held[0] > 0, held
             out, lse = c.attention(q, contexts=[ctx])
             assert_close_to_reference(out, lse, q, k, v)
     finally:

@@ -463,6 +463,10 @@ class WorkerPool:
     def drop(self, index: int, context_id: str, shard: int | None = None) -> Awaitable[Any]:
         return self._call(index, lambda h: h.drop.remote(context_id, shard))
 
+    def held(self, index: int) -> Awaitable[Any]:
+        """What the worker holds: ``[{"context_id", "index", "length", ...}]`` (``ShardWorker.held``)."""
+        return self._call(index, lambda h: h.held.remote())
+
 
     async def compute_many(self, index: int, items: Sequence[ResidentQuery]) -> list[Any]:
         """Every item's states over the resident shards it names on this worker, in one call: per item,

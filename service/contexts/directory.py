@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import ray
@@ -88,18 +88,24 @@ class DirectoryActor:
         self.leases.pop(ctx_id, None)
         return self.records.pop(ctx_id, None)
 
-    def forget_worker(self, name: str) -> int:
-        """A worker of this name died or was replaced: it holds none of its replicas any more.
+    def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int:
+        """A worker of this name died or was replaced: it holds none of its replicas any more,
+        but for ``keep`` (``"CONTEXT/SHARD"`` -> keys held, from a live replacement's own report).
 
-        Removes the name from every shard (each record's version is bumped), so that no
+        Removes the name from every other shard (each record's version is bumped), so that no
         read or write goes to an empty replacement; returns the number of replicas forgotten.
+        A shard the replacement reports holding in full (at least the record's length: another
+        front end replaced it and already rebuilt that replica there) keeps the name.
         """
+        keep = keep or {}
         forgotten = 0
         for ctx_id, record in self.records.items():
-            hit = [s for s in record["shards"] if name in s["workers"]]
+            hit = [s for s in record["shards"] if name in s["workers"]
+                   and keep.get(f"{ctx_id}/{s['index']}", -1) < s["length"]]
             if not hit:
                 continue
-            shards = [{**s, "workers": [w for w in s["workers"] if w != name]} for s in record["shards"]]
+            shards = [{**s, "workers": [w for w in s["workers"] if w != name]} if s in hit else s
+                      for s in record["shards"]]
             self.records[ctx_id] = cast(ContextRecord, {**record, "shards": shards, "version": record["version"] + 1})
             forgotten += len(hit)
         return forgotten
@@ -180,8 +186,8 @@ class Directory:
         result: ContextRecord | None = await self._call(lambda h: h.remove.remote(ctx_id))
         return result
 
-    async def forget_worker(self, name: str) -> int:
-        return int(await self._call(lambda h: h.forget_worker.remote(name)))
+    async def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int:
+        return int(await self._call(lambda h: h.forget_worker.remote(name, dict(keep or {}))))
 
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
         result: bool = await self._call(lambda h: h.acquire.remote(ctx_id, owner, ttl_s))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from service.cluster.pool import WorkerPool
 from service.contexts.directory import Directory
 from service.contexts.records import ContextRecord, ShardEntry
-from service.contexts.service import ContextService
+from service.contexts.service import ContextService, reserve_of
 from service.errors import ContextNotFound, WorkersUnavailable, internals
 from workers.store import CapacityError, ShardMissing
 from workers.tasks import ShardWrite
@@ -82,7 +82,11 @@ class Repairer:
         gone = [s for s in self.pool.slots
                 if (not s.alive and s.incarnation) or s.name in self.pool.replaced_elsewhere]
         for slot in gone:
-            self.stats.replicas_forgotten += await self.directory.forget_worker(slot.name)  # before any replacement
+            keep: dict[str, int] = {}
+            if slot.alive:  # replaced by another front end, which may have rebuilt replicas on it already
+                held = await self.pool.held(slot.index)
+                keep = {f"{h['context_id']}/{h['index']}": int(h["length"]) for h in held}
+            self.stats.replicas_forgotten += await self.directory.forget_worker(slot.name, keep)  # before any replacement
             self.pool.replaced_elsewhere.discard(slot.name)
             if not slot.alive:
                 if self.pool.replace(slot):
@@ -133,9 +137,10 @@ class Repairer:
         entry["workers"] = self.pool.names(holders)  # dead names out
         ctx_id, index, n = record["id"], entry["index"], entry["length"]
         k, v, k_pos = await self.pool.export_shard(holders[0], ctx_id, index, n)
-        capacity = record["shard_capacity"]
-        write = ShardWrite(ctx_id, index, record["dtype"], capacity, k_pos,
-                           reserve=max(n, capacity))  # an open shard keeps its room for appends
+        # Sized as the context's own shards are (service.contexts.service.reserve_of): a planned
+        # context's whole capacity, else its keys (the copy grows with appends, as they do).
+        write = ShardWrite(ctx_id, index, record["dtype"], record["shard_capacity"], k_pos,
+                           reserve=max(n, reserve_of(record)))
         made = 0
         for target in self._targets(holders):
             if made == need:
