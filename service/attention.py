@@ -103,13 +103,21 @@ class AttentionService:
             if resolved is None or not resolved.cached:
                 raise settled(exc) from exc
         except ContextLost:
-            if resolved is None or not resolved.cached:
+            if resolved is None:
+                raise
+            if not resolved.cached:
+                await self.resolve(req, timings, fresh=True)  # 404 if a delete raced the query
                 raise
         self.contexts.forget(req.contexts)
         try:
             return await self._attention(req, await self.resolve(req, timings, fresh=True), timings)
         except RecordStale as exc:
             raise settled(exc) from exc
+        except ContextLost:
+            # A shard gone from a record just read from the directory: the context was deleted
+            # meanwhile (404, as a query sent after the delete gets) or it is lost (503, re-raised).
+            await self.resolve(req, timings, fresh=True)
+            raise
 
     async def resolve(self, req: AttentionRequest, timings: Timings, *, fresh: bool) -> Resolved | None:
         """The contexts named, resolved to their committed shards (404 if unknown; the ``lookup``
