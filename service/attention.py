@@ -18,7 +18,7 @@ from merge import empty, finalize
 from service.cluster.orchestrator import Job, Orchestrator, inline_shard_count, shard_bounds
 from service.cluster.pool import InlineWork, WorkerPool
 from service.contexts.service import ContextService, Resolved
-from service.errors import ContextLost, InvalidTensor, WorkersUnavailable
+from service.errors import BodyTooLarge, ContextLost, InvalidTensor, WorkersUnavailable
 from service.metrics import Timings
 from service.settings import ServiceSettings
 from service.wire.request import AttentionRequest
@@ -78,6 +78,24 @@ def checked_answer(out: Any, lse: Any) -> tuple[Any, Any]:
     return out, lse
 
 
+def answer_elements(req: AttentionRequest, d_v: int) -> int:
+    """Elements of the request's answer ``out [n_q, h_q, d_v]``."""
+    return req.n_q * req.h_q * d_v
+
+
+def check_answer_size(req: AttentionRequest, d_v: int, max_elements: int) -> None:
+    """413 when the answer ``out [n_q, h_q, d_v]`` would be over the element limit of any one tensor.
+
+    Each of ``q`` and ``v`` may be within the limit while their product is not (``q [16385, 1, 1]``
+    over values ``[1, 1, 16384]``); the states the workers hold and send are as large, so this is
+    checked before any of them is allocated (docs/API.md section 8).
+    """
+    count = answer_elements(req, d_v)
+    if count > max_elements:
+        raise BodyTooLarge(f"q [n_q, h_q, d] = {[req.n_q, req.h_q, req.d]} over keys with d_v = {d_v} must give an "
+                           f"answer out [n_q, h_q, d_v] of at most {max_elements} elements, got {count}")
+
+
 def settled(exc: RecordStale) -> WorkersUnavailable:
     """What a client sees of a stale read that is not run again (503, to send again): reads of records
     just taken from the directory name no version (``Resolved.version``), so none is refused; this
@@ -92,6 +110,8 @@ class AttentionService:
         self.pool = pool
         self.orch = orchestrator
         self.contexts = contexts
+        #: The element limit of one tensor, which the answer's ``out`` is held to (check_answer_size).
+        self.max_elements = settings.limits().max_elements
 
     async def attention(self, req: AttentionRequest, timings: Timings) -> tuple[Any, Any]:
         """``(out, lse)`` of the request; a query that read a stale cached record runs again from the directory
@@ -131,8 +151,11 @@ class AttentionService:
         return resolved
 
     async def _attention(self, req: AttentionRequest, resolved: Resolved | None, timings: Timings) -> tuple[Any, Any]:
-        # 1. The contexts were resolved (the lookup stage).
+        # 1. The contexts were resolved (the lookup stage); the answer they make is within the limits.
         t0 = time.perf_counter()
+        kv = req.kv
+        d_v = kv.dims.d_v if kv is not None else resolved.dims.d_v if resolved is not None else 0
+        check_answer_size(req, d_v, self.max_elements)
         # 2. Positions over the union: inline keys continue after the contexts.
         q_pos, k_pos = union_positions(req, resolved.next_pos if resolved is not None else None)
         query = ShardQuery(q_pos=q_pos, options=req.options)
@@ -142,7 +165,6 @@ class AttentionService:
             n_k = req.kv.dims.n_k
             bounds = shard_bounds(n_k, inline_shard_count(n_k, self.pool.size, self.settings.shards,
                                                           self.settings.min_shard_keys))
-        kv = req.kv
         acc_dtype = accumulation_dtype(*request_dtypes(req, resolved))
         parts = [a for lo, hi in bounds for a in (kv.k[lo:hi], kv.v[lo:hi])] if kv is not None else []
         q, *refs = await self.pool.put(widened_q(req.q, acc_dtype), *parts)
@@ -151,7 +173,6 @@ class AttentionService:
                  for i, (lo, hi) in enumerate(bounds)]
         timings.add("scatter", time.perf_counter() - t0)
         # 4. Compute and merge; one state is n_q * h_q * (d_v + 2) numbers of the accumulation dtype.
-        d_v = kv.dims.d_v if kv is not None else resolved.dims.d_v if resolved is not None else 0
         if not jobs:  # contexts that hold no keys: the state over no keys (m = -inf, l = 0), nothing to send
             timings.add("compute", 0.0)
             return finalize(empty(req.n_q, req.h_q, d_v, acc_dtype))

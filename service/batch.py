@@ -32,12 +32,20 @@ from typing import Any
 
 from merge import State, finalize, merge_all
 from service import request_id
-from service.attention import AttentionService, checked_answer, request_dtypes, union_positions, widened_q
+from service.attention import (
+    AttentionService,
+    answer_elements,
+    check_answer_size,
+    checked_answer,
+    request_dtypes,
+    union_positions,
+    widened_q,
+)
 from service.cluster.orchestrator import LOCAL_MERGE_INLINE_BYTES
 from service.cluster.pool import WorkerPool
 from service.contexts.records import ContextRecord
 from service.contexts.service import ContextService, Resolved
-from service.errors import ContextNotFound, Internal, InvalidTensor, ServiceError, WorkersUnavailable
+from service.errors import BodyTooLarge, ContextNotFound, Internal, InvalidTensor, ServiceError, WorkersUnavailable
 from service.metrics import Timings
 from service.settings import ServiceSettings
 from service.wire.batch import Answer, Item, ItemError
@@ -81,7 +89,10 @@ class BatchService:
             with timings.measure("lookup"):
                 found = await self.contexts.resolve_many([c for _, req in grouped for c in req.contexts])
         t0 = time.perf_counter()
-        planned = self._plan(grouped, found, answers, single)
+        sizes: dict[int, int] = {i: answer_elements(it, it.kv.dims.d_v) for i in single
+                                 if isinstance(it := items[i], AttentionRequest) and it.kv is not None}
+        planned = self._plan(grouped, found, answers, single, sizes)
+        self._check_total(sizes, answers)
         timings.add("scatter", time.perf_counter() - t0)
         t1 = time.perf_counter()
         alone = asyncio.gather(*(self._single(i, items[i]) for i in single))  # type: ignore[arg-type]
@@ -135,11 +146,20 @@ class BatchService:
         except ServiceError as exc:
             return ItemError.of(index, exc)
 
+    def _check_total(self, sizes: dict[int, int], answers: list[Answer | None]) -> None:
+        """413 for the whole batch when its answers would hold more ``out`` elements in all than one
+        tensor may (``sizes``: each item's; items refused, or over the limit alone, are their own
+        errors), before any work is sent."""
+        total = sum(n for i, n in sizes.items() if answers[i] is None and n <= self.attention.max_elements)
+        if total > self.attention.max_elements:
+            raise BodyTooLarge(f"items must give answers of at most {self.attention.max_elements} out elements in "
+                               f"all (n_q x h_q x d_v summed over the items), got {total}: send them in several batches")
+
     def _plan(self, grouped: list[tuple[int, AttentionRequest]], found: tuple[dict[str, ContextRecord], set[str]],
-              answers: list[Answer | None], single: list[int]) -> list[Planned]:
+              answers: list[Answer | None], single: list[int], sizes: dict[int, int]) -> list[Planned]:
         """The grouped items with their shards (``found``: the records of their contexts, and which came
         from the cache); items refused here get their error in ``answers``, items without keys in a
-        context go to ``single``."""
+        context go to ``single``; ``sizes`` gets each item's answer elements."""
         records, from_cache = found
         planned = []
         for i, req in grouped:
@@ -150,10 +170,12 @@ class BatchService:
                 resolved: Resolved = self.contexts.resolved([records[c] for c in req.contexts],
                                                             cached=any(c in from_cache for c in req.contexts))
                 resolved.check(req)
+                check_answer_size(req, resolved.dims.d_v, self.attention.max_elements)
                 q_pos, _ = union_positions(req, resolved.next_pos)
             except ServiceError as exc:
                 answers[i] = ItemError.of(i, exc)
                 continue
+            sizes[i] = answer_elements(req, resolved.dims.d_v)
             reads = [(r, tuple(self.pool.indexes(names, alive=True))) for r, names in resolved.reads()]
             if not reads or any(not live for _, live in reads):  # no keys, or a shard to look for elsewhere
                 single.append(i)

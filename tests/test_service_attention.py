@@ -265,3 +265,15 @@ def test_operations_endpoints(server, client, rng):
         assert needle in text, needle
     spec = httpx.get(server.url + "/openapi.json").json()
     assert "/v1/attention" in spec["paths"] and "422" in spec["paths"]["/v1/attention"]["post"]["responses"]
+
+
+def test_an_answer_over_the_element_limit_is_refused_before_any_work(client):
+    # q and v are each small; out [n_q, h_q, d_v] would be 2**28 + 16384 elements (1 GiB of float32).
+    q = np.ones((2**14 + 1, 1, 1), np.float32)
+    k, v = np.ones((1, 1, 1), np.float32), np.ones((1, 1, 2**14), np.float32)
+    with pytest.raises(SplitkeyError) as err:
+        client.attention(q, k, v)
+    assert (err.value.status, err.value.code) == (413, "body_too_large")
+    assert "answer out [n_q, h_q, d_v] of at most 268435456 elements, got 268451840" in err.value.detail
+    out, _ = client.attention(q[:4], k, v)  # the server is up and answers what fits
+    assert out.shape == (4, 1, 2**14)

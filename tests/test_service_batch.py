@@ -199,3 +199,24 @@ def test_batch_answers_carry_the_item_statuses_in_safetensors(server, contexts):
     assert statuses[0] == {"status": 200} and statuses[1]["status"] == 404
     tensors = decode_safetensors(r.content, {"0.out", "0.lse"})
     assert tensors["0.out"].shape == (1, 4, 8) and tensors["0.lse"].shape == (1, 4)
+
+
+def test_batch_answers_over_the_element_limit_are_refused_before_any_work(client, rng):
+    # A context whose values are long rows: each item's q is small, its answer is not.
+    ctx = client.create_context(np.ones((1, 1, 1), np.float32), np.ones((1, 1, 2**14), np.float32))["id"]
+    try:
+        small = np.ones((2, 1, 1), np.float32)
+        answers = client.attention_batch([{"q": small, "contexts": [ctx]},
+                                          {"q": np.ones((2**14 + 1, 1, 1), np.float32), "contexts": [ctx]}])
+        assert answers[0][0].shape == (2, 1, 2**14)
+        err = answers[1]
+        assert isinstance(err, SplitkeyError) and (err.status, err.code) == (413, "body_too_large"), err
+        assert err.detail.startswith("items[1]: ") and "answer out [n_q, h_q, d_v]" in err.detail
+        # Each item within the limit, 2**27 + 2**27 + 2**27 elements in all: the whole batch is refused.
+        third = {"q": np.ones((2**13, 1, 1), np.float32), "contexts": [ctx]}
+        with pytest.raises(SplitkeyError) as whole:
+            client.attention_batch([third] * 3)
+        assert (whole.value.status, whole.value.code) == (413, "body_too_large")
+        assert "got 402653184: send them in several batches" in whole.value.detail
+    finally:
+        client.delete_context(ctx)

@@ -4,6 +4,7 @@ import asyncio
 import http.server
 import json
 import threading
+import time
 
 import pytest
 
@@ -13,6 +14,7 @@ from service.client.aio_http import HttpPool, TransportError
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     connections = 0  #: handlers made: one per connection
+    seen: list = []  #: paths of the requests read, in order
 
     def setup(self):
         super().setup()
@@ -23,6 +25,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802 - http.server's name
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        type(self).seen.append(self.path)
+        if self.path == "/swallow":  # read, then closed without an answer
+            self.close_connection = True
+            return
+        if self.path == "/slow":
+            time.sleep(0.3)
         if self.path == "/chunked":
             self.send_response(200)
             self.send_header("Transfer-Encoding", "chunked")
@@ -103,3 +111,59 @@ def test_an_idle_connection_the_server_dropped_is_replaced_once_and_a_dead_serve
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="max_connections"):
         HttpPool("127.0.0.1", 1, max_connections=0)
+
+
+def test_idle_connections_the_server_closed_are_dropped_before_reuse_and_nothing_is_resent():
+    srv = serve()
+    port = srv.server_address[1]
+
+    async def main():
+        pool = HttpPool("127.0.0.1", port)
+        await asyncio.gather(*(pool.request("POST", "/drop", {}) for _ in range(3)))  # three kept, all closed by the server
+        await asyncio.sleep(0.2)  # the server's FINs arrive while the pool is idle
+        before, seen = Handler.connections, len(Handler.seen)
+        answer = await pool.request("POST", "/two", {}, [b"q"], resend=False)
+        made, sent = Handler.connections - before, Handler.seen[seen:]
+        idle = len(pool._idle)
+        await pool.aclose()
+        return answer, made, sent, idle
+
+    answer, made, sent, idle = asyncio.run(main())
+    srv.shutdown()
+    assert answer.status == 200 and made == 1 and sent == ["/two"] and idle == 1
+
+
+@pytest.mark.parametrize("resend, sent", [(False, 1), (True, 2)])
+def test_a_request_lost_after_it_went_out_is_sent_again_only_when_allowed(resend, sent):
+    srv = serve()
+    port = srv.server_address[1]
+
+    async def main():
+        pool = HttpPool("127.0.0.1", port)
+        await pool.request("POST", "/a", {})  # a kept connection, still open
+        seen = len(Handler.seen)
+        with pytest.raises(TransportError):
+            await pool.request("POST", "/swallow", {}, [b"append"], resend=resend)
+        await pool.aclose()
+        return Handler.seen[seen:]
+
+    got = asyncio.run(main())
+    srv.shutdown()
+    assert got == ["/swallow"] * sent
+
+
+def test_a_connection_that_comes_back_after_aclose_is_closed_not_kept():
+    srv = serve()
+    port = srv.server_address[1]
+
+    async def main():
+        pool = HttpPool("127.0.0.1", port)
+        flight = asyncio.gather(*(pool.request("POST", "/slow", {}) for _ in range(3)))
+        await asyncio.sleep(0.1)
+        await pool.aclose()
+        answers = await flight
+        return answers, pool._idle
+
+    answers, idle = asyncio.run(main())
+    srv.shutdown()
+    assert [a.status for a in answers] == [200] * 3 and idle == []

@@ -11,6 +11,7 @@ from http.client import BadStatusLine, IncompleteRead, RemoteDisconnected
 import numpy as np
 import pytest
 
+from service.client import Client, UploadError
 from service.client.http1 import ONE_WRITE_BYTES, Connection
 from service.wire.safetensors import encode_safetensors
 
@@ -43,6 +44,9 @@ class Scripted:
                     length = [int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")]
                     self.requests.append(head + (reader.read(length[0]) if length else b""))
                     conn.sendall(answer)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
 
     def close(self) -> None:
         self.sock.close()
@@ -85,16 +89,16 @@ def test_a_kept_connection_the_server_closed_is_replaced_and_the_request_sent_ag
 
 
 def test_a_connection_closed_before_any_answer_raises_what_http_client_raises():
-    srv = Scripted([[OK]])  # one connection, closed after one answer; no second one is opened
+    srv = Scripted([[OK, b""]])  # one connection: answers one request, reads the next, closes without an answer
     conn = Connection("127.0.0.1", srv.port, timeout=10)
     try:
         conn.request("GET", "/1", {})
-        srv.thread.join(0.2)
         with pytest.raises((RemoteDisconnected, ConnectionResetError, BrokenPipeError)):
             conn.request("GET", "/2", {}, resend=False)  # not sent again when the caller says so
     finally:
         conn.close()
         srv.close()
+    assert [r.split(b" ")[1] for r in srv.requests] == [b"/1", b"/2"]
 
 
 @pytest.mark.parametrize("answer, error", [
@@ -132,6 +136,9 @@ class Recording:
         self.writes.append(memoryview(data).nbytes)
         self.sock.sendall(data)
 
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
     def close(self) -> None:
         self.sock.close()
 
@@ -155,3 +162,33 @@ def test_a_small_request_leaves_in_one_write_and_a_large_one_as_its_buffers(n_k,
     assert head.startswith(b"POST /v1/attention?contexts=a HTTP/1.1\r\n")
     assert b"Content-Length: %d" % sum(memoryview(b).nbytes for b in body) in head
     assert rest == b"".join(bytes(b) for b in body)
+
+
+def test_a_kept_connection_the_server_closed_while_idle_is_replaced_before_anything_is_sent():
+    srv = Scripted([[OK], [OK]])  # the first connection closes after one answer
+    conn = Connection("127.0.0.1", srv.port, timeout=10)
+    try:
+        conn.request("GET", "/1", {})
+        srv.thread.join(0.2)
+        # Seen closed before the request goes out: a new connection even where nothing may be resent.
+        assert conn.request("POST", "/2", {}, [b"xy"], resend=False).body == b"ok"
+    finally:
+        conn.close()
+        srv.close()
+    assert [r.split(b" ")[1] for r in srv.requests] == [b"/1", b"/2"]
+
+
+LIMITS = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+def test_a_plain_append_whose_answer_is_lost_is_not_sent_again():
+    srv = Scripted([[LIMITS, b""]])  # answers the limits, reads the append, closes without an answer
+    c = Client(f"http://127.0.0.1:{srv.port}", timeout=10)
+    try:
+        with pytest.raises(UploadError) as err:
+            c.append("ctx_a", np.ones((4, 1, 2), np.float32), np.ones((4, 1, 2), np.float32), retries=3)
+    finally:
+        c.close()
+        srv.close()
+    assert err.value.committed == 0
+    assert [r.split(b" ")[1] for r in srv.requests] == [b"/v1/limits", b"/v1/contexts/ctx_a/append"]

@@ -8,6 +8,7 @@ from expect import service_error
 
 from service.client.batch import decode_batch, encode_batch
 from service.client.errors import SplitkeyError
+from service.errors import InvalidBody
 from service.wire.batch import (
     ItemError,
     decode_binary_batch,
@@ -105,3 +106,47 @@ def test_an_item_tensor_of_the_wrong_rank_or_kind_is_refused_alone_as_a_single_b
     assert isinstance(good, AttentionRequest)
     assert wrong_kind.code == "invalid_tensor" and "1.q dtype must be F16" in wrong_kind.detail
     assert wrong_pos.code == "invalid_tensor" and "2.q_pos dtype must be I32 or I64" in wrong_pos.detail
+
+
+def raw_safetensors(entries, metadata):
+    """A body with hand-written header entries ``name: (dtype, shape, nbytes)``, the data zero bytes."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, (dtype, shape, nbytes) in entries.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text + bytes(offset)
+
+
+@pytest.mark.parametrize("entry, status, word", [
+    (("I16", [2], 4), 422, "1.q_pos dtype must be one of"),  # a safetensors dtype the service does not take
+    (("U8", [2, 4, 8], 64), 422, "1.q dtype must be one of"),
+    (("F32", [1, 2, 4, 8], 256), 422, "1.q must have at most 3 dims"),
+])
+def test_an_item_tensor_the_service_does_not_take_is_refused_alone(entry, status, word):
+    name = "1.q_pos" if entry[0] == "I16" else "1.q"
+    entries = {"0.q": ("F32", [2, 4, 8], 256), **({"1.q": ("F32", [2, 4, 8], 256)} if name != "1.q" else {}),
+               name: entry, "2.q": ("F32", [2, 4, 8], 256)}
+    opts = json.dumps([{"contexts": ["a"]}] * 3)
+    first, bad, last = decode_binary_batch(raw_safetensors(entries, {"items": opts}))
+    assert isinstance(first, AttentionRequest) and isinstance(last, AttentionRequest)
+    assert isinstance(bad, ItemError) and bad.status == status and bad.detail.startswith("items[1]: ")
+    assert word in bad.detail, bad.detail
+
+
+def test_an_item_tensor_over_the_element_limit_is_refused_alone_and_a_broken_frame_is_the_bodys():
+    limits = Limits(max_elements=100)
+    opts = json.dumps([{"contexts": ["a"]}] * 2)
+    small, big = decode_binary_batch(raw_safetensors({"0.q": ("F32", [1, 4, 8], 128), "1.q": ("F32", [1, 4, 32], 512)},
+                                                     {"items": opts}), limits)
+    assert isinstance(small, AttentionRequest)
+    assert isinstance(big, ItemError) and (big.status, big.code) == (413, "body_too_large")
+    assert "1.q must have at most 100 elements, got 128" in big.detail
+    # The refused tensor's bytes still belong to the body's framing: a gap after it is the whole body's error.
+    broken = raw_safetensors({"0.q": ("U8", [4], 4), "1.q": ("F32", [1, 4, 8], 128)}, {"items": opts})
+    text_len = int.from_bytes(broken[:8], "little")
+    header = json.loads(broken[8:8 + text_len])
+    header["0.q"]["data_offsets"] = [0, 2]  # leaves bytes [2, 4) to no tensor
+    text = json.dumps(header).encode()
+    with pytest.raises(InvalidBody, match="must belong to a tensor"):
+        decode_binary_batch(len(text).to_bytes(8, "little") + text + bytes(132))

@@ -222,7 +222,10 @@ class AsyncClient:
         attempt = 0
         while True:
             try:
-                return json.loads(await self._request("POST", path, query, body))
+                # No resend inside the transport but for a create: a plain append sent again may be
+                # stored twice, and a chunk with ``after`` is sent again by this loop, which tells its
+                # own earlier copy (409 length_mismatch on a later attempt) from another writer's.
+                return json.loads(await self._request("POST", path, query, body, resend=path == CREATE))
             except ATTEMPT_ERRORS as exc:
                 if attempt and after is not None and is_length_mismatch(exc):
                     try:
@@ -242,7 +245,7 @@ class AsyncClient:
 
     # -- transport ---------------------------------------------------------------
     async def _request(self, method: str, path: str, query: str = "",
-                       body: list[bytes | memoryview] | None = None) -> bytes:
+                       body: list[bytes | memoryview] | None = None, *, resend: bool = True) -> bytes:
         """The answer's body; an error answer raises :class:`SplitkeyError`, no answer within ``timeout``
         :class:`TimeoutError`, a failed connection :class:`TransportError`."""
         headers = dict(self._headers)
@@ -250,7 +253,7 @@ class AsyncClient:
             headers["Content-Type"] = BINARY
         target = urllib.parse.quote(self.base + path, safe="/") + (f"?{query}" if query else "")
         async with asyncio.timeout(self.timeout):  # in this task (wait_for would start one per request)
-            resp = await self._pool.request(method, target, headers, body or ())
+            resp = await self._pool.request(method, target, headers, body or (), resend=resend)
         self.last_server_timing = resp.headers.get("server-timing", "")
         if resp.status >= 400:
             raise from_answer(resp.status, resp.body, resp.headers.get("retry-after"))

@@ -7,9 +7,14 @@ request in one buffer list and reads exactly the answer, keeping connections ali
 the next call. One pool per client, at most ``max_connections`` at once (callers wait for
 a free one), each used by one request at a time.
 
-A connection found closed by the server before any byte of the answer arrived (an idle
-keep-alive connection the server dropped) is replaced and the request sent once more,
-as the synchronous client does; any other failure is :class:`TransportError`.
+An idle connection the server has closed (its keep-alive timeout, 30 s for ``splitkey
+serve``) is seen closed before it is reused and dropped; one found closed only once the
+request is out, before any byte of the answer arrived, is replaced and the request sent
+once more, as the synchronous client does, when the caller allows it (``resend``: not
+for a request that the server may have applied and must not apply twice), and the pool's
+other idle connections, as old as it, are dropped with it. Any other failure is
+:class:`TransportError`. A connection that comes back after :meth:`HttpPool.aclose` is
+closed, not kept.
 """
 
 from __future__ import annotations
@@ -41,32 +46,54 @@ class HttpPool:
         self._closed = False
 
     async def request(self, method: str, target: str, headers: Mapping[str, str],
-                      body: Sequence[bytes | memoryview] = ()) -> Answer:
-        """Send one request and read its whole answer (``body`` as buffers, sent unjoined)."""
+                      body: Sequence[bytes | memoryview] = (), *, resend: bool = True) -> Answer:
+        """Send one request and read its whole answer (``body`` as buffers, sent unjoined).
+
+        ``resend``: send it once more on a new connection when a reused one turns out closed
+        by the server after the request went out and before any byte of the answer (the
+        server may have read it: False for a request that must not be applied twice).
+        """
         if self._closed:
             raise TransportError("the client is closed")
         size = sum(memoryview(b).nbytes for b in body)
         data = [request_head(method, target, f"{self.host}:{self.port}", headers, size), *body]
         async with self._slots:
             for attempt in (0, 1):
-                reused = bool(self._idle)
-                reader, writer = self._idle.pop() if reused else await self._connect()
+                kept = self._take_idle()
+                reused = kept is not None
+                reader, writer = kept if kept is not None else await self._connect()
                 try:
                     answer, keep = await self._exchange(reader, writer, data)
                 except _Stale:
                     writer.close()
-                    if attempt == 0 and reused:
-                        continue  # an idle connection the server closed: once more on a new one
+                    self._drop_idle()  # as old as this one: the server has likely closed them too
+                    if attempt == 0 and reused and resend:
+                        continue  # a kept connection the server closed: once more on a new one
                     raise TransportError("the server closed the connection before answering") from None
                 except BaseException:
                     writer.close()
                     raise
-                if keep:
+                if keep and not self._closed:
                     self._idle.append((reader, writer))
                 else:
-                    writer.close()
+                    writer.close()  # not reusable, or the client was closed while this request ran
                 return answer
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _take_idle(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The most recently used idle connection still open (None if none); closed ones are dropped."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if reader.at_eof() or reader.exception() is not None or writer.is_closing():
+                writer.close()  # the server closed it while it was idle
+                continue
+            return reader, writer
+        return None
+
+    def _drop_idle(self) -> None:
+        idle, self._idle = self._idle, []
+        for _, writer in idle:
+            writer.close()
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:

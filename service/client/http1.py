@@ -6,7 +6,9 @@ header parser and writes a request in several writes; on a decode query that is 
 what the client library costs (docs/BENCHMARKS.md, "The hot routes off FastAPI's
 dispatch"). This connection writes a small request in one write (a large body as its
 buffers, never joined), reads the status line and headers with one buffered reader kept
-for the connection's life, and keeps the connection for the next request.
+for the connection's life, and keeps the connection for the next request; a kept
+connection the server has closed meanwhile (its keep-alive timeout) is seen closed before
+it is reused and replaced, so nothing is sent on it.
 
 Failures raise what ``http.client`` raises for them, so callers and the load generator
 classify them as before: ``RemoteDisconnected`` when the server closed the connection
@@ -19,6 +21,7 @@ before answering, ``IncompleteRead`` for a body cut short, ``BadStatusLine`` or
 
 from __future__ import annotations
 
+import select
 import socket
 import ssl
 from collections.abc import Callable, Mapping, Sequence
@@ -122,6 +125,8 @@ class Connection:
             self._sock = None
 
     def _open(self) -> tuple[socket.socket, BinaryIO]:
+        if self._sock is not None and _closed_by_peer(self._sock):
+            self.close()  # the server closed it while idle (keep-alive timeout): a new one, nothing resent
         if self._sock is None or self._reader is None:
             sock = socket.create_connection((self.host, self.port), self.timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -160,6 +165,16 @@ class Connection:
         else:
             return Answer(status, headers, reader.read()), False  # the body ends with the connection
         return Answer(status, headers, body), keeps_alive(version, headers)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether a kept connection, between requests, can no longer carry one: readable now means the
+    server closed it (or sent bytes nobody asked for, which leave it in no known state)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def _exactly(reader: BinaryIO, n: int) -> bytes:

@@ -270,7 +270,8 @@ class Client:
         attempt = 0
         while True:
             try:
-                return json.loads(self._request("POST", path, query, tensors, resend=after is None))
+                # No resend inside the transport but for a create (as AsyncClient._send says why).
+                return json.loads(self._request("POST", path, query, tensors, resend=path == CREATE))
             except ATTEMPT_ERRORS as exc:
                 if attempt and after is not None and is_length_mismatch(exc):
                     stored = self._holding(str(upload.context_id), after + keys)

@@ -150,14 +150,21 @@ def decode_binary_batch(body: bytes | bytearray | memoryview, limits: Limits = D
     for full, (i, _) in names.items():
         if i >= n:
             raise InvalidTensor(f"tensor {full} must name one of the {n} items of __metadata__, got item {i}")
-    header = peek_safetensors_header(mv, len(mv), limits, names)  # dtypes, shapes, sizes, offsets
+    # Dtypes, shapes, sizes, offsets; a tensor we do not take is its item's error, the framing the body's.
+    header = peek_safetensors_header(mv, len(mv), limits, names, refuse_alone=True)
     infos: list[dict[str, tuple[str, TensorInfo]]] = [{} for _ in range(n)]
     for full, info in header.tensors.items():
         i, name = names[full]
         infos[i][name] = (full, info)
+    refused: dict[int, tuple[type[ServiceError], str]] = {}
+    for full in sorted(header.refused):
+        refused.setdefault(names[full][0], header.refused[full])
 
     def one(i: int) -> Item:
         def decode() -> Decoded:
+            if i in refused:
+                cls, detail = refused[i]
+                raise cls(detail)
             for name, (full, info) in infos[i].items():  # the rank and kind a single body's header is held to
                 rule = TENSOR_RULES[name]
                 if len(info.shape) != rule.rank:

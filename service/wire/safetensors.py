@@ -20,13 +20,13 @@ import json
 import math
 import struct
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from service.errors import BodyTooLarge, InvalidBody, InvalidTensor
+from service.errors import BodyTooLarge, InvalidBody, InvalidTensor, ServiceError
 from service.wire.request import Decoded
 from service.wire.rules import (
     ATTENTION,
@@ -74,6 +74,9 @@ class Header:
     metadata: Mapping[str, str]
     data_start: int
     body_len: int
+    #: With ``refuse_alone``: each tensor that is well framed but not one we take (an unsupported
+    #: dtype, rank or element kind, over the element limit), its error's class and detail.
+    refused: Mapping[str, tuple[type[ServiceError], str]] = field(default_factory=lambda: MappingProxyType({}))
 
 
 def header_span(prefix: bytes | bytearray | memoryview, body_len: int, limits: Limits) -> int:
@@ -95,18 +98,28 @@ def header_span(prefix: bytes | bytearray | memoryview, body_len: int, limits: L
     return 8 + n
 
 
+def _frame(name: str, entry: Any) -> tuple[Any, list[int], list[int]]:
+    """``(dtype, shape, data_offsets)`` of one header entry, as a safetensors file must frame them
+    (400 if not); whether the tensor is one we take is :func:`_entry`'s question."""
+    if type(entry) is not dict or entry.keys() != _ENTRY_KEYS:
+        raise InvalidBody(f"{name} must be an object with keys dtype, shape, data_offsets, got {show(entry)}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if type(shape) is not list or any(type(s) is not int or s < 0 for s in shape):
+        raise InvalidBody(f"{name} shape must be a list of ints >= 0, got {show(shape)}")
+    if type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets) \
+            or not 0 <= offsets[0] <= offsets[1]:
+        raise InvalidBody(f"{name} data_offsets must be [begin, end] with 0 <= begin <= end, got {show(offsets)}")
+    return dtype, shape, offsets
+
+
 def _entry(name: str, entry: Any, allowed: Iterable[str], limits: Limits) -> TensorInfo:
     """Check one header entry; everything but its place in the data section."""
     if name not in allowed:
         raise InvalidTensor(f"tensor names must be among {sorted_names(allowed)}, got {show(name)}")
-    if type(entry) is not dict or entry.keys() != _ENTRY_KEYS:
-        raise InvalidBody(f"{name} must be an object with keys dtype, shape, data_offsets, got {show(entry)}")
-    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    dtype, shape, offsets = _frame(name, entry)
     if type(dtype) is not str or dtype not in SAFETENSORS:
         raise InvalidTensor(f"{name} dtype must be one of {sorted_names(SAFETENSORS)}, got {show(dtype)}")
     wire = SAFETENSORS[dtype]
-    if type(shape) is not list or any(type(s) is not int or s < 0 for s in shape):
-        raise InvalidBody(f"{name} shape must be a list of ints >= 0, got {show(shape)}")
     rule = TENSOR_RULES.get(name)
     if rule is not None and len(shape) != rule.rank:
         raise InvalidTensor(f"{name} must be {rule.layout} ({rule.rank} dims), got shape {show(shape)}")
@@ -115,9 +128,6 @@ def _entry(name: str, entry: Any, allowed: Iterable[str], limits: Limits) -> Ten
     if rule is not None and (rule.kind == "int") != wire.integer:
         wanted = "I32 or I64" if rule.kind == "int" else "F16, BF16, F32 or F64"
         raise InvalidTensor(f"{name} dtype must be {wanted}, got {dtype}")
-    if type(offsets) is not list or len(offsets) != 2 or any(type(o) is not int for o in offsets) \
-            or not 0 <= offsets[0] <= offsets[1]:
-        raise InvalidBody(f"{name} data_offsets must be [begin, end] with 0 <= begin <= end, got {show(offsets)}")
     nbytes = math.prod(shape) * wire.bits.itemsize
     if offsets[1] - offsets[0] != nbytes:
         raise InvalidBody(f"{name} data_offsets must span prod(shape) * itemsize = {nbytes} bytes for shape {shape} "
@@ -126,24 +136,24 @@ def _entry(name: str, entry: Any, allowed: Iterable[str], limits: Limits) -> Ten
     return TensorInfo(wire, tuple(shape), offsets[0], offsets[1])
 
 
-def _check_coverage(tensors: Mapping[str, TensorInfo], data_len: int) -> None:
-    """The tensors tile the data section exactly: no overlap, no gap, nothing out of bounds."""
+def _check_coverage(spans: Mapping[str, tuple[int, int]], data_len: int) -> None:
+    """The tensors' ``[begin, end)`` tile the data section exactly: no overlap, no gap, nothing out of bounds."""
     expected, previous = 0, None
-    for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
-        if info.end > data_len:
-            raise InvalidBody(f"{name} data_offsets must end within the {data_len} data bytes, got [{info.begin}, {info.end}]")
-        if info.begin < expected:
+    for name, (begin, end) in sorted(spans.items(), key=lambda item: item[1]):
+        if end > data_len:
+            raise InvalidBody(f"{name} data_offsets must end within the {data_len} data bytes, got [{begin}, {end}]")
+        if begin < expected:
             raise InvalidBody(f"{name} data_offsets must not overlap {previous} (which ends at {expected}), "
-                       f"got [{info.begin}, {info.end}]")
-        if info.begin > expected:
-            raise InvalidBody(f"data bytes [{expected}, {info.begin}) must belong to a tensor, got a gap before {name}")
-        expected, previous = info.end, name
+                              f"got [{begin}, {end}]")
+        if begin > expected:
+            raise InvalidBody(f"data bytes [{expected}, {begin}) must belong to a tensor, got a gap before {name}")
+        expected, previous = end, name
     if expected != data_len:
         raise InvalidBody(f"data bytes [{expected}, {data_len}) must belong to a tensor, got trailing bytes")
 
 
 def peek_safetensors_header(prefix: bytes | bytearray | memoryview, body_len: int, limits: Limits,
-                            allowed: Iterable[str]) -> Header:
+                            allowed: Iterable[str], *, refuse_alone: bool = False) -> Header:
     """Check the whole header of a ``body_len``-byte body from its first bytes only.
 
     ``prefix`` must hold at least :func:`header_span` bytes (the rest is not read). On
@@ -154,6 +164,10 @@ def peek_safetensors_header(prefix: bytes | bytearray | memoryview, body_len: in
     limits, names): the answer is a function of those alone, and an engine's decode loop
     sends (and gets back) the same header byte for byte at every step. A header that
     fails is never kept; at most ``MEMO_HEADERS`` are.
+
+    ``refuse_alone``: a well-framed tensor we do not take is left out of ``tensors`` and named
+    in ``refused`` instead of refusing the body (a batch refuses it for its item alone); the
+    body's framing is checked all the same, its bytes included.
     """
     span = header_span(prefix, body_len, limits)
     if len(prefix) < span:
@@ -161,11 +175,12 @@ def peek_safetensors_header(prefix: bytes | bytearray | memoryview, body_len: in
     text = bytes(memoryview(prefix)[8:span])
     allowed = frozenset(allowed)
     if span - 8 <= MEMO_HEADER_BYTES:
-        return _memo_header(text, body_len, limits, allowed)
-    return _check_header(text, body_len, limits, allowed)
+        return _memo_header(text, body_len, limits, allowed, refuse_alone)
+    return _check_header(text, body_len, limits, allowed, refuse_alone)
 
 
-def _check_header(text: bytes, body_len: int, limits: Limits, allowed: frozenset[str]) -> Header:
+def _check_header(text: bytes, body_len: int, limits: Limits, allowed: frozenset[str],
+                  refuse_alone: bool = False) -> Header:
     """The checked header of a ``body_len``-byte body whose JSON header is ``text`` (length field excluded)."""
     obj = load_json(text, "safetensors header")
     if type(obj) is not dict:
@@ -173,11 +188,23 @@ def _check_header(text: bytes, body_len: int, limits: Limits, allowed: frozenset
     metadata = obj.pop("__metadata__", {})
     if type(metadata) is not dict or any(type(v) is not str for v in metadata.values()):
         raise InvalidBody(f"__metadata__ must map strings to strings, got {show(metadata)}")
-    tensors = {name: _entry(name, entry, allowed, limits) for name, entry in obj.items()}
-    _check_coverage(tensors, body_len - 8 - len(text))
+    tensors: dict[str, TensorInfo] = {}
+    refused: dict[str, tuple[type[ServiceError], str]] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    for name, entry in obj.items():
+        try:
+            info = tensors[name] = _entry(name, entry, allowed, limits)
+            spans[name] = (info.begin, info.end)
+        except (InvalidTensor, BodyTooLarge) as exc:
+            if not refuse_alone or name not in allowed:
+                raise
+            _, _, offsets = _frame(name, entry)  # framed as the body's: its bytes are checked below
+            refused[name] = (type(exc), exc.detail)
+            spans[name] = (offsets[0], offsets[1])
+    _check_coverage(spans, body_len - 8 - len(text))
     # Read-only: a memoized header is shared by every body that has it.
     return Header(tensors=MappingProxyType(tensors), metadata=MappingProxyType(metadata), data_start=8 + len(text),
-                  body_len=body_len)
+                  body_len=body_len, refused=MappingProxyType(refused))
 
 
 _memo_header = functools.lru_cache(maxsize=MEMO_HEADERS)(_check_header)
