@@ -4,9 +4,10 @@ and the per-request stage timings that feed them and the ``Server-Timing`` heade
 from __future__ import annotations
 
 import bisect
+import collections
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -93,6 +94,8 @@ class Metrics:
         self.stage_seconds = StageHistograms(
             "splitkey_request_stage_seconds", "Seconds per request stage (service.metrics.STAGES).", BUCKETS, r)
         self.requests = Counter("splitkey_requests", "Requests by route and status code.", ["route", "code"], registry=r)
+        self.batch_items = Counter("splitkey_batch_items", "Items of batch requests by their own status code "
+                                   "(200, or the item's error).", ["code"], registry=r)
         self.bytes_in = Counter("splitkey_request_body_bytes", "Request body bytes read.", ["route"], registry=r)
         self.bytes_out = Counter("splitkey_response_body_bytes", "Response body bytes written.", ["route"], registry=r)
         self.inflight = Gauge("splitkey_inflight_requests", "Requests admitted and not finished.", registry=r)
@@ -130,6 +133,11 @@ class Metrics:
     def count_request(self, route: str, code: int) -> None:
         """One answered request of ``route`` with status ``code``."""
         self._child(self.requests, route, str(code)).inc()
+
+    def count_batch_items(self, codes: Iterable[int]) -> None:
+        """The items of one answered batch, each by its own status code."""
+        for code, n in collections.Counter(codes).items():
+            self._child(self.batch_items, str(code)).inc(n)
 
     def count_bytes_in(self, route: str, nbytes: int) -> None:
         self._child(self.bytes_in, route).inc(nbytes)

@@ -80,8 +80,16 @@ def test_batch_of_many_items_over_the_same_context_shares_the_workers(client, co
     assert {"lookup", "scatter", "compute", "merge"} <= set(stages), stages  # one lookup for the 64 items
 
 
-def test_batch_item_errors_are_their_own_and_the_others_are_answered(client, contexts, rng):
+def batch_item_counts(url):
+    """``splitkey_batch_items_total`` by code, from the server's /metrics."""
+    text = httpx.get(f"{url}/metrics").text
+    return {line.split('code="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("splitkey_batch_items_total{")}
+
+
+def test_batch_item_errors_are_their_own_and_the_others_are_answered(server, client, contexts, rng):
     ctx_id, k, v = contexts["short"]
+    before = batch_item_counts(server.url)
     good = rng.standard_normal((1, 4, 16)).astype(np.float32)
     items = [
         {"q": good, "contexts": [ctx_id]},
@@ -102,6 +110,9 @@ def test_batch_item_errors_are_their_own_and_the_others_are_answered(client, con
         assert isinstance(err, SplitkeyError), (i, err)
         assert (err.status, err.code) == (status, code), err
         assert err.detail.startswith(f"items[{i}]: ") and word in err.detail, err.detail
+    after = batch_item_counts(server.url)  # each item counted by its own code
+    grew = {code: after[code] - before.get(code, 0.0) for code in after}
+    assert {code: n for code, n in grew.items() if n} == {"200": 2, "404": 1, "422": 3}
 
 
 def test_batch_items_mixing_float32_and_float64_keys_compute_in_float64(client, contexts, rng):

@@ -150,3 +150,13 @@ def test_an_item_tensor_over_the_element_limit_is_refused_alone_and_a_broken_fra
     text = json.dumps(header).encode()
     with pytest.raises(InvalidBody, match="must belong to a tensor"):
         decode_binary_batch(len(text).to_bytes(8, "little") + text + bytes(132))
+
+
+def test_the_clients_refuse_a_causal_that_is_not_a_bool():
+    from service.client.sync import _query
+
+    with pytest.raises(ValueError, match=r"items\[1\] causal must be a bool, got 'false'"):
+        encode_batch([{"q": Q, "contexts": ["a"]}, {"q": Q, "contexts": ["a"], "causal": "false"}])
+    with pytest.raises(ValueError, match="causal must be a bool, got 0"):
+        _query({"causal": 0})
+    assert _query({"causal": np.bool_(False)}) == "causal=false"

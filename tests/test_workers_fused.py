@@ -265,6 +265,45 @@ def test_broken_compiled_kernel_falls_back_to_numpy_once(rng, monkeypatch, caplo
         assert np.array_equal(st.acc, ref.acc) and np.array_equal(st.l, ref.l)
 
 
+def test_a_call_out_of_memory_runs_on_numpy_and_leaves_the_fused_path_on(rng, monkeypatch, caplog):
+    q, k, v, k_pos, q_pos = make(rng)
+    real = fused.run_fused
+    calls = []
+
+    def short_of_memory(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError()
+        return real(*args)
+
+    monkeypatch.setattr(fused, "run_fused", short_of_memory)
+    monkeypatch.setitem(fused._state, "broken", False)
+    with caplog.at_level(logging.WARNING, logger="workers.fused"):
+        a = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
+        assert fused.available()  # not a broken kernel: the next call takes the fused path again
+        b = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
+    assert len(calls) == 2 and any("out of memory" in r.message for r in caplog.records)
+    ref = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=KernelOptions())
+    assert np.array_equal(a.acc, ref.acc) and np.array_equal(a.l, ref.l)  # NumPy answered the first
+    np.testing.assert_allclose(b.acc, ref.acc, rtol=1e-5, atol=1e-6)
+
+
+def test_disabled_jit_is_named_in_the_one_log_line(monkeypatch, caplog):
+    import numba
+
+    fused.kernels.cache_clear()
+    monkeypatch.setattr(numba.config, "DISABLE_JIT", True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="workers.fused"):
+            assert fused.kernels() is None
+    finally:
+        monkeypatch.undo()
+        fused.kernels.cache_clear()
+    assert [r.message for r in caplog.records if "NumPy kernel" in r.message] == [
+        "fused CPU kernel unavailable, using the NumPy kernel: numba's JIT is disabled (NUMBA_DISABLE_JIT)"]
+    assert fused.kernels() is not None
+
+
 def test_warm_compiles_each_dtype_for_both_layouts():
     took = fused.warm(("float32", "bfloat16"))
     assert set(took) == {"float32", "bfloat16"} and all(t >= 0 for t in took.values())

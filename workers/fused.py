@@ -79,6 +79,13 @@ def kernels() -> ModuleType | None:
         log.warning("fused CPU kernel unavailable, using the NumPy kernel: cannot import numba kernels (%s: %s)",
                     type(exc).__name__, exc)
         return None
+    import numba
+
+    # With the JIT disabled the kernels would run as Python, where their intrinsics cannot.
+    if numba.config.DISABLE_JIT:  # type: ignore[attr-defined]
+        log.warning("fused CPU kernel unavailable, using the NumPy kernel: numba's JIT is disabled "
+                    "(NUMBA_DISABLE_JIT)")
+        return None
     return workers.fused_kernels
 
 
@@ -229,6 +236,11 @@ def try_fused(parts: Sequence[tuple[Any, Problem]], kv: Any, kopts: KernelOption
     """:func:`run_fused`, or None after one log line when the compiled path fails (the caller runs NumPy)."""
     try:
         return run_fused(parts, kv, kopts)
+    except MemoryError:
+        # Out of memory for this call's states or scratch, not a broken kernel: NumPy's blocks
+        # take less, and the next call tries the fused path again.
+        log.warning("fused CPU kernel out of memory for this call, using the NumPy kernel for it")
+        return None
     except Exception as exc:  # noqa: BLE001 - a broken compiled path must not fail the request
         if not _state["broken"]:
             log.warning("fused CPU kernel failed, using the NumPy kernel from now on (%s: %s)",

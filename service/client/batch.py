@@ -50,6 +50,8 @@ def encode_batch(items: Sequence[Mapping[str, Any]]) -> list[bytes | memoryview]
             elif name == "window":
                 value = [None if b is None else int(b) for b in value]
             elif name == "causal":
+                if not isinstance(value, (bool, np.bool_)):  # "false" is truthy: never guess
+                    raise ValueError(f"items[{i}] causal must be a bool, got {value!r}")
                 value = bool(value)
             else:
                 value = float(value)

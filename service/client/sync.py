@@ -50,6 +50,8 @@ def _query(options: Mapping[str, Any]) -> str:
         if value is None:
             continue
         if name == "causal":
+            if not isinstance(value, (bool, np.bool_)):  # "false" is truthy: never guess
+                raise ValueError(f"causal must be a bool, got {value!r}")
             value = "true" if value else "false"
         elif name == "window":
             left, right = value

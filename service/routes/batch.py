@@ -12,7 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.errors import error_responses
 from service.metrics import Timings
 from service.routes.common import app_state, body_limit, off_loop, read_body, runtime, with_deadline
-from service.wire.batch import Item, decode_binary_batch, decode_json_batch, encode_binary_batch, encode_json_batch
+from service.wire.batch import (
+    Item,
+    ItemError,
+    decode_binary_batch,
+    decode_json_batch,
+    encode_binary_batch,
+    encode_json_batch,
+)
 from service.wire.negotiation import Format, content_type, request_format, response_format
 from service.wire.rules import Limits, refuse_query
 from service.wire.safetensors import to_bytes
@@ -86,4 +93,5 @@ async def attention_batch(request: Request) -> Response:
     timings.add("encode", time.perf_counter() - t1)
     timings.add("total", time.perf_counter() - t0)
     state.metrics.observe_stages(ROUTE, timings)
+    state.metrics.count_batch_items(a.status if isinstance(a, ItemError) else 200 for a in answers)
     return Response(content=content, media_type=content_type(resp_fmt), headers={"Server-Timing": timings.header()})
