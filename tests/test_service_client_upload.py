@@ -1,6 +1,7 @@
 """Uploads of any size: chunk sizing and retry decisions (pure), then chunked creates and appends
 against real servers: exactness, planned shards, limits, a chunk that fails midway, retries."""
 
+import datetime
 import http.client
 import json
 import re
@@ -15,6 +16,7 @@ from server import Server
 
 from service.cli import build_parser
 from service.client import Client, SplitkeyError, UploadError
+from service.client.errors import retry_after_seconds
 from service.client.upload import (
     BACKOFF_S,
     HEADER_ROOM,
@@ -89,7 +91,8 @@ def test_retry_delays_back_off_honour_retry_after_and_refuse_what_a_retry_cannot
 
 
 def test_an_upload_error_says_what_is_stored():
-    upload = Upload(total=300, context_id="ctx_a")
+    upload = Upload(total=300)
+    upload.context_id = "ctx_a"  # as a create learns it from its first chunk's answer
     upload.commit(100)
     err = upload.stopped(SplitkeyError(507, "insufficient_capacity", "the context does not fit"))
     assert isinstance(err, SplitkeyError)
@@ -360,3 +363,23 @@ def test_loadtest_says_what_to_try_when_the_context_does_not_fit(small, capsys):
     assert "insufficient_capacity" in err and "--dtype bfloat16" in err
     with Client(small.url) as c:
         assert c.list_contexts() == []
+
+
+@pytest.mark.parametrize("value, seconds", [
+    ("3", 3.0), (" 0 ", 0.0), ("1.5", 1.5),
+    ("Fri, 04 Dec 2026 10:00:30 GMT", 30.0),  # an HTTP-date, 30 s after "now" below
+    ("Fri, 04 Dec 2026 09:00:00 GMT", 0.0),  # a date past: retry at once
+    ("-1", None), ("nan", None), ("soon", None), ("", None), (None, None),
+])
+def test_retry_after_reads_delay_seconds_and_http_dates(value, seconds):
+    now = datetime.datetime(2026, 12, 4, 10, 0, 0, tzinfo=datetime.timezone.utc).timestamp()
+    assert retry_after_seconds(value, now=now) == seconds
+
+
+def test_an_append_that_stopped_says_how_many_keys_it_appended_and_carries_the_request_id():
+    upload = Upload(total=8, context_id="ctx_a")
+    upload.commit(3)
+    err = upload.stopped(SplitkeyError(503, "workers_unavailable", "try again", request_id="r-1"))
+    assert "the first 3 were appended to context ctx_a" in str(err) and err.request_id == "r-1"
+    assert "none was appended" in str(Upload(total=8, context_id="ctx_a").stopped(ConnectionResetError()))
+    assert "keys [0, 3) are stored" in str(UploadError("ctx_b", 3, 8, 0, "", "x"))  # a create's

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
+import email.utils
 import json
+import math
+import time
 
 
 class SplitkeyError(Exception):
@@ -32,16 +36,39 @@ class UploadError(SplitkeyError):
     """
 
     def __init__(self, context_id: str | None, committed: int, total: int, status: int, code: str,
-                 detail: str) -> None:
-        super().__init__(status, code, detail)
+                 detail: str, *, appended: bool = False, request_id: str | None = None) -> None:
+        super().__init__(status, code, detail, request_id=request_id)
         self.context_id, self.committed, self.total = context_id, committed, total
-        where = f"keys [0, {committed}) are stored in context {context_id}" if context_id else "no context was created"
+        if appended:
+            where = (f"the first {committed} were appended to context {context_id}" if committed
+                     else f"none was appended to context {context_id}")
+        else:
+            where = f"keys [0, {committed}) are stored in context {context_id}" if context_id else "no context was created"
         self.args = (f"upload stopped with {committed} of {total} keys committed ({where}): {status} {code}: {detail}",)
+
+
+def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:
+    """Seconds a ``Retry-After`` value asks to wait: delay-seconds (``"3"``; a fraction is taken too)
+    or an HTTP-date (RFC 9110 section 10.2.3; a date past is 0); None for no value or one that is neither."""
+    if value is None:
+        return None
+    text = value.strip()
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:  # an HTTP-date is GMT
+            when = when.replace(tzinfo=datetime.timezone.utc)
+        return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def from_answer(status: int, data: bytes, retry_after: str | None) -> SplitkeyError:
     """The error an answer of ``status`` with body ``data`` (and ``Retry-After`` header) stands for."""
-    wait = float(retry_after) if retry_after is not None and retry_after.strip().isdigit() else None
+    wait = retry_after_seconds(retry_after)
     try:
         err = json.loads(data)
         rid = err.get("request_id")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import http.client
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -111,10 +111,12 @@ class Upload:
     retries: int = 3  #: times a chunk may be sent again
     context_id: str | None = None
     committed: int = 0  #: leading keys of the upload the context holds
+    append: bool = field(init=False)  #: the keys go after those the context held (else they create it)
 
     def __post_init__(self) -> None:
         if type(self.retries) is not int or self.retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+        self.append = self.context_id is not None  # one that names its context from the start appends
 
     def commit(self, keys: int) -> None:
         """A chunk of ``keys`` keys is committed."""
@@ -124,8 +126,10 @@ class Upload:
 
     def stopped(self, cause: BaseException) -> UploadError:
         """The error that ends the upload, saying what is stored (raise it ``from cause``)."""
+        rid = None
         if isinstance(cause, SplitkeyError):
-            status, code, detail = cause.status, cause.code, cause.detail
+            status, code, detail, rid = cause.status, cause.code, cause.detail, cause.request_id
         else:
             status, code, detail = 0, "", f"the connection failed: {type(cause).__name__}: {cause}"
-        return UploadError(self.context_id, self.committed, self.total, status, code, detail)
+        return UploadError(self.context_id, self.committed, self.total, status, code, detail,
+                           appended=self.append, request_id=rid)
