@@ -16,19 +16,24 @@ import numpy as np
 from merge.state import NO_SCORE, State
 
 
-def _check_compatible(states: Sequence[State]) -> None:
+def _check_compatible(states: Sequence[State], names: Sequence[str] | None = None) -> None:
+    """Every state a State of the first one's shape, dtype and array module; an error names the
+    caller's argument (``names[i]``, by default ``states[i]``)."""
+    def name(i: int) -> str:
+        return names[i] if names is not None else f"states[{i}]"
     first = states[0]
+    if not isinstance(first, State):
+        raise ValueError(f"{name(0)} must be a State, got {type(first).__name__}")
     for i, st in enumerate(states[1:], start=1):
         if not isinstance(st, State):
-            raise ValueError(f"states[{i}] must be a State, got {type(st).__name__}")
+            raise ValueError(f"{name(i)} must be a State, got {type(st).__name__}")
         if st.acc.shape != first.acc.shape:
-            raise ValueError(
-                f"states[{i}] must have shape [n_q, h_q, d_v] = {tuple(first.acc.shape)}, got {tuple(st.acc.shape)}"
-            )
+            raise ValueError(f"{name(i)} must have shape [n_q, h_q, d_v] = {tuple(first.acc.shape)} as {name(0)}, "
+                             f"got {tuple(st.acc.shape)}")
         if st.dtype != first.dtype:
-            raise ValueError(f"states[{i}] must have dtype {first.dtype}, got {st.dtype}")
+            raise ValueError(f"{name(i)} must have dtype {first.dtype} as {name(0)}, got {st.dtype}")
         if st.xp is not first.xp:
-            raise ValueError(f"states[{i}] must live in {first.xp.__name__}, got {st.xp.__name__}")
+            raise ValueError(f"{name(i)} must live in {first.xp.__name__} as {name(0)}, got {st.xp.__name__}")
 
 
 def merge_group(states: Sequence[State]) -> State:
@@ -41,8 +46,6 @@ def merge_group(states: Sequence[State]) -> State:
     """
     if len(states) == 0:
         raise ValueError("states must hold at least one State, got an empty sequence")
-    if not isinstance(states[0], State):
-        raise ValueError(f"states[0] must be a State, got {type(states[0]).__name__}")
     _check_compatible(states)
     if len(states) == 1:
         return states[0]
@@ -68,10 +71,7 @@ def merge_group(states: Sequence[State]) -> State:
 
 def merge(a: State, b: State) -> State:
     """Merge two states: exact for the union of their key sets (README, "The math")."""
-    if not isinstance(a, State):
-        raise ValueError(f"a must be a State, got {type(a).__name__}")
-    if not isinstance(b, State):
-        raise ValueError(f"b must be a State, got {type(b).__name__}")
+    _check_compatible((a, b), ("a", "b"))
     return merge_group((a, b))
 
 
@@ -109,6 +109,7 @@ def merge_all(states: Sequence[State], fanin: int = 2) -> State:
     level = list(states)
     if not level:
         raise ValueError("states must hold at least one State, got an empty sequence")
+    _check_compatible(level)  # every leaf, named by its place in ``states`` (the tree's nodes only merge)
     for lv in tree_levels(len(level), fanin):
         level = [merge_group(level[a:b]) for a, b in lv]
     return merge_group(level)

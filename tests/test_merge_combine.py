@@ -130,11 +130,21 @@ def test_float32_scores_in_the_hundreds_stay_finite():
     assert lse[0, 0] == pytest.approx(500.0)
 
 
-def test_merge_rejects_mismatched_states():
-    with pytest.raises(ValueError, match=r"states\[1\] must have shape"):
+def test_merge_rejects_mismatched_states_naming_the_callers_argument():
+    with pytest.raises(ValueError, match=r"b must have shape \[n_q, h_q, d_v\] = \(1, 2, 3\) as a, got \(1, 2, 4\)"):
         merge(empty(1, 2, 3), empty(1, 2, 4))
-    with pytest.raises(ValueError, match=r"states\[1\] must have dtype float32, got float64"):
+    with pytest.raises(ValueError, match="b must have dtype float32 as a, got float64"):
         merge(empty(1, 2, 3), empty(1, 2, 3, dtype=np.float64))
+    with pytest.raises(ValueError, match="a must be a State, got str"):
+        merge("x", empty(1, 2, 3))
+    a, b = empty(2, 2, 3), empty(3, 2, 3)
+    # merge_all names the leaf by its place in the caller's list, not by its place in a tree node.
+    for states, fanin, word in (([a, a, a, b], 2, r"states\[3\] must have shape"),
+                                ([a, a, b, b], 2, r"states\[2\] must have shape"),
+                                ([a] * 5 + [b], 3, r"states\[5\] must have shape"),
+                                ([a, a, "x", a], 2, r"states\[2\] must be a State, got str")):
+        with pytest.raises(ValueError, match=word):
+            merge_all(states, fanin=fanin)
     with pytest.raises(ValueError, match="b must be a State"):
         merge(empty(1, 2, 3), "x")
     with pytest.raises(ValueError, match="at least one State"):

@@ -77,3 +77,32 @@ def test_appended_keys_and_values_are_the_bits_given_in_the_streaming_layout(dty
     assert view.kt.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(view.kt.view(np.uint8), k.transpose(1, 2, 0).copy().view(np.uint8))
     np.testing.assert_array_equal(view.v.view(np.uint8), v.transpose(1, 0, 2).copy().view(np.uint8))
+
+
+def _kv(n=4, dtype=np.float32):
+    return np.ones((n, 2, 3), dtype), np.ones((n, 2, 5), dtype)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: StreamingKV.from_arrays(*_kv(dtype=np.int32), np.arange(4)), "k must have dtype float16"),
+    (lambda: StreamingKV.from_arrays(*_kv(), np.arange(4) + 0.9), "k_pos must be an integer array, got dtype float64"),
+    (lambda: StreamingKV.from_arrays(*_kv(), None), r"k_pos must have shape \[4\], got \(\)"),
+    (lambda: StreamingKV.from_arrays(*_kv(), [0, 1, 2]), r"k_pos must have shape \[4\], got \(3,\)"),
+    (lambda: StreamingKV.from_arrays(*_kv(), np.array([0, 1, 2, 2**62])), "k_pos must lie within"),
+    (lambda: StreamingKV.from_arrays(np.ones((4, 6)), np.ones((4, 2, 5)), np.arange(4)), "k must be"),
+    (lambda: StreamingKV.from_arrays([[[1.0]]], np.ones((1, 1, 1)), np.arange(1)), "k must be a numpy or cupy array"),
+    (lambda: StreamingKV(0, 3, 5, np.float32), "h_kv must be an int >= 1, got 0"),
+    (lambda: StreamingKV(2, 3, 5, np.int32), "dtype must have dtype float16"),
+    (lambda: StreamingKV(2, 3, 5, np.float32, capacity=-1), "capacity must be an int >= 0, got -1"),
+])
+def test_streaming_kv_refuses_what_the_inline_path_refuses_naming_the_argument(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_a_refused_append_leaves_the_keys_as_they_were():
+    kv = StreamingKV.from_arrays(*_kv(), np.arange(4))
+    before = kv.snapshot()
+    with pytest.raises(ValueError, match="k_pos must be an integer array"):
+        kv.append(*_kv(2), np.array([4.5, 5.5]))
+    assert kv.n_k == 4 and np.array_equal(kv.snapshot().k_pos, before.k_pos)

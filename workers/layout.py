@@ -28,7 +28,8 @@ import numpy as np
 from merge import array_module
 from workers.copies import as_bits, copy_keys_dmajor, copy_values
 from workers.plan import CALL_KEYS, DECODE_ROWS
-from workers.problem import KVDims, as_array
+from workers.dtypes import check_input_dtype
+from workers.problem import KVDims, as_array, check_arrays, check_kv, check_positions
 from workers.widen import widen
 
 #: Capacity granule of StreamingKV, in keys.
@@ -119,8 +120,13 @@ class StreamingKV:
     """
 
     def __init__(self, h_kv: int, d: int, d_v: int, dtype: Any, xp: Any = np, capacity: int = 0) -> None:
-        self.h_kv, self.d, self.d_v = h_kv, d, d_v
-        self.dtype = np.dtype(dtype)
+        for name, n in (("h_kv", h_kv), ("d", d), ("d_v", d_v)):
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+        self.h_kv, self.d, self.d_v = int(h_kv), int(d), int(d_v)
+        self.dtype = check_input_dtype("dtype", dtype)
         self.xp = xp
         self.n_k = 0
         cap = padded_capacity(capacity, self.dtype.itemsize)
@@ -130,10 +136,11 @@ class StreamingKV:
 
     @classmethod
     def from_arrays(cls, k: Any, v: Any, k_pos: Any) -> StreamingKV:
-        """Copy ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]`` into the streaming layout."""
-        xp = array_module(k)
-        n_k, h_kv, d = (int(s) for s in k.shape)
-        kv = cls(h_kv, d, int(v.shape[2]), k.dtype, xp=xp, capacity=n_k)
+        """Copy ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]`` into the streaming layout (checked as
+        :meth:`append` checks them)."""
+        xp = check_arrays(k=k, v=v)
+        dims = check_kv(k, v)
+        kv = cls(dims.h_kv, dims.d, dims.d_v, k.dtype, xp=xp, capacity=dims.n_k)
         kv.append(k, v, k_pos)
         return kv
 
@@ -170,13 +177,16 @@ class StreamingKV:
         self.n_k = n
 
     def append(self, k: Any, v: Any, k_pos: Any, max_capacity: int | None = None) -> None:
-        n = int(k.shape[0])
-        if tuple(k.shape[1:]) != (self.h_kv, self.d):
+        """Add keys ``k [n, h_kv, d]``, values ``v [n, h_kv, d_v]`` in the stored dtype, at integer
+        positions ``k_pos [n]`` (an array or an ``Arange``, within the position range), or raise
+        naming the argument; nothing is written then."""
+        check_arrays(k=k, v=v)
+        n = int(k.shape[0]) if k.ndim else 0
+        if k.ndim != 3 or tuple(k.shape[1:]) != (self.h_kv, self.d):
             raise ValueError(f"k must be [n, {self.h_kv}, {self.d}], got {tuple(k.shape)}")
         if tuple(v.shape) != (n, self.h_kv, self.d_v):
             raise ValueError(f"v must be [{n}, {self.h_kv}, {self.d_v}], got {tuple(v.shape)}")
-        if tuple(k_pos.shape) != (n,):
-            raise ValueError(f"k_pos must be [{n}], got {tuple(k_pos.shape)}")
+        k_pos = check_positions("k_pos", k_pos, n, self.xp)  # integers of the range, [n]
         if np.dtype(k.dtype) != self.dtype or np.dtype(v.dtype) != self.dtype:
             raise ValueError(f"k and v must have the stored dtype {self.dtype}, got {k.dtype} and {v.dtype}")
         old, new = self.n_k, self.n_k + n
