@@ -142,7 +142,9 @@ def from_lse(out: Any, lse: Any) -> State:
 
     ``lse`` is a natural log. The state chooses ``m = lse`` so that ``l = 1`` and
     ``acc = out``; a row with ``lse = -inf`` becomes the empty row (m = -inf,
-    l = 0, acc = 0), whatever its ``out`` holds.
+    l = 0, acc = 0), whatever its ``out`` holds, and so does ``lse = +inf``:
+    FlashAttention's value for a row that saw no key (a row that saw keys has a
+    finite ``lse``, so +inf can mean nothing else).
     """
     xp = array_module(out, "out")
     if array_module(lse, "lse") is not xp:
@@ -157,9 +159,9 @@ def from_lse(out: Any, lse: Any) -> State:
     wide = np.float64 in (np.dtype(out.dtype), np.dtype(lse.dtype))
     dt = np.dtype(np.float64 if wide else np.float32)
     lse = lse.astype(dt)
-    if bool(xp.any(xp.isnan(lse))) or bool(xp.any(lse == np.inf)):
-        raise ValueError("lse must be finite or -inf, got NaN or +inf")
-    seen = lse != NO_SCORE
+    if bool(xp.any(xp.isnan(lse))):
+        raise ValueError("lse must be a number or +-inf for a row with no key, got NaN")
+    seen = xp.isfinite(lse)
     l = seen.astype(dt)
     acc = xp.where(seen[..., None], out.astype(dt), 0)
-    return State(m=lse, l=l, acc=acc.astype(dt))
+    return State(m=xp.where(seen, lse, NO_SCORE).astype(dt), l=l, acc=acc.astype(dt))

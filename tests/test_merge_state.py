@@ -3,7 +3,7 @@ import warnings
 import numpy as np
 import pytest
 
-from merge import State, empty, finalize, from_lse
+from merge import State, empty, finalize, from_lse, merge
 
 
 def test_empty_is_minus_inf_zero_zero():
@@ -29,6 +29,19 @@ def test_from_lse_round_trips_through_finalize(rng):
     np.testing.assert_array_equal(lse2, lse)
     np.testing.assert_allclose(out2[lse2 > -np.inf], out[lse > -np.inf], rtol=1e-15)
     assert np.all(out2[0, 1] == 0)
+
+
+def test_from_lse_reads_flash_attentions_plus_inf_as_a_row_with_no_key(rng):
+    out = rng.standard_normal((2, 3, 4))
+    lse = rng.standard_normal((2, 3))
+    lse[1, 2] = np.inf  # FlashAttention's lse of a row whose keys were all masked
+    out[1, 2] = np.nan  # whatever it wrote there is not read
+    st = from_lse(out, lse)
+    assert st.m[1, 2] == -np.inf and st.l[1, 2] == 0 and np.all(st.acc[1, 2] == 0)
+    # Merged with a state that saw keys for that row, the row is that state's alone.
+    other = from_lse(np.ones((2, 3, 4)), np.zeros((2, 3)))
+    merged_out, merged_lse = finalize(merge(st, other))
+    assert np.all(merged_out[1, 2] == 1) and merged_lse[1, 2] == 0
 
 
 def test_from_lse_keeps_float32_for_float32_inputs():
@@ -71,7 +84,7 @@ def test_arguments_of_the_wrong_kind_raise_value_error_naming_them(call, match):
 
 
 def test_from_lse_rejects_nan_lse_and_wrong_shapes():
-    with pytest.raises(ValueError, match="lse must be finite or -inf"):
+    with pytest.raises(ValueError, match="lse must be a number or \\+-inf for a row with no key, got NaN"):
         from_lse(np.zeros((1, 1, 2)), np.full((1, 1), np.nan))
     with pytest.raises(ValueError, match=r"lse must be \[n_q, h_q\]"):
         from_lse(np.zeros((1, 2, 2)), np.zeros((2, 1)))
