@@ -33,12 +33,14 @@ from service.metrics import Timings
 from service.routes.common import off_loop, with_deadline
 from service.runtime import AppState
 from service.wire.kserve import MODEL_NAME, MODEL_VERSION, PLATFORM, decode_infer_request, model_metadata
-from service.wire.kserve_grpc import infer_body, infer_response
+from service.wire.kserve_grpc import infer_body, infer_response, not_served, served
 from service.wire.request import attention_request
 
 log = logging.getLogger(__name__)
 
 ROUTE = "grpc:ModelInfer"
+#: The largest message gRPC (protobuf) carries.
+MAX_MESSAGE_BYTES = 2**31 - 1
 #: The gRPC status of each HTTP status the service answers with.
 STATUS: dict[int, grpc.StatusCode] = {
     400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
@@ -101,6 +103,10 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         ticket = state.admission.ticket() if state.admission is not None else None
         try:
             await self._authorize(context)
+            if not served(request.model_name, request.model_version):
+                code = 404
+                context.set_trailing_metadata((("x-request-id", rid),))
+                await context.abort(grpc.StatusCode.NOT_FOUND, not_served(request.model_name, request.model_version))
             if state.drain.draining:
                 raise ShuttingDown("the service must be running to take work, got a request while it drains "
                                    "before it stops")
@@ -174,9 +180,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
 
 def _served(request: Any) -> bool:
-    """Whether a ``ModelReady``/``ModelMetadata`` request names the model served: ``attention``, version
-    empty (the latest) or ``1``."""
-    return request.name == MODEL_NAME and request.version in ("", MODEL_VERSION)
+    """Whether a ``ModelReady``/``ModelMetadata`` request names the model served (:func:`served`)."""
+    return served(request.name, request.version)
 
 
 def _decode(request: Any, state: AppState) -> tuple[Any, Any]:
@@ -187,10 +192,12 @@ def _decode(request: Any, state: AppState) -> tuple[Any, Any]:
 
 async def start(state: AppState, host: str, port: int) -> tuple[Any, int]:
     """A started ``grpc.aio`` server on ``host:port`` (0: any free port): ``(server, bound port)``."""
-    # The body limit and room for the message's framing; gRPC takes at most 2**31 - 1.
-    size = min(state.limits.max_body_bytes + (1 << 20), 2**31 - 1)
+    # Requests: the body limit and room for the message's framing. Answers are bounded by the element
+    # limit, not by the request's (a small q over long value rows): as much as a message may hold,
+    # 2**31 - 1 bytes, which a float64 answer of the largest size does not fit (docs/KSERVE.md).
+    size = min(state.limits.max_body_bytes + (1 << 20), MAX_MESSAGE_BYTES)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
-                                      ("grpc.max_send_message_length", size),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_concurrent_streams", max(16, state.settings.max_inflight))])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(state), server)
     bound = server.add_insecure_port(f"{host}:{port}")

@@ -114,6 +114,9 @@ def test_grpc_metadata_without_the_key_is_unauthenticated_as_over_http(grpc_serv
     ("bad_shape", "StatusCode.INVALID_ARGUMENT", "q"),
     ("bad_option", "StatusCode.INVALID_ARGUMENT", "causal"),
     ("typed_contents", "StatusCode.INVALID_ARGUMENT", "inputs[0] (q) must travel in raw_input_contents"),
+    ("class_count", "StatusCode.INVALID_ARGUMENT", "classification"),  # refused as over HTTP, not ignored
+    ("other_model", "StatusCode.NOT_FOUND", "model_name must be attention"),
+    ("other_version", "StatusCode.NOT_FOUND", 'version "2"'),
 ])
 def test_grpc_errors_have_the_status_and_message_and_the_server_stays_up(grpc_server, tc, rng, case, status, word):
     q = rng.standard_normal((1, 4, 16)).astype(np.float32)
@@ -124,6 +127,10 @@ def test_grpc_errors_have_the_status_and_message_and_the_server_stays_up(grpc_se
         "bad_shape": lambda: infer(tc, q=q[0], k=k, v=k),
         "bad_option": lambda: infer(tc, parameters={"causal": "maybe"}, q=q, k=k, v=k),
         "typed_contents": lambda: tc.infer("attention", [_typed_input(q)], headers=AUTH),
+        "class_count": lambda: tc.infer("attention", infer_inputs(q=q, k=k, v=k), headers=AUTH,
+                                        outputs=[triton.InferRequestedOutput("out", class_count=2)]),
+        "other_model": lambda: tc.infer("other", infer_inputs(q=q, k=k, v=k), headers=AUTH),
+        "other_version": lambda: tc.infer("attention", infer_inputs(q=q, k=k, v=k), model_version="2", headers=AUTH),
     }
     with pytest.raises(InferenceServerException) as info:
         calls[case]()
@@ -164,3 +171,24 @@ def test_grpc_error_names_its_contract_code_and_request_id_in_trailing_metadata(
     trailing = dict(err.trailing_metadata())
     assert err.code() == grpc.StatusCode.NOT_FOUND and "ctx_missing" in err.details()
     assert trailing["splitkey-code"] == "context_not_found" and trailing["x-request-id"] == "grpc-rid-1"
+
+
+def test_grpc_answers_larger_than_the_request_limit_are_sent(tmp_path, rng):
+    """The send limit is the message's, not the request body's: a small q over long value rows."""
+    srv = Server(tmp_path, args=("--workers", "1", "--max-body-bytes", str(2**20)), grpc=True)
+    srv.start()
+    client = triton.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+    try:
+        q = rng.standard_normal((1024, 1, 4)).astype(np.float32)  # 16 KiB
+        k = rng.standard_normal((3, 1, 4)).astype(np.float32)
+        v = rng.standard_normal((3, 1, 1024)).astype(np.float32)
+        result = client.infer("attention", infer_inputs(q=q, k=k, v=v),
+                              outputs=[triton.InferRequestedOutput(n) for n in ("out", "lse")])
+        out, lse = result.as_numpy("out"), result.as_numpy("lse")  # out: 4 MiB, over the 1 MiB request limit
+        assert out.shape == (1024, 1, 1024)
+        assert_close_to_reference(out, lse, q, k, v)
+        codes = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert 'splitkey_requests_total{code="200",route="grpc:ModelInfer"} 1.0' in codes
+    finally:
+        client.close()
+        srv.stop()

@@ -255,3 +255,38 @@ def test_model_metadata_lists_every_tensor_with_variable_dims():
     assert [(t["name"], t["shape"]) for t in meta["inputs"]][:3] == [("q", [-1] * 3), ("k", [-1] * 3), ("v", [-1] * 3)]
     assert {t["name"]: t["datatype"] for t in meta["inputs"]}["k_pos"] == "INT64"
     assert [t["name"] for t in meta["outputs"]] == ["out", "lse"]
+
+
+def _grpc_request(**parameters):
+    from tritonclient.grpc import service_pb2
+
+    req = service_pb2.ModelInferRequest(model_name="attention")
+    q = req.inputs.add()
+    q.name, q.datatype = "q", "FP32"
+    q.shape.extend([1, 1, 2])
+    req.raw_input_contents.append(np.ones((1, 1, 2), np.float32).tobytes())
+    for name, value in parameters.items():
+        req.parameters[name].string_param = value
+    return req
+
+
+def test_grpc_form_carries_output_parameters_for_the_decoder_to_judge():
+    from service.wire.kserve import decode_infer_request
+    from service.wire.kserve_grpc import infer_body
+
+    req = _grpc_request(contexts="ctx_a")
+    out = req.outputs.add()
+    out.name = "out"
+    out.parameters["classification"].int64_param = 2
+    body, header_len = infer_body(req)
+    assert json.loads(body[:header_len])["outputs"] == [{"name": "out", "parameters": {"classification": 2}}]
+    err = api_error(decode_infer_request, body, header_len)
+    assert err.code == "invalid_option" and "no classification or shared memory" in err.detail
+
+
+def test_grpc_form_with_a_json_part_over_its_limit_is_413_as_over_http():
+    from service.wire.kserve_grpc import infer_body
+
+    limits = Limits(max_body_bytes=4096, max_json_body_bytes=1024)
+    err = api_error(infer_body, _grpc_request(contexts="c" * 2000), limits)
+    assert err.code == "body_too_large" and "the JSON part must be at most 1024 bytes" in err.detail

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import InvalidBody, InvalidOption, InvalidTensor
+from service.errors import BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor
 from service.wire.kserve import MODEL_NAME, MODEL_VERSION, RequestedOutput
 from service.wire.rules import DEFAULT_LIMITS, Limits, show
 from service.wire.values import array_bytes, wire_of
@@ -37,12 +37,20 @@ def _parameter(where: str, name: str, p: Any) -> Any:
     return getattr(p, kind)
 
 
+def served(model_name: str, model_version: str) -> bool:
+    """Whether a request names the model served: ``attention``, version empty (the latest) or ``1``."""
+    return model_name == MODEL_NAME and model_version in ("", MODEL_VERSION)
+
+
+def not_served(model_name: str, model_version: str) -> str:
+    """What a request naming another model or version is told (gRPC NOT_FOUND, as HTTP's 404 for its path)."""
+    return (f"model_name must be {MODEL_NAME} and model_version empty or {MODEL_VERSION}, got "
+            f"{show(model_name)} version {show(model_version)}")
+
+
 def infer_body(req: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, int]:
-    """``(body, header length)`` of the HTTP binary-extension form of a ``ModelInferRequest``."""
-    if req.model_name != MODEL_NAME:
-        raise InvalidBody(f"model_name must be {MODEL_NAME}, got {show(req.model_name)}")
-    if req.model_version not in ("", MODEL_VERSION):
-        raise InvalidBody(f"model_version must be empty or {MODEL_VERSION}, got {show(req.model_version)}")
+    """``(body, header length)`` of the HTTP binary-extension form of a ``ModelInferRequest`` of the
+    model served (the caller checked :func:`served`)."""
     for i, spec in enumerate(req.inputs):  # before the count: typed contents leave raw_input_contents empty
         typed = next((f for f in _TYPED_CONTENTS if len(getattr(spec.contents, f))), None)
         if typed is not None:
@@ -66,11 +74,23 @@ def infer_body(req: Any, limits: Limits = DEFAULT_LIMITS) -> tuple[bytes, int]:
     if params:
         header["parameters"] = params
     if len(req.outputs):
-        header["outputs"] = [{"name": o.name} for o in req.outputs]
+        header["outputs"] = [_output(i, o) for i, o in enumerate(req.outputs)]
     text = json.dumps(header, separators=(",", ":")).encode()
-    if len(text) > limits.max_json_body_bytes:
-        raise InvalidBody(f"the request's header must be at most {limits.max_json_body_bytes} bytes, got {len(text)}")
+    if len(text) > limits.max_json_body_bytes:  # 413, as the HTTP route's JSON part over its limit
+        raise BodyTooLarge(f"the JSON part must be at most {limits.max_json_body_bytes} bytes, got {len(text)} "
+                           "(the request's header with its parameters)")
     return text + b"".join(raw), len(text)
+
+
+def _output(i: int, o: Any) -> dict[str, Any]:
+    """A requested output as the HTTP form has it, its parameters included: the decoder refuses the
+    ones splitkey does not serve (``classification``, shared memory) as it does over HTTP."""
+    entry: dict[str, Any] = {"name": o.name}
+    params = {name: _parameter(f"outputs[{i}]", name, p) for name, p in o.parameters.items()}
+    params.pop("binary_data", None)  # gRPC outputs are always raw
+    if params:
+        entry["parameters"] = params
+    return entry
 
 
 def infer_response(response_type: Any, request_id: str | None, results: dict[str, np.ndarray],
