@@ -179,6 +179,23 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         await context.abort(STATUS.get(err.status, grpc.StatusCode.UNKNOWN), detail)
 
 
+def _not_served(name: str) -> Any:
+    """An RPC of the protocol that splitkey does not serve: behind the key as the others are, then
+    ``UNIMPLEMENTED`` with a message (the generated base class raised, which gRPC logged as an error)."""
+    async def rpc(self: Servicer, request: Any, context: Any) -> Any:
+        await self._authorize_or_abort(context)
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                            f"{name} is not served: splitkey serves ServerLive, ServerReady, ServerMetadata, "
+                            "ModelReady, ModelMetadata and ModelInfer (docs/KSERVE.md)")
+    rpc.__name__ = name
+    return rpc
+
+
+for _name in dir(service_pb2_grpc.GRPCInferenceServiceServicer):
+    if not _name.startswith("_") and _name not in Servicer.__dict__:
+        setattr(Servicer, _name, _not_served(_name))
+
+
 def _served(request: Any) -> bool:
     """Whether a ``ModelReady``/``ModelMetadata`` request names the model served (:func:`served`)."""
     return served(request.name, request.version)

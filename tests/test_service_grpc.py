@@ -192,3 +192,22 @@ def test_grpc_answers_larger_than_the_request_limit_are_sent(tmp_path, rng):
     finally:
         client.close()
         srv.stop()
+
+
+@pytest.mark.parametrize("token", [None, KEY])
+def test_grpc_rpcs_not_served_are_unimplemented_behind_the_key(grpc_server, token):
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    with grpc.insecure_channel(grpc_server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for rpc, request in (("ModelConfig", service_pb2.ModelConfigRequest(name="attention")),
+                             ("RepositoryIndex", service_pb2.RepositoryIndexRequest())):
+            with pytest.raises(grpc.RpcError) as info:
+                getattr(stub, rpc)(request, metadata=metadata)
+            if token is None:
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            else:
+                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert f"{rpc} is not served" in info.value.details()
