@@ -1,7 +1,10 @@
-"""A test-only fault: a proxy in front of a real service that changes its attention answers.
+"""Test-only faults: a proxy in front of a real service that changes its attention answers, or
+drops answers on the way back.
 
 Never part of the shipped server: the load test and the Locust file must notice
-that answers are wrong, and the only honest way to show it is a server that lies.
+that answers are wrong, and the only honest way to show it is a server that lies;
+a client must tell a request the server did but whose answer it never got, and the
+honest way to show that is a connection that loses it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ class WrongAnswers(http.server.ThreadingHTTPServer):
         self.server_close()
 
 
+class LostAnswers(WrongAnswers):
+    """A proxy that forwards every request to the service but drops the answers ``lose(method, path)``
+    picks: the service did the work, and the client sees its connection close with no answer."""
+
+    def __init__(self, target_port: int, lose) -> None:
+        super().__init__(target_port, lambda out, lse: (out, lse))
+        self.lose = lose
+
+
 class Forward(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
@@ -47,6 +59,11 @@ class Forward(http.server.BaseHTTPRequestHandler):
         conn.request(self.command, self.path, body=body or None, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
+        lose = getattr(self.server, "lose", None)
+        if lose is not None and lose(self.command, self.path):
+            self.close_connection = True  # the answer never leaves: the client's connection closes
+            conn.close()
+            return
         if self.path.startswith("/v1/attention") and resp.status == 200:
             t = decode_safetensors(data, {"out", "lse"})
             out, lse = self.server.change(np.array(t["out"]), np.array(t["lse"]))

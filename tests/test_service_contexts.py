@@ -367,3 +367,61 @@ def test_an_unknown_hex_like_context_id_is_named_in_the_404(client):
     with pytest.raises(SplitkeyError) as err:
         client.attention(np.ones((1, 2, 16), np.float32), contexts=[unknown])
     assert err.value.status == 404 and unknown in err.value.detail, err.value.detail
+
+
+def test_a_continuing_chunk_after_another_writers_chunk_of_the_same_size_is_409_and_changes_nothing(client, server,
+                                                                                                     rng):
+    k, v = kv(rng, 40)
+    ctx = client.create_context(k[:10], v[:10])
+    path, get = f"/v1/contexts/{ctx['id']}/append", server.url + f"/v1/contexts/{ctx['id']}"
+    r = post_kv(server.url, path, k[10:20], v[10:20], after=10, upload="mine")  # the upload's first chunk
+    assert r.status_code == 200 and r.json()["length"] == 20, r.text
+    assert httpx.get(get, params={"upload": "mine"}).json()["upload"] == {"id": "mine", "start": 10, "end": 20}
+    # Another writer's chunk as long as the upload's next one: the length is what that chunk's after
+    # expected (30), but its keys would follow another writer's, not the upload's own.
+    assert post_kv(server.url, path, k[20:30], v[20:30], after=20, upload="theirs").status_code == 200
+    r = post_kv(server.url, path, k[30:40], v[30:40], after=30, upload="mine", continues="true")
+    assert r.status_code == 409 and r.json()["code"] == "length_mismatch", r.text
+    assert r.json()["detail"] == ("continues needs the context's last append to be upload mine's; another writer "
+                                  "appended since (the context holds 30 keys)")
+    state = httpx.get(get, params={"upload": "mine"}).json()
+    assert state["length"] == 30 and state["upload"] == {"id": "mine", "start": 10, "end": 20}
+    assert httpx.get(get, params={"upload": "theirs"}).json()["upload"] == {"id": "theirs", "start": 20, "end": 30}
+    assert httpx.get(get, params={"upload": "nobody"}).json()["upload"] is None
+    assert "upload" not in httpx.get(get).json()  # asked for only
+    # A plain append between two chunks of an upload breaks its run too.
+    assert post_kv(server.url, path, k[30:35], v[30:35], after=30, upload="theirs", continues="true").json()[
+        "length"] == 35
+    assert post_kv(server.url, path, k[35:38], v[35:38]).status_code == 200
+    r = post_kv(server.url, path, k[38:40], v[38:40], after=38, upload="theirs", continues="true")
+    assert r.status_code == 409, r.text
+    # A chunk that continues its own upload right after it is stored (JSON body as well as query).
+    r = httpx.post(server.url + path, json={"k": k[38:40].tolist(), "v": v[38:40].tolist(), "after": 38,
+                                            "upload": "last", "continues": False})
+    assert r.status_code == 200, r.text
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[ctx["id"]])
+    assert_close_to_reference(out, lse, q, k, v)  # every key once, in the order it was stored
+    assert httpx.get(get, params={"upload": "theirs"}).json()["upload"] == {"id": "theirs", "start": 20, "end": 35}
+    client.delete_context(ctx["id"])
+
+
+@pytest.mark.parametrize(
+    ("params", "detail"),
+    [({"upload": "a b", "after": 10}, "upload must be 1 to 64 characters A-Z a-z 0-9 _ -, got \"a b\""),
+     ({"upload": "x" * 65, "after": 10}, "upload must be 1 to 64 characters"),
+     ({"upload": "mine"}, "upload must come with after (the context's length before this chunk), got upload \"mine\" "
+                          "without after"),
+     ({"continues": "true", "after": 10}, "continues must come with upload"),
+     ({"continues": "yes", "after": 10, "upload": "mine"}, "continues must be true or false, got \"yes\"")],
+    ids=["space", "too-long", "no-after", "no-upload", "not-bool"],
+)
+def test_bad_upload_options_are_422_naming_the_field_and_change_nothing(client, server, rng, params, detail):
+    k, v = kv(rng, 20)
+    ctx = client.create_context(k[:10], v[:10])
+    r = post_kv(server.url, f"/v1/contexts/{ctx['id']}/append", k[10:], v[10:], **params)
+    assert r.status_code == 422 and r.json()["code"] == "invalid_option" and detail in r.json()["detail"], r.text
+    r = httpx.get(server.url + f"/v1/contexts/{ctx['id']}", params={"upload": "a/b"})
+    assert r.status_code == 422 and "upload must be 1 to 64 characters" in r.json()["detail"], r.text
+    assert client.get_context(ctx["id"])["length"] == 10
+    client.delete_context(ctx["id"])

@@ -39,6 +39,7 @@ from service.client.upload import (
     MAX_BACKOFF_S,
     Progress,
     Upload,
+    holding,
     is_length_mismatch,
     plan_chunks,
     retry_delay,
@@ -143,10 +144,10 @@ class AsyncClient:
                                                         "expected_length": planned}), tensors)
         upload.context_id = desc["id"]
         upload.commit(first)
-        after = upload.committed
+        after = upload.start = upload.committed
+        path = f"{CREATE}/{desc['id']}/append"
         for keys, tensors in chunks:
-            desc = await self._send(upload, f"{CREATE}/{desc['id']}/append", _query({"after": after}), tensors,
-                                    after=after, keys=keys)
+            desc = await self._send(upload, path, _query(upload.chunk_options(after)), tensors, after=after, keys=keys)
             upload.commit(keys)
             after += keys
         return desc
@@ -163,12 +164,12 @@ class AsyncClient:
             upload.commit(upload.total)
             return only
         try:
-            after = int((await self.get_context(context_id))["length"])
+            after = upload.start = int((await self.get_context(context_id))["length"])
         except ATTEMPT_ERRORS as exc:
             raise upload.stopped(exc) from exc
         desc: dict = {}
         for keys, tensors in _chunks(k, v, k_pos, bounds):
-            desc = await self._send(upload, path, _query({"after": after}), tensors, after=after, keys=keys)
+            desc = await self._send(upload, path, _query(upload.chunk_options(after)), tensors, after=after, keys=keys)
             upload.commit(keys)
             after += keys
         return desc
@@ -229,11 +230,13 @@ class AsyncClient:
             except ATTEMPT_ERRORS as exc:
                 if attempt and after is not None and is_length_mismatch(exc):
                     try:
-                        desc = await self.get_context(str(upload.context_id))
+                        state = json.loads(await self._request("GET", f"{CREATE}/{upload.context_id}",
+                                                               _query({"upload": upload.upload_id})))
                     except ATTEMPT_ERRORS:
-                        desc = None
-                    if desc is not None and desc["length"] == after + keys:
-                        return desc
+                        state = None
+                    stored = holding(upload, state, after + keys)
+                    if stored is not None:
+                        return stored
                 transport = isinstance(exc, TRANSPORT_ERRORS)
                 may_resend = resendable or not transport
                 # retry_delay knows SplitkeyError; a failed connection waits as the sync client's does

@@ -10,9 +10,14 @@ again.
 
 :func:`send_pipelined` is the fast path and has no retries of its own. At the first
 answer that is not a success it lets the chunks in flight finish, asks the server
-how many keys the context holds, and returns how many chunks that is: the caller
+where this upload's keys end, and returns how many chunks that is: the caller
 goes on one chunk at a time from there, with its usual retries
 (:meth:`service.client.sync.Client._send`).
+
+Every chunk but the first carries ``continues`` with the upload's id: the server
+stores it only right after the upload's own previous chunk. ``after`` alone would
+not do: while chunk i is lost or refused, another writer's chunk of the same size
+brings the context to chunk i + 1's ``after``.
 """
 
 from __future__ import annotations
@@ -39,14 +44,15 @@ class Chunk:
 
 
 def send_pipelined(senders: Sequence[SendChunk], upload: Upload, path: str, chunks: Sequence[Chunk],
-                   holding: Callable[[], int | None], query: Callable[[int], str]) -> tuple[int, dict]:
+                   stored_end: Callable[[], int | None], query: Callable[[int], str]) -> tuple[int, dict]:
     """Send ``chunks`` in order, ``len(senders)`` at a time (one connection each).
 
     ``upload.committed`` grows (and progress is reported) chunk by chunk as they are
     answered in order. Returns ``(done, description)``: the chunks the context holds
     (all of them unless something failed) and the last chunk's description when all
-    were answered, else ``{}``. ``holding()`` reads the context's length from the
-    server (None if it cannot).
+    were answered, else ``{}``. ``stored_end()`` asks the server where this upload's
+    keys end in the context (None if it cannot say or none is stored); ``query(after)``
+    is the query string of the chunk that follows ``after`` keys.
     """
     depth = len(senders)
     futures: list[Future] = []
@@ -79,21 +85,22 @@ def send_pipelined(senders: Sequence[SendChunk], upload: Upload, path: str, chun
             settle(i)
     if not failed and done == len(chunks):
         return done, desc
-    return _held_chunks(upload, chunks, done, holding), {}
+    return _held_chunks(upload, chunks, done, stored_end), {}
 
 
-def _held_chunks(upload: Upload, chunks: Sequence[Chunk], done: int, holding: Callable[[], int | None]) -> int:
-    """After a failure: the chunks the server holds, counted from its length (commits the ones not yet counted).
+def _held_chunks(upload: Upload, chunks: Sequence[Chunk], done: int, stored_end: Callable[[], int | None]) -> int:
+    """After a failure: the chunks the server holds, counted from where this upload's keys end
+    (commits the ones not yet counted).
 
     A chunk whose answer was lost may still have been stored, and a later chunk then
-    too: the context's length says which. A length that is not at a chunk boundary
-    past what was answered cannot come from this upload; the answered chunks stand.
+    too: the upload's end says which (its keys are contiguous from its first chunk).
+    When the server cannot say, the answered chunks stand.
     """
-    length = holding()
-    if length is None:
+    end = stored_end()
+    if end is None:
         return done
     for i in range(done, len(chunks)):
-        if length < chunks[i].after + chunks[i].keys:
+        if end < chunks[i].after + chunks[i].keys:
             break
         upload.commit(chunks[i].keys)
         done = i + 1

@@ -31,6 +31,7 @@ from service.client.upload import (
     TRANSPORT_ERRORS,
     Progress,
     Upload,
+    holding,
     is_length_mismatch,
     plan_chunks,
     retry_delay,
@@ -49,9 +50,9 @@ def _query(options: Mapping[str, Any]) -> str:
     for name, value in options.items():
         if value is None:
             continue
-        if name == "causal":
+        if name in ("causal", "continues"):
             if not isinstance(value, (bool, np.bool_)):  # "false" is truthy: never guess
-                raise ValueError(f"causal must be a bool, got {value!r}")
+                raise ValueError(f"{name} must be a bool, got {value!r}")
             value = "true" if value else "false"
         elif name == "window":
             left, right = value
@@ -219,7 +220,7 @@ class Client:
         if type(pipeline) is not int or pipeline < 1:
             raise ValueError(f"pipeline must be an int >= 1, got {pipeline!r}")
         items = [Chunk(keys, tensors) for keys, tensors in chunks]
-        after = base + upload.committed
+        after = upload.start = base + upload.committed
         for item in items:
             item.after, after = after, after + item.keys
         context_id = str(upload.context_id)
@@ -230,15 +231,15 @@ class Client:
             clones = [Client(self.url, api_key=self.api_key, timeout=self.timeout) for _ in range(pipeline - 1)]
             try:
                 start, desc = send_pipelined([self._chunk_sender(), *(c._chunk_sender() for c in clones)], upload,
-                                             path, items, lambda: self._length(context_id),
-                                             lambda after: _query({"after": after}))
+                                             path, items, lambda: self._stored_end(upload),
+                                             lambda after: _query(upload.chunk_options(after)))
             finally:
                 for c in clones:
                     c.close()
             if start == len(items) and not desc:  # the last chunks were found stored, not answered
                 desc = self.get_context(context_id)
         for item in items[start:]:
-            desc = self._send(upload, path, _query({"after": item.after}), item.tensors, after=item.after,
+            desc = self._send(upload, path, _query(upload.chunk_options(item.after)), item.tensors, after=item.after,
                               keys=item.keys)
             upload.commit(item.keys)
         return desc
@@ -252,11 +253,16 @@ class Client:
                 sent()  # the next chunk must not wait for a body that failed to go out
         return send
 
-    def _length(self, context_id: str) -> int | None:
+    def _upload_state(self, upload: Upload) -> dict | None:
+        """The context's description with where ``upload``'s keys are (``?upload=``); None if it cannot be read."""
         try:
-            return int(self.get_context(context_id)["length"])
+            return json.loads(self._request("GET", f"{CREATE}/{upload.context_id}", _query({"upload": upload.upload_id})))
         except ATTEMPT_ERRORS:
             return None
+
+    def _stored_end(self, upload: Upload) -> int | None:
+        desc = self._upload_state(upload)
+        return None if desc is None else upload.stored_end(desc)
 
     def _send(self, upload: Upload, path: str, query: str, tensors: Mapping[str, Any], *,
               after: int | None = None, keys: int = 0) -> dict:
@@ -276,7 +282,7 @@ class Client:
                 return json.loads(self._request("POST", path, query, tensors, resend=path == CREATE))
             except ATTEMPT_ERRORS as exc:
                 if attempt and after is not None and is_length_mismatch(exc):
-                    stored = self._holding(str(upload.context_id), after + keys)
+                    stored = self._holding(upload, after + keys)
                     if stored is not None:
                         return stored
                 may_resend = resendable or not isinstance(exc, TRANSPORT_ERRORS)
@@ -286,13 +292,10 @@ class Client:
             time.sleep(delay)
             attempt += 1
 
-    def _holding(self, context_id: str, length: int) -> dict | None:
-        """The context's description if it holds exactly ``length`` keys, else None (also if it cannot be read)."""
-        try:
-            desc = self.get_context(context_id)
-        except ATTEMPT_ERRORS:
-            return None
-        return desc if desc["length"] == length else None
+    def _holding(self, upload: Upload, end: int) -> dict | None:
+        """The context's description if ``upload``'s keys reach ``end`` (an earlier attempt of the chunk
+        ending there was stored), else None (also if it cannot be read)."""
+        return holding(upload, self._upload_state(upload), end)
 
     # -- transport ---------------------------------------------------------------
     def _connection(self) -> Connection:

@@ -9,8 +9,10 @@ section 6.3), so that a chunk sent twice is stored once; docs/CONTEXTS.md,
 from __future__ import annotations
 
 import http.client
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -102,6 +104,19 @@ def is_length_mismatch(error: BaseException) -> bool:
     return isinstance(error, SplitkeyError) and error.code == "length_mismatch"
 
 
+def holding(upload: Upload, desc: dict | None, end: int) -> dict | None:
+    """``desc`` (a description fetched with ``?upload=``, without that entry) if ``upload``'s keys
+    reach ``end`` in it, else None. The server keeps an upload's keys contiguous from its start,
+    so a chunk of this upload that ends at or before ``end`` is stored; the context's length alone
+    cannot say this (another writer's chunk of the same size gives the same length)."""
+    if desc is None:
+        return None
+    stored = upload.stored_end(desc)
+    if stored is None or stored < end:
+        return None
+    return {name: value for name, value in desc.items() if name != "upload"}
+
+
 @dataclass
 class Upload:
     """Where one upload stands: which context, how many of its keys are committed."""
@@ -112,11 +127,31 @@ class Upload:
     context_id: str | None = None
     committed: int = 0  #: leading keys of the upload the context holds
     append: bool = field(init=False)  #: the keys go after those the context held (else they create it)
+    #: Names the upload's appends to the server, which keeps them contiguous (``continues``).
+    upload_id: str = field(default_factory=lambda: secrets.token_urlsafe(16))
+    start: int | None = None  #: the context's length before the upload's first append with ``after``
 
     def __post_init__(self) -> None:
         if type(self.retries) is not int or self.retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
         self.append = self.context_id is not None  # one that names its context from the start appends
+
+    def chunk_options(self, after: int) -> dict[str, Any]:
+        """The options of the append that follows ``after`` keys: ``after``, the upload's id, and
+        ``continues`` for every chunk but the first (:attr:`start`), so that the server refuses a
+        chunk whose predecessor is another writer's (docs/CONTEXTS.md, "Uploading long contexts")."""
+        if self.start is None:
+            raise ValueError("start must be set before the upload's appends, got None")
+        return {"after": after, "upload": self.upload_id, "continues": True if after != self.start else None}
+
+    def stored_end(self, desc: Mapping[str, Any]) -> int | None:
+        """Where this upload's keys end in the context, from its description fetched with
+        ``?upload=`` (None: none of them is stored, or the server cannot say)."""
+        entry = desc.get("upload")
+        if not isinstance(entry, dict) or entry.get("id") != self.upload_id or entry.get("start") != self.start:
+            return None
+        end = entry.get("end")
+        return end if type(end) is int else None
 
     def commit(self, keys: int) -> None:
         """A chunk of ``keys`` keys is committed."""

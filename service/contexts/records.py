@@ -4,7 +4,8 @@ A record is plain JSON-like data (it travels to the directory actor and to every
 worker holding a shard, which keeps it for a directory rebuild), typed here:
 
     {"id", "h_kv", "d", "d_v", "dtype", "replicas", "shard_capacity", "expected_length",
-     "next_pos", "version", "shards": [{"index", "length", "workers": [worker names]}]}
+     "next_pos", "version", "shards": [{"index", "length", "workers": [worker names]}],
+     "uploads": [{"id", "start", "end"}]}
 
 ``length`` is the committed length: queries read only that prefix of a shard. A
 context created with ``expected_length`` has every shard of its plan from the start,
@@ -14,7 +15,7 @@ each allocated for ``shard_capacity`` keys; the ones no key has reached yet are 
 from __future__ import annotations
 
 import secrets
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from workers.dtypes import dtype_of
 from workers.layout import bytes_per_key
@@ -24,6 +25,19 @@ class ShardEntry(TypedDict):
     index: int
     length: int  #: committed keys
     workers: list[str]  #: names of the workers holding a replica
+
+
+class UploadEntry(TypedDict):
+    """Where one chunked upload's keys are: ``[start, end)`` of the context, contiguous (docs/CONTEXTS.md)."""
+
+    id: str  #: the client's upload id
+    start: int  #: the context's length before its first chunk
+    end: int  #: the context's length after its last chunk
+
+
+#: Uploads a record remembers, the most recent first: enough to answer a client that asks
+#: after a lost answer, while several writers take turns.
+MAX_UPLOADS = 8
 
 
 class ContextRecord(TypedDict):
@@ -38,6 +52,7 @@ class ContextRecord(TypedDict):
     next_pos: int  #: where default positions of appended keys start
     version: int  #: bumped by every commit; the newest wins a directory rebuild
     shards: list[ShardEntry]
+    uploads: NotRequired[list[UploadEntry]]  #: recent chunked uploads, the latest first (absent: none yet)
 
 
 def new_context_id() -> str:
@@ -53,6 +68,30 @@ def key_bytes(record: ContextRecord) -> int:
 def length(record: ContextRecord) -> int:
     """Keys the context holds (committed)."""
     return sum(s["length"] for s in record["shards"])
+
+
+def upload_entry(record: ContextRecord, upload: str) -> UploadEntry | None:
+    """Where upload ``upload``'s keys are in the context, if it is among the recent ones."""
+    return next((e for e in record.get("uploads", []) if e["id"] == upload), None)
+
+
+def continues_upload(record: ContextRecord, upload: str) -> bool:
+    """Whether the context's last append was upload ``upload``'s: its keys end where the context does.
+
+    A later append of any other writer (with an upload id or without) moves the context's
+    length past the upload's end, so a chunk that continues it would leave that writer's
+    keys between its own.
+    """
+    entry = upload_entry(record, upload)
+    return entry is not None and entry["end"] == length(record)
+
+
+def note_upload(record: ContextRecord, upload: str, start: int, end: int, continues: bool) -> None:
+    """Record (in place) that upload ``upload``'s keys now reach ``end``; a first chunk starts it at ``start``."""
+    entries = [e for e in record.get("uploads", []) if e["id"] != upload]
+    first = upload_entry(record, upload) if continues else None
+    entries.insert(0, {"id": upload, "start": start if first is None else first["start"], "end": end})
+    record["uploads"] = entries[:MAX_UPLOADS]
 
 
 def describe(record: ContextRecord) -> dict:

@@ -29,11 +29,14 @@ from service.contexts.records import (
     LOST,
     ContextRecord,
     ShardEntry,
+    continues_upload,
     describe,
     health,
     key_bytes,
     length,
     new_context_id,
+    note_upload,
+    upload_entry,
 )
 from service.errors import (
     ContextLost,
@@ -234,8 +237,13 @@ class ContextService:
                         cached=cached)
 
     # -- reads ----------------------------------------------------------------
-    async def get(self, ctx_id: str) -> dict:
-        return self.describe(await self._record(ctx_id))
+    async def get(self, ctx_id: str, upload: str | None = None) -> dict:
+        """The context's description; with ``upload``, also where that upload's keys are
+        (``"upload": {"id", "start", "end"}``, or None if it is not among the recent ones)."""
+        record = await self._record(ctx_id)
+        if upload is None:
+            return self.describe(record)
+        return {**self.describe(record), "upload": upload_entry(record, upload)}
 
     async def describe_all(self) -> list[dict]:
         return [self.describe(r) for r in await self.directory.all()]
@@ -303,6 +311,11 @@ class ContextService:
                                   "them; delete the context and create it again")
             if write.after is not None and write.after != length(old):
                 raise LengthMismatch(f"after must be the context's length {length(old)}, got {write.after}")
+            if write.continues and write.upload is not None and not continues_upload(old, write.upload):
+                # Another writer's keys came after this upload's last chunk: this chunk would
+                # leave them between its own (its after can match when their chunks are as long).
+                raise LengthMismatch(f"continues needs the context's last append to be upload {write.upload}'s; "
+                                     f"another writer appended since (the context holds {length(old)} keys)")
             kv = write.kv
             if dtype_name(kv.k.dtype) != old["dtype"]:
                 raise InvalidTensor(f"k must have the context's dtype {old['dtype']}, got {kv.k.dtype}")
@@ -315,6 +328,8 @@ class ContextService:
             new["version"] += 1
             if n:
                 new["next_pos"] = max(old["next_pos"], int(np.max(k_pos)) + 1)
+            if write.upload is not None:
+                note_upload(new, write.upload, length(old), length(old) + n, write.continues)
             writes, undo, taken = self._fill_open_shards(new, refs, n, k_pos)
             more_writes, more_undo = await self._open_shards(new, refs, n, k_pos, taken, timings)
             try:

@@ -7,14 +7,14 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from service.errors import ContextNotFound, error_responses
+from service.errors import ContextNotFound, InvalidOption, error_responses
 from service.metrics import Timings
 from service.routes.common import app_state, body_limit, decode_body, off_loop, read_body, runtime, to_completion
 from service.runtime import AppState
 from service.wire.json_codec import ContextAppendRequestModel, ContextCreateRequestModel, ContextWriteModel
 from service.wire.negotiation import Format, request_format
 from service.wire.request import ContextWrite, context_write
-from service.wire.rules import CONTEXT_APPEND, CONTEXT_CREATE, BodyKind, Limits, is_context_id
+from service.wire.rules import CONTEXT_APPEND, CONTEXT_CREATE, UPLOAD_ID, BodyKind, Limits, is_context_id, show
 
 router = APIRouter(tags=["contexts"])
 
@@ -79,9 +79,13 @@ async def list_contexts(request: Request) -> JSONResponse:
     return JSONResponse({"contexts": await runtime(request).contexts.describe_all()})
 
 
-@router.get(ROUTE + "/{ctx_id}", summary="Describe a context", responses=error_responses(401, 404))
+@router.get(ROUTE + "/{ctx_id}", summary="Describe a context", responses=error_responses(401, 404, 422))
 async def get_context(ctx_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(await runtime(request).contexts.get(_check_id(app_state(request), ctx_id)))
+    """``?upload=ID`` adds where that chunked upload's keys are (docs/CONTEXTS.md, "Uploading long contexts")."""
+    upload = request.query_params.get("upload")
+    if upload is not None and not UPLOAD_ID.fullmatch(upload):
+        raise InvalidOption(f"upload must be 1 to 64 characters A-Z a-z 0-9 _ -, got {show(upload)}")
+    return JSONResponse(await runtime(request).contexts.get(_check_id(app_state(request), ctx_id), upload))
 
 
 @router.delete(ROUTE + "/{ctx_id}", summary="Free a context", responses=error_responses(401, 404))

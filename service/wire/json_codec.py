@@ -173,6 +173,10 @@ class ContextAppendRequestModel(ContextWriteModel):
     k_pos: list[int] | None = Field(None, description="key positions [n_k]; default continues the context")
     after: int | None = Field(None, ge=0, description="append only if the context holds exactly this many keys "
                                                       "(409 length_mismatch otherwise)")
+    upload: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+                               description="the id of the chunked upload this append belongs to (with after)")
+    continues: bool = Field(False, description="append only if the context's last append was this upload's "
+                                               "(409 length_mismatch otherwise)")
 
 
 class ContextCreateRequestModel(ContextWriteModel):

@@ -69,6 +69,8 @@ class ContextWrite:
     shards: int | None
     expected_length: int | None = None  #: create: keys the context will hold in all (at least these)
     after: int | None = None  #: append: the context's committed length this append must follow
+    upload: str | None = None  #: append: the id of the chunked upload it belongs to
+    continues: bool = False  #: append: refused unless the context's last append was this upload's
 
 
 def check_finite(name: str, x: np.ndarray) -> None:
@@ -148,4 +150,5 @@ def context_write(decoded: Decoded) -> ContextWrite:
         raise InvalidOption(f"expected_length must be at least the {kv.dims.n_k} keys of this body, "
                             f"got {options.expected_length}")
     return ContextWrite(kv=kv, replicas=options.replicas, shards=options.shards,
-                        expected_length=options.expected_length, after=options.after)
+                        expected_length=options.expected_length, after=options.after, upload=options.upload,
+                        continues=options.continues)

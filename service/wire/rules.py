@@ -106,12 +106,15 @@ CONTEXT_CREATE = BodyKind(
     required=frozenset({"k", "v"}),
 )
 CONTEXT_APPEND = BodyKind(
-    "append", tensors=frozenset({"k", "v", "k_pos"}), options=frozenset({"after"}), required=frozenset({"k", "v"}),
+    "append", tensors=frozenset({"k", "v", "k_pos"}), options=frozenset({"after", "upload", "continues"}),
+    required=frozenset({"k", "v"}),
 )
 
 #: Context ids: URL-unreserved characters only, so they travel unescaped in paths and in
 #: ``contexts=ID1,ID2`` (no commas).
 CONTEXT_ID = re.compile(r"[A-Za-z0-9._~-]+")
+#: Upload ids (``upload``): chosen by the client, 1 to 64 URL-safe characters.
+UPLOAD_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def is_context_id(value: Any, limits: Limits) -> bool:
@@ -172,6 +175,8 @@ class RequestOptions:
     shards: int | None = None  #: shards a new context is cut into (None: the default)
     expected_length: int | None = None  #: keys a new context will hold once every chunk is appended (None: this body's)
     after: int | None = None  #: append only if the context holds exactly this many keys (None: whatever it holds)
+    upload: str | None = None  #: append: the id of the chunked upload this append belongs to (docs/CONTEXTS.md)
+    continues: bool = False  #: append: refused unless the context's last append was this upload's
 
 
 def _number(name: str, value: Any) -> Any:
@@ -210,6 +215,22 @@ def _contexts(value: Any, limits: Limits) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _upload(given: Mapping[str, Any]) -> tuple[str | None, bool]:
+    """``upload`` and ``continues``: an upload id goes with ``after``; ``continues`` with an upload id."""
+    upload, continues = given.get("upload"), given.get("continues", False)
+    if upload is not None and (type(upload) is not str or not UPLOAD_ID.fullmatch(upload)):
+        raise InvalidOption(f"upload must be 1 to 64 characters A-Z a-z 0-9 _ -, got {show(upload)}")
+    if type(continues) is not bool:
+        raise InvalidOption(f"continues must be true or false, got {show(continues)}")
+    if upload is not None and "after" not in given:
+        raise InvalidOption(f"upload must come with after (the context's length before this chunk), got upload "
+                            f"{show(upload)} without after")
+    if continues and upload is None:
+        raise InvalidOption("continues must come with upload (the id of the upload it continues), got continues "
+                            "without upload")
+    return upload, continues
+
+
 def check_options(raw: Mapping[str, Any], kind: BodyKind, limits: Limits = DEFAULT_LIMITS,
                   alibi_slopes: Any = None) -> RequestOptions:
     """Check JSON-typed option values of a ``kind`` request; ``None`` means "not given".
@@ -234,6 +255,7 @@ def check_options(raw: Mapping[str, Any], kind: BodyKind, limits: Limits = DEFAU
         )
     except ValueError as exc:
         raise InvalidOption(str(exc)) from None
+    upload, continues = _upload(given)
     return RequestOptions(
         attention=attention,
         contexts=_contexts(given["contexts"], limits) if "contexts" in given else (),
@@ -241,6 +263,8 @@ def check_options(raw: Mapping[str, Any], kind: BodyKind, limits: Limits = DEFAU
         shards=_count("shards", given["shards"], limits.max_shards) if "shards" in given else None,
         expected_length=_keys("expected_length", given["expected_length"], 1) if "expected_length" in given else None,
         after=_keys("after", given["after"], 0) if "after" in given else None,
+        upload=upload,
+        continues=continues,
     )
 
 
@@ -259,10 +283,12 @@ def query_value(name: str, text: str) -> Any:
         if not _NUMBER.fullmatch(text):
             raise InvalidOption(f"{name} must be a number, got {show(text)}")
         return float(text)
-    if name == "causal":
+    if name in ("causal", "continues"):
         if text not in ("true", "false"):
-            raise InvalidOption(f"causal must be true or false, got {show(text)}")
+            raise InvalidOption(f"{name} must be true or false, got {show(text)}")
         return text == "true"
+    if name == "upload":
+        return text  # checked with the JSON value: check_options
     if name == "window":
         sides = text.split(",")
         if len(sides) != 2 or not all(_BOUND.fullmatch(s) for s in sides):
