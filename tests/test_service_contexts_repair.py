@@ -66,3 +66,35 @@ def test_a_worker_process_killed_is_replaced_and_its_replicas_rebuilt(tmp_path):
             assert_close_to_reference(out, lse, q, k, v)
     finally:
         srv.stop()
+
+
+def test_a_worker_that_misses_a_ping_or_two_keeps_its_replicas(tmp_path):
+    """A paused worker (SIGSTOP: alive, not answering) for longer than one 5 s ping is not counted
+    dead: counting it dead would forget the only replica of its shards and lose the context."""
+    srv = Server(tmp_path, args=("--workers", "1"), env={"SPLITKEY_HEAL_INTERVAL_S": "0.5"})
+    srv.start()
+    try:
+        rng = np.random.default_rng(4)
+        k = rng.standard_normal((200, 2, 16)).astype(np.float32)
+        v = rng.standard_normal((200, 2, 8)).astype(np.float32)
+        q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+        with Client(srv.url) as c:
+            ctx = c.create_context(k, v)["id"]
+            [pid] = shard_worker_pids(srv.proc.pid)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(8.0)  # one round's ping times out (5 s), the next is under way
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 30
+            while "did not answer a ping" not in srv.log() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert "did not answer a ping within 5 s (1 in a row; dead at 3)" in srv.log(), srv.log()[-2000:]
+            time.sleep(6.0)  # the rounds after the pause: answered again
+            assert "counted dead" not in srv.log() and "died" not in srv.log(), srv.log()[-2000:]
+            assert c.cluster()["repair"]["workers_replaced"] == 0
+            assert c.get_context(ctx)["state"] == "ready"
+            out, lse = c.attention(q, contexts=[ctx])
+            assert_close_to_reference(out, lse, q, k, v)
+    finally:
+        srv.stop()

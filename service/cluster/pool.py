@@ -47,6 +47,9 @@ WORKER_PREFIX = "splitkey-worker-"
 INLINE_ARG_BYTES = 256 * 2**10
 #: Seconds before a worker whose direct channel could not be opened is tried again (Ray meanwhile).
 CHANNEL_RETRY_S = 30.0
+#: Pings in a row that time out before a worker that answered before counts as dead (a death Ray
+#: reports counts at once): with the repair loop's 5 s pings every ``heal_interval_s``, 15 s or more.
+MISSED_PINGS = 3
 #: Worker exceptions a channel reply may carry that the front end handles as it does from a Ray call.
 DOMAIN_ERRORS: dict[str, type[Exception]] = {"ShardMissing": ShardMissing, "RecordStale": RecordStale}
 
@@ -61,6 +64,7 @@ class Slot:
     alive: bool = True
     info: dict = field(default_factory=dict)
     incarnation: str = ""  #: the ShardWorker instance behind the name, from its last ping
+    missed: int = 0  #: pings in a row that timed out (MISSED_PINGS of them and it counts as dead)
     channel: WorkerChannel | None = None  #: the direct channel, once opened (``service.cluster.channel``)
     channel_retry_at: float = 0.0  #: monotonic time before which no channel is opened (one just failed)
     channel_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -225,7 +229,21 @@ class WorkerPool:
                     slot.drop_channel()
                     slot.channel_retry_at = 0.0  # the new worker may have a channel the old one had not
                 slot.incarnation = seen
-            except (TimeoutError, ray.exceptions.RayError) as exc:
+                slot.missed = 0
+            except TimeoutError:
+                # A ping that timed out is no proof of death (Ray says so when the actor died): a
+                # worker busy for long, or this event loop held up, looks the same. Counting it dead
+                # forgets its replicas, which for a context with one replica loses the keys.
+                slot.missed += 1
+                if slot.incarnation and slot.missed < MISSED_PINGS:
+                    log.warning("worker %s did not answer a ping within %.3g s (%d in a row; dead at %d)",
+                                slot.name, timeout_s, slot.missed, MISSED_PINGS)
+                    return
+                if slot.alive or slot.incarnation:
+                    log.warning("worker %s did not answer %d pings in a row: counted dead", slot.name, slot.missed)
+                slot.alive = False
+                slot.drop_channel()
+            except ray.exceptions.RayError as exc:
                 if slot.alive or slot.incarnation:
                     log.warning("worker %s did not answer: %s", slot.name, exc)
                 slot.alive = False
