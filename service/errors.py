@@ -77,6 +77,13 @@ class BodyTooLarge(ServiceError):
     """The body, a safetensors header or one tensor is over its limit."""
 
 
+class HeadTooLarge(ServiceError):
+    """The request line and headers are over their limit; the connection is closed (it is never read on)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, {"Connection": "close"})
+
+
 class UnsupportedMediaType(ServiceError):
     """The Content-Type (or Content-Encoding) is not one the service reads."""
 
@@ -141,6 +148,7 @@ ERRORS: Mapping[type[ServiceError], ErrorKind] = {
     LengthMismatch: ErrorKind("length_mismatch", 409),
     BodyTooLarge: ErrorKind("body_too_large", 413),
     UnsupportedMediaType: ErrorKind("unsupported_media_type", 415),
+    HeadTooLarge: ErrorKind("header_too_large", 431),
     InvalidTensor: ErrorKind("invalid_tensor", 422),
     InvalidOption: ErrorKind("invalid_option", 422),
     Overloaded: ErrorKind("overloaded", 429),

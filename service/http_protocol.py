@@ -1,14 +1,20 @@
-"""uvicorn's HTTP/1.1 protocol with one change: a request it cannot parse (a bad Content-Length,
-two framings, a broken chunk) is answered like every other error, 400 ``invalid_body`` as JSON
-with a request id, instead of uvicorn's plain-text "Invalid HTTP request received." (API.md
-section 7). Such a request never reaches the app, so its answer is written here."""
+"""uvicorn's HTTP/1.1 protocol with two changes, for requests that never reach the app (so their
+answers are written here, as JSON with a request id like every other error, API.md section 7):
+
+* a request it cannot parse (a bad Content-Length, two framings, a broken chunk) is answered
+  400 ``invalid_body`` instead of uvicorn's plain-text "Invalid HTTP request received.";
+* a request head (request line and headers) over :data:`MAX_HEAD_BYTES` is answered 431
+  ``header_too_large`` and the connection closed. uvicorn's fast parser (httptools) has no
+  bound of its own: a client could send one header of hundreds of MiB, which the parser
+  buffers whole while the event loop spends minutes on it (docs/SECURITY.md).
+"""
 
 from __future__ import annotations
 
 import asyncio
 
 from service import request_id
-from service.errors import InvalidBody, render
+from service.errors import HeadTooLarge, InvalidBody, ServiceError, render
 
 try:  # uvicorn's fast parser when installed (uvicorn[standard]), else its pure-Python one
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as BaseProtocol
@@ -17,15 +23,49 @@ except ImportError:  # pragma: no cover - httptools is installed with the servic
 
 MALFORMED = ("the request must be valid HTTP/1.1 (a request line, headers, and a body framed by one Content-Length "
              "or by chunked encoding), got a request that could not be parsed")
+#: Bytes of a request's line and headers read before it is refused (431). h11, uvicorn's other
+#: parser, allows 16 KiB, nginx 4 x 8 KiB by default; an API key, a request id and the service's
+#: few headers take well under 1 KiB, so this leaves room for what proxies add.
+MAX_HEAD_BYTES = 64 * 2**10
+STATUS_LINES = {400: b"HTTP/1.1 400 Bad Request", 431: b"HTTP/1.1 431 Request Header Fields Too Large"}
 
 
 class JsonErrorsProtocol(BaseProtocol):
     transport: asyncio.Transport
+    #: Bytes read of the head now being received (0 before its first byte); None from the end of
+    #: the head to the end of its request.
+    _head_bytes: int | None = 0
+    _request_ended = False  #: a request ended in the read being parsed
+
+    def data_received(self, data: bytes) -> None:
+        self._request_ended = False
+        super().data_received(data)
+        if self._head_bytes is None or self._request_ended or self.transport.is_closing():
+            # In the body; or a request ended in this read and the next one's head began in it:
+            # that head's first bytes are not counted (at most one read: still bounded).
+            return
+        self._head_bytes += len(data)  # the head was not complete before this read nor after it: all head
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._refuse(HeadTooLarge(f"the request line and headers must be at most {MAX_HEAD_BYTES} bytes, "
+                                      f"got {self._head_bytes} without their end"))
+
+    def on_headers_complete(self) -> None:
+        self._head_bytes = None
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_bytes, self._request_ended = 0, True
 
     def send_400_response(self, msg: str) -> None:
+        self._refuse(InvalidBody(MALFORMED))
+
+    def _refuse(self, err: ServiceError) -> None:
+        """Answer ``err`` and close the connection: the request never reached the app."""
         request_id.assign([])
-        _, body, headers = render(InvalidBody(MALFORMED), "/")
-        head = [b"HTTP/1.1 400 Bad Request", b"content-type: application/json",
+        status, body, headers = render(err, "/")
+        headers.pop("Connection", None)
+        head = [STATUS_LINES[status], b"content-type: application/json",
                 b"content-length: " + str(len(body)).encode(), b"connection: close",
                 request_id.HEADER + b": " + request_id.current().encode()]
         head += [k.lower().encode() + b": " + v.encode() for k, v in headers.items()]

@@ -17,7 +17,7 @@ from workers.options import AttentionOptions
 CONTRACT_STATUS = {
     "invalid_body": 400, "unauthorized": 401, "context_not_found": 404, "request_timeout": 408,
     "length_mismatch": 409, "body_too_large": 413,
-    "unsupported_media_type": 415, "invalid_tensor": 422, "invalid_option": 422, "overloaded": 429,
+    "unsupported_media_type": 415, "header_too_large": 431, "invalid_tensor": 422, "invalid_option": 422, "overloaded": 429,
     "internal_error": 500, "workers_unavailable": 503, "context_lost": 503, "shutting_down": 503, "deadline_exceeded": 504,
     "insufficient_capacity": 507,
 }

@@ -242,6 +242,41 @@ def test_body_over_the_limit_gets_413_from_content_length_and_from_chunks(server
     assert httpx.get(server.url + "/healthz").status_code == 200
 
 
+def test_a_request_head_over_its_limit_gets_431_and_the_connection_closes(server):
+    from service.http_protocol import MAX_HEAD_BYTES
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"GET /v1/limits HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        sent = 0
+        try:
+            while sent < 8 * MAX_HEAD_BYTES:  # one header that never ends; the answer comes before all of it
+                sock.sendall(b"a" * 4096)
+                sent += 4096
+        except OSError:
+            pass  # the server closed the connection: what the answer below says
+        head = read_response(sock)
+    assert head.startswith("HTTP/1.1 431 Request Header Fields Too Large"), head[:200]
+    assert "connection: close" in head.lower() and "x-request-id:" in head.lower()
+    body = json.loads(head.partition("\r\n\r\n")[2])
+    assert body["code"] == "header_too_large" and body["request_id"]
+    assert body["detail"].startswith(f"the request line and headers must be at most {MAX_HEAD_BYTES} bytes, got ")
+    # A head under the limit is served, and on a kept connection a request whose head and body come
+    # in one read is not counted against the next one's head.
+    r = httpx.get(server.url + "/v1/limits", headers={"X-Big": "a" * (MAX_HEAD_BYTES - 1024)})
+    assert r.status_code == 200
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((1, 2, 8)).astype(np.float32), rng.standard_normal((8000, 2, 8)).astype(np.float32)
+    body_bytes = to_bytes(encode_safetensors({"q": q, "k": k, "v": k}))  # 512 KB, well over the head limit
+    request = (b"POST /v1/attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+               b"Accept: application/json\r\nContent-Length: " + str(len(body_bytes)).encode() + b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        for _ in range(3):
+            sock.sendall(request + body_bytes)
+            assert read_response(sock).startswith("HTTP/1.1 200")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_response(sock).startswith("HTTP/1.1 200")
+
+
 def test_shapes_declared_beyond_the_body_are_refused_before_allocation(server):
     header = json.dumps({"q": {"dtype": "F32", "shape": [100000, 100000, 1000], "data_offsets": [0, 16]}}).encode()
     body = len(header).to_bytes(8, "little") + header + b"\0" * 16
