@@ -4,7 +4,8 @@
 on ``--host``, for clients that call many times per second (``tritonclient.grpc``, any
 client generated from KServe's ``grpc_predict_v2.proto``). It is the same service as
 the HTTP routes, in the same process and event loop: the same auth (``authorization:
-Bearer KEY`` metadata; the health RPCs are open, as the HTTP probes are), admission
+Bearer KEY`` metadata, checked before a call's message is read: ``service.grpc_auth``;
+the health RPCs are open, as the HTTP probes are), admission
 control (``--max-inflight``, the in-flight byte budget), deadline (``--request-timeout``,
 shortened by the call's own gRPC deadline or ``timeout`` parameter), request ids
 (``x-request-id`` metadata in and out), errors (the contract's code and message, in the
@@ -19,7 +20,6 @@ the ``grpc`` extra) are not needed otherwise.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from typing import Any
@@ -28,7 +28,8 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from service import request_id
-from service.errors import ERRORS, Internal, ServiceError, ShuttingDown, Unauthorized, internals
+from service.grpc_auth import KeyFirst
+from service.errors import ERRORS, Internal, ServiceError, ShuttingDown, internals
 from service.metrics import Timings
 from service.routes.common import off_loop, with_deadline
 from service.runtime import AppState
@@ -56,8 +57,6 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def __init__(self, state: AppState) -> None:
         self.state = state
-        key = state.settings.api_key()
-        self.api_key = key.encode() if key else None
 
     # -- health (open, as GET /v2/health/live and /ready are) ------------------------------
     async def ServerLive(self, request: Any, context: Any) -> Any:  # noqa: N802 - the protocol's names
@@ -68,15 +67,12 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- metadata (behind the key, as GET /v2 and /v2/models/attention[/ready] are) -------
     async def ModelReady(self, request: Any, context: Any) -> Any:  # noqa: N802
-        await self._authorize_or_abort(context)
         return service_pb2.ModelReadyResponse(ready=_served(request) and self._ready())
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        await self._authorize_or_abort(context)
         return service_pb2.ServerMetadataResponse(name=PLATFORM, version="0.1.0", extensions=[])
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        await self._authorize_or_abort(context)
         if not _served(request):
             # Another model or version is not served: NOT_FOUND, as HTTP's 404 for its path.
             await context.abort(grpc.StatusCode.NOT_FOUND,
@@ -102,7 +98,6 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         code = 200
         ticket = state.admission.ticket() if state.admission is not None else None
         try:
-            await self._authorize(context)
             if not served(request.model_name, request.model_version):
                 code = 404
                 context.set_trailing_metadata((("x-request-id", rid),))
@@ -148,24 +143,6 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             state.metrics.count_request(ROUTE, code)
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
-    async def _authorize_or_abort(self, context: Any) -> None:
-        """:meth:`_authorize`, a refusal ending the call ``UNAUTHENTICATED`` as ``ModelInfer``'s does."""
-        try:
-            await self._authorize(context)
-        except Unauthorized as err:
-            metadata = [(k.encode(), v.encode()) for k, v in context.invocation_metadata() if isinstance(v, str)]
-            await self._abort(context, err, request_id.assign(metadata))
-
-    async def _authorize(self, context: Any) -> None:
-        if self.api_key is None:
-            return
-        for name, value in context.invocation_metadata():
-            if name == "authorization" and isinstance(value, str):
-                scheme, _, token = value.partition(" ")
-                if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key):
-                    return
-        raise Unauthorized()
-
     @staticmethod
     async def _abort(context: Any, err: ServiceError, rid: str) -> None:
         """End the call with ``err``'s gRPC status, its message (machine internals withheld, as
@@ -183,7 +160,6 @@ def _not_served(name: str) -> Any:
     """An RPC of the protocol that splitkey does not serve: behind the key as the others are, then
     ``UNIMPLEMENTED`` with a message (the generated base class raised, which gRPC logged as an error)."""
     async def rpc(self: Servicer, request: Any, context: Any) -> Any:
-        await self._authorize_or_abort(context)
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                             f"{name} is not served: splitkey serves ServerLive, ServerReady, ServerMetadata, "
                             "ModelReady, ModelMetadata and ModelInfer (docs/KSERVE.md)")
@@ -213,7 +189,8 @@ async def start(state: AppState, host: str, port: int) -> tuple[Any, int]:
     # limit, not by the request's (a small q over long value rows): as much as a message may hold,
     # 2**31 - 1 bytes, which a float64 answer of the largest size does not fit (docs/KSERVE.md).
     size = min(state.limits.max_body_bytes + (1 << 20), MAX_MESSAGE_BYTES)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
+    key = state.settings.api_key()
+    server = grpc.aio.server(interceptors=[KeyFirst(key.encode() if key else None, state.metrics)], options=[("grpc.max_receive_message_length", size),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_concurrent_streams", max(16, state.settings.max_inflight))])
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(state), server)

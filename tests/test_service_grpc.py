@@ -108,6 +108,45 @@ def test_grpc_metadata_without_the_key_is_unauthenticated_as_over_http(grpc_serv
                                         "ServerMetadata": "/v2"}[rpc], timeout=10).status_code == 401
 
 
+def test_a_grpc_call_without_the_key_is_refused_before_its_message_is_read(grpc_server):
+    """A 256 MB ModelInfer without the key: UNAUTHENTICATED, and the server never holds the message
+    (gRPC read a unary call's whole message before the method ran, where the key was checked)."""
+    import threading
+
+    import grpc
+    import psutil
+
+    front_end = psutil.Process(grpc_server.proc.pid)
+    before, peak, done = front_end.memory_info().rss, [0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], front_end.memory_info().rss)
+            done.wait(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    from tritonclient.grpc import service_pb2
+
+    message = service_pb2.ModelInferRequest(model_name="attention",
+                                            raw_input_contents=[b"\x00" * (256 * 2**20)]).SerializeToString()
+    try:
+        with grpc.insecure_channel(grpc_server.grpc, options=[("grpc.max_send_message_length", -1)]) as channel:
+            call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            for metadata in ((), (("authorization", "Bearer wrong-key"),)):
+                with pytest.raises(grpc.RpcError) as info:
+                    call(message, metadata=metadata, timeout=60)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value
+                assert "Authorization" in info.value.details()
+                assert dict(info.value.trailing_metadata())["splitkey-code"] == "unauthorized"
+    finally:
+        done.set()
+        watcher.join()
+    assert peak[0] - before < 64 * 2**20, (before, peak[0])  # it held 1.6 GB after two such calls before
+    metrics = httpx.get(grpc_server.url + "/metrics", headers=AUTH, timeout=10).text
+    assert 'splitkey_requests_total{code="401",route="grpc:ModelInfer"}' in metrics
+
+
 @pytest.mark.parametrize("case, status, word", [
     ("no_key", "StatusCode.UNAUTHENTICATED", ""),
     ("unknown_context", "StatusCode.NOT_FOUND", "ctx_nope"),
