@@ -172,8 +172,11 @@ INTERNALS: Mapping[str, re.Pattern[str]] = {
                               r"/|site-packages|dist-packages|\.py\b"),
     "an address": re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w.])"),
     "a process id": re.compile(r"\bpid\s*[=:]?\s*\d+", re.IGNORECASE),
-    # Ray's ids are 16 to 56 bytes of hex (actors 32 digits, tasks 48, objects/nodes/workers 56).
-    "a Ray id": re.compile(r"(?<![0-9a-fA-F])[0-9a-f]{28,}(?![0-9a-fA-F])|\b(?:Actor|Node|Worker|Task|Job|Object)ID\b"),
+    # Ray's ids are 16 to 56 bytes of hex (actors 32 digits, tasks 48, objects/nodes/workers 56), random
+    # but for a few bytes: a run of 28 or more with both digits and letters (a run of digits alone is
+    # a client's number echoed, of letters alone a client's name: both the detail must keep).
+    "a Ray id": re.compile(r"(?<![0-9a-fA-F])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{28,}(?![0-9a-fA-F])"
+                           r"|\b(?:Actor|Node|Worker|Task|Job|Object)ID\b"),
 }
 
 

@@ -87,6 +87,10 @@ def test_internals_are_found_in_a_detail(detail, kind):
     'scale must be a number, got "111111111111111111111111111111111111111111"',
     'contexts[0] must be an id of 1 to 128 characters, got "cccccccccccccccccccccccccccccccccccccccccccccccccccccc...',
     'window must be [left, right], got "12345678901234567890123456789012345678901234567890,"',
+    # ... and unquoted: a number a check computed from the client's, a name the client sent.
+    "k has shape [4294967296, 4294967296, 4294967296]: 79228162514264337593543950336 elements, over 2**28",
+    "data_offsets must be ints, got 1000000000000000000000000000000 for k",
+    "unknown field aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa in the request",
 ])
 def test_a_detail_in_the_services_words_is_kept(detail):
     assert errors.internals(detail) is None
