@@ -97,6 +97,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         state, t0, timings = self.state, time.perf_counter(), Timings()
         code = 200
         ticket = state.admission.ticket() if state.admission is not None else None
+        task = state.drain.track()  # in flight for the shutdown drain, as an HTTP request is
         try:
             if not served(request.model_name, request.model_version):
                 code = 404
@@ -130,7 +131,15 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except ServiceError as err:
             code = err.status
             await self._abort(context, err, rid)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except asyncio.CancelledError:
+            if not state.drain.cutting:
+                raise
+            # Cut by the end of the shutdown grace period (service.drain): answered, not dropped.
+            cut = ShuttingDown(f"the request must finish within the {state.drain.grace_s:g} s shutdown grace "
+                               "period, got cut")
+            code = cut.status
+            await self._abort(context, cut, rid)
+        except grpc.aio.AbortError:
             raise
         except Exception:  # noqa: BLE001 - answered as the HTTP routes answer an unexpected failure
             code = 500
@@ -140,6 +149,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         finally:
             if ticket is not None:
                 ticket.release()
+            state.drain.done(task)
             state.metrics.count_request(ROUTE, code)
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 

@@ -111,3 +111,37 @@ def test_after_a_sigkill_of_the_front_end_its_embedded_ray_ends_within_seconds(t
     t0 = time.monotonic()
     assert gone_within(ray_procs, 10)  # Ray alone leaves its agents for about 60 s
     assert time.monotonic() - t0 < 5
+
+
+def test_grpc_calls_in_flight_are_drained_and_cut_as_http_requests_are(tmp_path):
+    import grpc
+    import tritonclient.grpc as triton
+    from tritonclient.utils import InferenceServerException
+
+    srv = Server(tmp_path, grpc=True, env={"SPLITKEY_SHUTDOWN_GRACE_S": "0.3"}).start()
+    ctx, q = slow_setup(srv)
+    answers: list = []
+
+    def go() -> None:
+        client = triton.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+        t = triton.InferInput("q", list(q.shape), "FP32")
+        t.set_data_from_numpy(q)
+        try:
+            client.infer("attention", [t], parameters={"contexts": ctx})
+            answers.append("ok")
+        except InferenceServerException as exc:
+            answers.append((exc.status(), exc.message()))
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    time.sleep(0.7)  # in the service now
+    os.kill(srv.proc.pid, signal.SIGTERM)
+    thread.join()
+    assert "draining 1 request(s)" in srv.log()
+    # Cut at the end of the grace period with the contract's answer (not left to finish unseen, or
+    # cancelled by gRPC's own stop).
+    assert answers == [(str(grpc.StatusCode.UNAVAILABLE), answers[0][1])], answers
+    assert "shutdown grace period" in answers[0][1]
+    assert srv.proc.wait(timeout=60) == 0
