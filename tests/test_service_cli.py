@@ -115,3 +115,16 @@ def test_listen_binds_any_free_port_for_port_0_and_takes_bracketed_ipv6():
             pytest.skip("no ::1 here")
         with six:
             assert six.family == socket.AF_INET6 and six.getsockname()[0] == "::1"
+
+
+@pytest.mark.ray
+def test_workers_that_fail_in_their_constructor_end_the_start_with_their_error_in_one_line(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path)}
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--port", "0", "--workers", "1",
+           "--persist-dir", "/proc/splitkey-nonexistent"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1] == (
+        "splitkey serve: the start failed: workers did not start: splitkey-worker-0 (FileNotFoundError: [Errno 2] "
+        "No such file or directory: '/proc/splitkey-nonexistent')")
+    assert "Traceback" not in run.stdout + run.stderr

@@ -91,6 +91,17 @@ def test_a_bad_argument_is_exit_status_2_and_no_request_is_sent(capsys):
     assert "--n-k must be a count such as 4096, 64K or 1M, got 'lots'" in capsys.readouterr().err
 
 
+def test_an_unreadable_key_file_or_unwritable_out_is_exit_status_2_before_the_run(capsys, tmp_path):
+    a = args("--api-key-file", str(tmp_path / "missing"))
+    assert a.func(a) == 2
+    assert f"--api-key-file must be a readable file, got '{tmp_path / 'missing'}': No such file or directory" in \
+        capsys.readouterr().err
+    # No server listens at the URL: the run would fail with status 1, so 2 says it never started.
+    a = args("--url", "http://127.0.0.1:9", "--out", "/proc/splitkey-out")
+    assert a.func(a) == 2
+    assert "--out must be a directory this user can write, got '/proc/splitkey-out'" in capsys.readouterr().err
+
+
 def test_the_config_checks_its_own_fields_for_library_callers():
     with pytest.raises(ValueError, match="n_k must list key counts >= 1"):
         SweepConfig(url="http://x", n_k=(0,))

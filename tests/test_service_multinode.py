@@ -27,10 +27,10 @@ def cluster():
         yield c
 
 
-def front_end(cluster, tmp_path_factory, name):
+def front_end(cluster, tmp_path_factory, name, **env):
     """A front end joining the cluster at its address (it inherits the token from the environment)."""
     srv = Server(tmp_path_factory.mktemp(name), args=("--ray-address", cluster.address, "--workers", "3"),
-                 env={"SPLITKEY_CONTEXT_SHARD_KEYS": "128", "SPLITKEY_HEAL_INTERVAL_S": "0.5"})
+                 env={"SPLITKEY_CONTEXT_SHARD_KEYS": "128", "SPLITKEY_HEAL_INTERVAL_S": "0.5", **env})
     return srv.start()
 
 
@@ -71,8 +71,12 @@ def test_a_restarted_or_second_front_end_sees_the_same_contexts(cluster, tmp_pat
         ctx = c.create_context(k, v, replicas=2)
     first.stop()
     second = front_end(cluster, tmp_path_factory, "fe-second")
-    third = front_end(cluster, tmp_path_factory, "fe-third")
+    # Other worker settings: the running workers keep theirs, and the front end says so.
+    third = front_end(cluster, tmp_path_factory, "fe-third", SPLITKEY_WORKER_MEMORY_BYTES=str(2**30))
     try:
+        assert "keeps the settings it was started with" not in second.log()
+        assert ("worker splitkey-worker-0 was running already and keeps the settings it was started with: "
+                "memory_budget_bytes 4294967296 (this front end: 1073741824)") in third.log()
         for srv in (second, third):
             with Client(srv.url) as c:
                 assert ctx["id"] in [x["id"] for x in c.list_contexts()]

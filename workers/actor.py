@@ -37,7 +37,7 @@ from workers.api import partial_attention_resident_many, partial_attention_shard
 from workers import frames
 from workers.batch import Batcher
 from workers.channel import Listener, gather, then
-from workers.config import WorkerConfig
+from workers.config import WorkerConfig, settings_of
 from workers.fused import warm
 from workers.options import CpuKernels
 from workers.persist import ShardFiles
@@ -164,6 +164,7 @@ class ShardWorker:
             "calls": self.calls,
             "channel_calls": self.channel_calls,
             "batches": self.compute.batches,
+            "config": settings_of(self.config),
         }
 
     def channel(self) -> dict | None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from workers.batch import MAX_BATCH_ROWS
 from workers.options import KernelOptions
@@ -39,3 +42,19 @@ class WorkerConfig:
             raise ValueError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
         if self.batch_rows < 1:
             raise ValueError(f"batch_rows must be >= 1, got {self.batch_rows}")
+
+
+def settings_of(config: WorkerConfig) -> dict[str, Any]:
+    """``config`` as flat ``{name: value}`` (the kernel's options as ``kernel.NAME``): what a worker
+    reports in its ping, so that a front end joining running workers sees what they were started with."""
+    flat: dict[str, Any] = {}
+    for name, value in dataclasses.asdict(config).items():
+        if isinstance(value, dict):
+            flat.update({f"{name}.{k}": _plain(v) for k, v in value.items()})
+        else:
+            flat[name] = _plain(value)
+    return flat
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value

@@ -32,7 +32,7 @@ from service.cluster.channel import MAX_CALL_BYTES, ChannelClosed, WorkerChannel
 from service.errors import WorkersUnavailable
 from service.settings import ServiceSettings
 from workers.actor import ShardWorker
-from workers.config import WorkerConfig
+from workers.config import WorkerConfig, settings_of
 from workers.options import KernelOptions
 from workers.frames import RemoteError
 from workers.store import RecordStale, ShardMissing
@@ -65,6 +65,7 @@ class Slot:
     info: dict = field(default_factory=dict)
     incarnation: str = ""  #: the ShardWorker instance behind the name, from its last ping
     missed: int = 0  #: pings in a row that timed out (MISSED_PINGS of them and it counts as dead)
+    error: str = ""  #: why its last ping failed, in one line (a worker that did not start: its constructor's error)
     channel: WorkerChannel | None = None  #: the direct channel, once opened (``service.cluster.channel``)
     channel_retry_at: float = 0.0  #: monotonic time before which no channel is opened (one just failed)
     channel_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -164,6 +165,13 @@ def _nbytes(a: Any) -> int:
     return int((a.bits if isinstance(a, Carried) else a).nbytes)
 
 
+def last_line(message: str) -> str:
+    """The last non-blank line of an error message: Ray's for an actor that died in its constructor
+    ends with that error (``FileNotFoundError: ... '/data/splitkey'``) after its traceback."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[-1] if lines else message
+
+
 class WorkerPool:
     def __init__(self, settings: ServiceSettings, slots: list[Slot], device: str, detached: bool) -> None:
         self.settings = settings
@@ -183,10 +191,26 @@ class WorkerPool:
         pool = cls(settings, [], device, detached)
         pool.slots = [Slot(i, f"{WORKER_PREFIX}{i}", pool._spawn(f"{WORKER_PREFIX}{i}")) for i in range(n)]
         await pool.refresh()
-        dead = [s.name for s in pool.slots if not s.alive]
+        dead = [f"{s.name} ({s.error})" if s.error else s.name for s in pool.slots if not s.alive]
         if dead:
             raise WorkersUnavailable(f"workers did not start: {', '.join(dead)}")
+        pool.warn_other_settings()
         return pool
+
+    def warn_other_settings(self) -> None:
+        """One log line per running worker this front end joined whose settings are not its own: a
+        worker keeps what it was started with (its constructor's config) until it is replaced."""
+        wanted = settings_of(self._config)
+        for slot in self.slots:
+            theirs = slot.info.get("config")
+            if not isinstance(theirs, dict):
+                continue
+            differ = [f"{name} {theirs.get(name)!r} (this front end: {value!r})" for name, value in wanted.items()
+                      if theirs.get(name) != value]
+            if differ:
+                log.warning("worker %s was running already and keeps the settings it was started with: %s; a "
+                            "worker takes new ones only when started anew (docs/DEPLOY.md)", slot.name,
+                            ", ".join(differ))
 
     def _spawn(self, name: str, reuse: bool = True) -> Any:
         """A worker under ``name``: the one already there when ``reuse`` (a front end joining detached
@@ -244,8 +268,10 @@ class WorkerPool:
                 slot.alive = False
                 slot.drop_channel()
             except ray.exceptions.RayError as exc:
+                slot.error = last_line(str(exc))
                 if slot.alive or slot.incarnation:
-                    log.warning("worker %s did not answer: %s", slot.name, exc)
+                    log.warning("worker %s did not answer: %s", slot.name, slot.error)
+                    log.debug("worker %s did not answer: %s", slot.name, exc)  # Ray's traceback
                 slot.alive = False
                 slot.drop_channel()
 

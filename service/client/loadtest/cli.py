@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import pathlib
 import sys
+import tempfile
 import threading
 
 from service.client.errors import SplitkeyError, UploadError
@@ -86,7 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
     """The sweep the arguments describe; ValueError naming the flag for a bad value."""
-    key = pathlib.Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    try:
+        key = pathlib.Path(args.api_key_file).read_text().strip() if args.api_key_file else None
+    except OSError as exc:
+        raise ValueError(f"--api-key-file must be a readable file, got {args.api_key_file!r}: "
+                         f"{exc.strerror or exc}") from None
     # Each mode once, in the order first named (an old name and its new one are one mode).
     modes = tuple(dict.fromkeys(ALIASES.get(m.strip(), m.strip()) for m in args.mode.split(",") if m.strip()))
     bad = [m for m in modes if m not in MODES]
@@ -120,6 +125,17 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         raise ValueError(f"{flag} {rest}" if flag else str(exc)) from None
 
 
+def writable_dir(path: str) -> None:
+    """Make ``--out`` (and its parents) now, and check it takes files: before the run, not after it."""
+    out = pathlib.Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out must be a directory this user can write, got {path!r}: {exc.strerror or exc}") from None
+
+
 def setup_failed(exc: SplitkeyError, dtype: str) -> str:
     """What to tell the user when storing a ``dtype`` context failed."""
     hint = ""
@@ -136,6 +152,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        if args.out:
+            writable_dir(args.out)
     except (ValueError, OSError) as exc:
         print(f"splitkey loadtest: {exc}", file=sys.stderr)
         return 2
