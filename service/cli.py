@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -48,6 +49,8 @@ def _serve(args: argparse.Namespace) -> int:
     log = logging.getLogger("splitkey")
     if warning:
         log.warning(warning)
+    for line in cli_settings.misspelt(os.environ):
+        log.warning(line)
     host, port = sock.getsockname()[:2]
     log.info("splitkey listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
     app = create_app(settings)

@@ -10,9 +10,11 @@ naming the flag, the variable and the value (:func:`explain`).
 from __future__ import annotations
 
 import argparse
+import difflib
 import enum
 import pathlib
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -122,3 +124,17 @@ def markdown_table() -> str:
 
 if __name__ == "__main__":  # python -m service.cli_settings: print the table for docs/API.md
     print(markdown_table(), end="")
+
+
+def misspelt(environ: Mapping[str, str]) -> list[str]:
+    """A line for each ``SPLITKEY_*`` variable that is not a setting but close to one's name: pydantic
+    ignores variables it does not know, and a misspelt one would go unnoticed (other ``SPLITKEY_*``
+    names, the deploy scripts' own, are left alone)."""
+    known = {env_var(name) for name in ServiceSettings.model_fields}
+    lines = []
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+            if close:
+                lines.append(f"{name} is not a setting and is ignored: did you mean {close[0]}?")
+    return lines

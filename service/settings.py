@@ -90,6 +90,13 @@ class ServiceSettings(BaseSettings):
     persist_dir: pathlib.Path | None = Field(None, description="Keep resident contexts on disk here and load them "
                                                               "at start (workers.persist); unset: memory only.")
 
+    @field_validator("api_key_file", mode="before")
+    @classmethod
+    def _key_file(cls, v: object) -> object:
+        if isinstance(v, str) and not v.strip():  # "" would be the current directory
+            raise ValueError("must be the path of a file holding the token, not blank")
+        return v
+
     @field_validator("ray_address")
     @classmethod
     def _address(cls, v: str | None) -> str | None:
@@ -146,11 +153,11 @@ class ServiceSettings(BaseSettings):
                              f"{'a directory' if self.api_key_file.is_dir() else 'no such file'}")
         mode = self.api_key_file.stat().st_mode
         if mode & stat.S_IROTH:
-            raise ValueError(f"api_key_file must not be readable by every user, got mode {stat.S_IMODE(mode):04o} for "
-                             f"{self.api_key_file}: chmod 600 it")
+            raise ValueError(f"{where} must not be readable by every user, got mode {stat.S_IMODE(mode):04o}: "
+                             "chmod 600 it")
         key = self.api_key_file.read_text().strip()
         if not key:
-            raise ValueError(f"api_key_file must hold a non-empty token, got an empty file {self.api_key_file}")
+            raise ValueError(f"{where} must hold a non-empty token, got an empty file")
         return key
 
 

@@ -23,7 +23,7 @@ def test_bad_settings_exit_2_with_a_message(capsys, tmp_path):
     empty.write_text("")
     empty.chmod(0o600)
     assert main(["serve", "--api-key-file", str(empty)]) == 2
-    assert "api_key_file must hold a non-empty token" in capsys.readouterr().err
+    assert "--api-key-file (SPLITKEY_API_KEY_FILE)" in capsys.readouterr().err
 
 
 def test_console_script_help_runs():

@@ -34,8 +34,33 @@ def test_api_key_is_read_from_its_file(tmp_path):
     f.chmod(0o600)
     assert ServiceSettings(api_key_file=f).api_key() == "abc123"
     f.write_text("\n")
-    with pytest.raises(ValueError, match="api_key_file must hold a non-empty token"):
+    with pytest.raises(ValueError) as err:
         ServiceSettings(api_key_file=f).api_key()
+    assert str(err.value) == f"--api-key-file (SPLITKEY_API_KEY_FILE) '{f}' must hold a non-empty token, got an empty file"
+    f.write_text("abc123")
+    f.chmod(0o644)
+    with pytest.raises(ValueError) as err:
+        ServiceSettings(api_key_file=f).api_key()
+    assert str(err.value) == (f"--api-key-file (SPLITKEY_API_KEY_FILE) '{f}' must not be readable by every user, "
+                              "got mode 0644: chmod 600 it")
+
+
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_blank_api_key_file_is_refused_not_read_as_the_current_directory(blank, monkeypatch):
+    with pytest.raises(ValidationError, match="must be the path of a file holding the token, not blank"):
+        ServiceSettings(api_key_file=blank)
+    monkeypatch.setenv("SPLITKEY_API_KEY_FILE", blank)
+    with pytest.raises(ValidationError, match="not blank"):
+        ServiceSettings()
+
+
+def test_a_misspelt_variable_is_named_with_the_setting_it_is_close_to():
+    from service.cli_settings import misspelt
+
+    env = {"SPLITKEY_WORKERZ": "3", "SPLITKEY_MAX_INFLIGT": "5", "SPLITKEY_WORKERS": "2",
+           "SPLITKEY_IMAGE": "splitkey:dev", "SPLITKEY_CLUSTER_DIR": "/tmp/c", "PATH": "/bin"}
+    assert misspelt(env) == ["SPLITKEY_MAX_INFLIGT is not a setting and is ignored: did you mean SPLITKEY_MAX_INFLIGHT?",
+                             "SPLITKEY_WORKERZ is not a setting and is ignored: did you mean SPLITKEY_WORKERS?"]
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.53", "::1", "[::1]", "localhost"])
@@ -57,7 +82,8 @@ def test_a_key_file_every_user_can_read_is_refused(tmp_path):
     f = tmp_path / "key"
     f.write_text("abc123")
     f.chmod(0o644)
-    with pytest.raises(ValueError, match=r"api_key_file must not be readable by every user, got mode 0644 .*chmod 600"):
+    with pytest.raises(ValueError, match=r"api-key-file \(SPLITKEY_API_KEY_FILE\) '.*' must not be readable by every user, "
+                                         r"got mode 0644: chmod 600"):
         ServiceSettings(api_key_file=f).api_key()
     f.chmod(0o640)  # the group may read it: a deployment's choice
     assert ServiceSettings(api_key_file=f).api_key() == "abc123"
