@@ -36,32 +36,56 @@ class JsonErrorsProtocol(BaseProtocol):
     #: the head to the end of its request.
     _head_bytes: int | None = 0
     _request_ended = False  #: a request ended in the read being parsed
+    _refused = False  #: answered here and closing: nothing more of this connection reaches the app
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         self._request_ended = False
         super().data_received(data)
         if self._head_bytes is None or self._request_ended or self.transport.is_closing():
-            # In the body; or a request ended in this read and the next one's head began in it:
-            # that head's first bytes are not counted (at most one read: still bounded).
+            # In the body (a head that ended in this read was measured whole: on_headers_complete);
+            # or a request ended in this read and the next one's head began in it: that head's
+            # first bytes are not counted here (at most one read: still bounded).
             return
-        self._head_bytes += len(data)  # the head was not complete before this read nor after it: all head
+        # The head was not complete before this read nor after it: all of it was head. Counted
+        # as it comes, so that a head that never ends is refused before the parser holds more.
+        self._head_bytes += len(data)
         if self._head_bytes > MAX_HEAD_BYTES:
             self._refuse(HeadTooLarge(f"the request line and headers must be at most {MAX_HEAD_BYTES} bytes, "
                                       f"got {self._head_bytes} without their end"))
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         self._head_bytes = None
+        # The whole head, measured as it was sent: a head that ends in the read it began in (up
+        # to a read's 256 KiB) is never counted by data_received.
+        framing = len(b"GET  HTTP/1.1\r\n\r\n")  # the request line's spaces and version, the blank line
+        size = len(self.url) + framing + sum(len(name) + len(value) + len(b": \r\n") for name, value in self.headers)
+        if size > MAX_HEAD_BYTES:
+            self._refuse(HeadTooLarge(f"the request line and headers must be at most {MAX_HEAD_BYTES} bytes, "
+                                      f"got {size}"))
+            return
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         super().on_message_complete()
         self._head_bytes, self._request_ended = 0, True
 
     def send_400_response(self, msg: str) -> None:
-        self._refuse(InvalidBody(MALFORMED))
+        if not self._refused:
+            self._refuse(InvalidBody(MALFORMED))
 
     def _refuse(self, err: ServiceError) -> None:
         """Answer ``err`` and close the connection: the request never reached the app."""
+        self._refused = True
         request_id.assign([])
         status, body, headers = render(err, "/")
         headers.pop("Connection", None)

@@ -3,6 +3,7 @@
 import concurrent.futures
 import json
 import socket
+import time
 
 import httpx
 import numpy as np
@@ -260,6 +261,19 @@ def test_a_request_head_over_its_limit_gets_431_and_the_connection_closes(server
     body = json.loads(head.partition("\r\n\r\n")[2])
     assert body["code"] == "header_too_large" and body["request_id"]
     assert body["detail"].startswith(f"the request line and headers must be at most {MAX_HEAD_BYTES} bytes, got ")
+    # A head that ends in the read it began in is measured whole: a header or a request line over
+    # the limit, sent in one write, or in pieces whose last one ends it.
+    big_header = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 2048) + b"\r\n\r\n"
+    big_line = b"GET /healthz?" + b"a" * (MAX_HEAD_BYTES + 2048) + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    for head, pieces in ((big_header, 1), (big_line, 1), (big_header, 17)):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            step = -(-len(head) // pieces)
+            for i in range(0, len(head), step):
+                sock.sendall(head[i:i + step])
+                time.sleep(0.005 if pieces > 1 else 0)
+            answer = read_response(sock)
+        assert answer.startswith("HTTP/1.1 431 "), (pieces, answer[:300])
+        assert json.loads(answer.partition("\r\n\r\n")[2])["code"] == "header_too_large"
     # A head under the limit is served, and on a kept connection a request whose head and body come
     # in one read is not counted against the next one's head.
     r = httpx.get(server.url + "/v1/limits", headers={"X-Big": "a" * (MAX_HEAD_BYTES - 1024)})
