@@ -425,3 +425,21 @@ def test_bad_upload_options_are_422_naming_the_field_and_change_nothing(client, 
     assert r.status_code == 422 and "upload must be 1 to 64 characters" in r.json()["detail"], r.text
     assert client.get_context(ctx["id"])["length"] == 10
     client.delete_context(ctx["id"])
+
+
+def test_next_pos_is_one_past_the_largest_position_stored_however_the_keys_came(client, rng):
+    k, v = kv(rng, 4)
+    created = client.create_context(k[:2], v[:2], k_pos=np.array([-20, -16]))
+    assert created["next_pos"] == -15
+    empty = client.create_context(k[:0], v[:0])
+    assert empty["next_pos"] == 0  # no key yet: default positions start at 0
+    appended = client.append(empty["id"], k[:2], v[:2], k_pos=np.array([-30, -29]))
+    assert appended["next_pos"] == -28  # the empty context's 0 was no key's position
+    assert client.append(empty["id"], k[2:], v[2:], k_pos=np.array([-40, -35]))["next_pos"] == -28
+    # Default positions continue from there: a causal query at the default q_pos sees every key.
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[empty["id"]], causal=True)
+    assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=np.array([-29]),
+                              k_pos=np.array([-30, -29, -40, -35]))
+    client.delete_context(created["id"])
+    client.delete_context(empty["id"])

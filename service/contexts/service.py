@@ -327,7 +327,9 @@ class ContextService:
             new: ContextRecord = copy.deepcopy(old)
             new["version"] += 1
             if n:
-                new["next_pos"] = max(old["next_pos"], int(np.max(k_pos)) + 1)
+                # One past the largest position stored; an empty context's 0 is no position of a key.
+                past = int(np.max(k_pos)) + 1
+                new["next_pos"] = max(old["next_pos"], past) if length(old) else past
             if write.upload is not None:
                 note_upload(new, write.upload, length(old), length(old) + n, write.continues)
             writes, undo, taken = self._fill_open_shards(new, refs, n, k_pos)
