@@ -169,6 +169,31 @@ def test_async_upload_that_stops_says_what_is_stored(server, rng):
         c.delete_context(err.context_id)
 
 
+def test_an_async_chunk_whose_answer_was_lost_is_found_stored_and_counts_once(server, client, rng):
+    from faults import LostAnswers
+
+    k, v = kv(rng, 300)
+    appends = []
+
+    def lose(method, path):  # the first append's answer (keys 100..200) never comes back
+        if method == "POST" and path.split("?")[0].endswith("/append"):
+            appends.append(path)
+            return len(appends) == 1
+        return False
+
+    async def main(url):
+        async with AsyncClient(url) as c:
+            return await c.create_context(k, v, chunk_keys=100)
+
+    with LostAnswers(server.port, lose) as proxy:
+        desc = run(main(proxy.url))
+    assert desc["length"] == 300 and len(appends) == 2 + 1, appends  # the lost chunk: sent again, found stored
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[desc["id"]])
+    assert_close_to_reference(out, lse, q, k, v)  # every key once
+    client.delete_context(desc["id"])
+
+
 def test_async_client_refuses_bad_arguments_at_once(server):
     with pytest.raises(ValueError, match="url"):
         AsyncClient("ftp://x")
