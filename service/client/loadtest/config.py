@@ -48,6 +48,8 @@ def parse_rate(text: str, name: str) -> float:
         rate = float(text)
     except ValueError:
         raise ValueError(f"{name} must list request rates per second, got {text!r}") from None
+    if not (math.isfinite(rate) and rate > 0):  # named here with the text given, not the parsed list
+        raise ValueError(f"{name} must list request rates > 0 per second, got {text.strip()!r}")
     return rate
 
 
