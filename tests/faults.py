@@ -46,6 +46,20 @@ class LostAnswers(WrongAnswers):
         self.lose = lose
 
 
+class LoseFirstAppend:
+    """A ``lose`` for :class:`LostAnswers`: drops the answer to the first ``POST .../append`` only,
+    and keeps every append's path in ``appends`` (so a test can count what the client sent)."""
+
+    def __init__(self) -> None:
+        self.appends: list[str] = []
+
+    def __call__(self, method: str, path: str) -> bool:
+        if method == "POST" and path.split("?")[0].endswith("/append"):
+            self.appends.append(path)
+            return len(self.appends) == 1
+        return False
+
+
 class Forward(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 

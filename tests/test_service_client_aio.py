@@ -170,16 +170,11 @@ def test_async_upload_that_stops_says_what_is_stored(server, rng):
 
 
 def test_an_async_chunk_whose_answer_was_lost_is_found_stored_and_counts_once(server, client, rng):
-    from faults import LostAnswers
+    from faults import LoseFirstAppend, LostAnswers
 
     k, v = kv(rng, 300)
-    appends = []
-
-    def lose(method, path):  # the first append's answer (keys 100..200) never comes back
-        if method == "POST" and path.split("?")[0].endswith("/append"):
-            appends.append(path)
-            return len(appends) == 1
-        return False
+    lose = LoseFirstAppend()  # the first append's answer (keys 100..200) never comes back
+    appends = lose.appends
 
     async def main(url):
         async with AsyncClient(url) as c:

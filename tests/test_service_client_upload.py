@@ -11,7 +11,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from faults import LostAnswers
+from faults import LoseFirstAppend, LostAnswers
 from reference import assert_close_to_reference
 from server import Server
 
@@ -314,13 +314,8 @@ def test_a_chunk_refused_with_429_is_sent_again_after_retry_after(small, small_c
 @pytest.mark.parametrize("pipeline", [1, 2])
 def test_a_chunk_whose_answer_was_lost_is_found_stored_and_counts_once(client, server, rng, pipeline):
     k, v = kv(rng, 400)
-    appends = []
-
-    def lose(method, path):  # the first append's answer (keys 100..200) never comes back
-        if method == "POST" and path.split("?")[0].endswith("/append"):
-            appends.append(path)
-            return len(appends) == 1
-        return False
+    lose = LoseFirstAppend()  # the first append's answer (keys 100..200) never comes back
+    appends = lose.appends
 
     seen = []
     with LostAnswers(server.port, lose) as proxy, Client(proxy.url) as c:
