@@ -26,6 +26,15 @@ def test_bad_settings_exit_2_with_a_message(capsys, tmp_path):
     assert "--api-key-file (SPLITKEY_API_KEY_FILE)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["serve", "loadtest"])
+def test_an_unknown_flag_is_named_with_the_commands_own_usage(capsys, command):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--url", "http://127.0.0.1:1", "--bogus"] if command == "loadtest" else [command, "--bogus"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert f"usage: splitkey {command} " in err and f"splitkey {command}: error: unrecognized arguments: --bogus" in err
+
+
 def test_console_script_help_runs():
     out = subprocess.run([sys.executable, "-m", "service.cli", "--help"], capture_output=True, text=True, check=True)
     assert "serve" in out.stdout and "loadtest" in out.stdout
