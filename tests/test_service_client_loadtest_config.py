@@ -68,6 +68,7 @@ def test_arguments_become_one_config():
     (["--url", "ftp://host"], "--url must be http(s)://HOST[:PORT], got 'ftp://host'"),
     (["--concurrency", "1,0"], "--concurrency must list ints >= 1, got '1,0'"),
     (["--concurrency", "two"], "--concurrency must list ints >= 1, got 'two'"),
+    (["--n-k", "4K,0"], "--n-k must list key counts >= 1, got '0'"),
     (["--rate", "0"], "--rate must list request rates > 0 per second, got '0'"),
     (["--rate", "2,-1"], "--rate must list request rates > 0 per second, got '-1'"),
     (["--rate", "x"], "--rate must list request rates per second, got 'x'"),

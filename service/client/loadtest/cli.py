@@ -22,6 +22,7 @@ from service.client.loadtest.config import (
     FailOn,
     Shape,
     SweepConfig,
+    parse_key_count,
     parse_list,
     parse_rate,
     parse_size,
@@ -112,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
     try:
         shape = Shape(args.h_q, args.h_kv, args.d, args.d if args.d_v is None else args.d_v, args.dtype)
         return SweepConfig(
-            url=args.url, api_key=key, modes=modes, n_k=tuple(parse_list(args.n_k, "--n-k", parse_size)),
+            url=args.url, api_key=key, modes=modes, n_k=tuple(parse_list(args.n_k, "--n-k", parse_key_count)),
             concurrency=concurrency, rates=rates, burstiness=args.burstiness, duration_s=args.duration,
             requests=args.requests, warmup=args.warmup, shape=shape, n_q=args.n_q, prefill_n_q=args.prefill_n_q,
             groups=args.groups, suffix_keys=parse_size(args.suffix_keys, "--suffix-keys"), turn_keys=args.turn_keys,

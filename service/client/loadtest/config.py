@@ -43,6 +43,14 @@ def parse_list(text: str, name: str, item: Callable[[str, str], float]) -> list:
     return [item(x, name) for x in text.split(",") if x.strip()]
 
 
+def parse_key_count(text: str, name: str) -> int:
+    """One entry of ``--n-k``: a size (:func:`parse_size`) of at least one key, named as given."""
+    n = parse_size(text, name)
+    if n < 1:
+        raise ValueError(f"{name} must list key counts >= 1, got {text.strip()!r}")
+    return n
+
+
 def parse_rate(text: str, name: str) -> float:
     try:
         rate = float(text)
