@@ -98,3 +98,38 @@ def test_a_worker_that_misses_a_ping_or_two_keeps_its_replicas(tmp_path):
             assert_close_to_reference(out, lse, q, k, v)
     finally:
         srv.stop()
+
+
+def test_a_dead_worker_is_listed_holding_nothing(tmp_path):
+    """Until it is replaced, a dead worker shows in /v1/cluster and /metrics as dead and holding no
+    bytes or shards (its replicas are forgotten), and the total counts only the live ones."""
+    srv = Server(tmp_path, args=("--workers", "2"), env={"SPLITKEY_HEAL_INTERVAL_S": "3600"})
+    srv.start()
+    try:
+        rng = np.random.default_rng(5)
+        k = rng.standard_normal((300, 2, 16)).astype(np.float32)
+        v = rng.standard_normal((300, 2, 8)).astype(np.float32)
+        with Client(srv.url) as c:
+            c.create_context(k, v, replicas=2)
+            before = c.cluster()["workers"]
+            assert all(w["alive"] and w["bytes_held"] > 0 and w["shards"] > 0 for w in before), before
+            pids = shard_worker_pids(srv.proc.pid)
+            assert len(pids) == 2, pids
+            os.kill(pids[0], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            cluster: dict = {}
+            while time.monotonic() < deadline:
+                cluster = c.cluster()
+                if sum(not w["alive"] for w in cluster["workers"]) == 1:
+                    break
+                time.sleep(0.5)
+            else:
+                pytest.fail(f"the killed worker was not seen dead in 60 s: {cluster}")
+            [dead] = [w for w in cluster["workers"] if not w["alive"]]
+            [live] = [w for w in cluster["workers"] if w["alive"]]
+            assert dead["bytes_held"] == 0 and dead["shards"] == 0 and dead["calls"] == 0, dead
+            assert live["bytes_held"] > 0 and cluster["bytes_held"] == live["bytes_held"], cluster
+            metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+            assert f'splitkey_worker_bytes_held{{worker="{dead["name"]}"}} 0.0' in metrics
+    finally:
+        srv.stop()

@@ -70,6 +70,12 @@ class Slot:
     channel_retry_at: float = 0.0  #: monotonic time before which no channel is opened (one just failed)
     channel_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    @property
+    def held(self) -> dict:
+        """What the last ping reported held (bytes, shards, calls); nothing once counted dead: the
+        service has forgotten that worker's replicas, and a replacement starts empty."""
+        return self.info if self.alive else {}
+
     def drop_channel(self) -> None:
         """Close the channel (a new or dead worker, a broken socket); the next query may open one again."""
         if self.channel is not None:

@@ -43,7 +43,7 @@ async def metrics(request: Request) -> Response:
         state.metrics.workers.labels(state="alive").set(alive)
         state.metrics.workers.labels(state="dead").set(rt.pool.size - alive)
         for s in rt.pool.slots:
-            state.metrics.worker_bytes.labels(worker=s.name).set(s.info.get("bytes_held", 0))
+            state.metrics.worker_bytes.labels(worker=s.name).set(s.held.get("bytes_held", 0))
         state.metrics.contexts.set(await rt.contexts.count())
         stats = rt.repair.stats
         state.metrics.shards.labels(state="under_replicated").set(stats.under_replicated_shards)
@@ -65,10 +65,11 @@ async def cluster(request: Request) -> JSONResponse:
     await rt.pool.refresh(timeout_s=5.0)
     pool = rt.pool
     workers = [{"name": s.name, "alive": s.alive, "node_id": s.node_id, "device": pool.device,
-                "bytes_held": s.info.get("bytes_held", 0), "budget_bytes": s.info.get("budget_bytes", 0),
-                "shards": s.info.get("shards", 0), "outstanding": s.outstanding,
-                "calls": s.info.get("calls", 0), "channel_calls": s.info.get("channel_calls", 0),
-                "channel": s.channel is not None and not s.channel.closed, "batches": s.info.get("batches", 0)} for s in pool.slots]
+                "bytes_held": s.held.get("bytes_held", 0), "budget_bytes": s.info.get("budget_bytes", 0),
+                "shards": s.held.get("shards", 0), "outstanding": s.outstanding,
+                "calls": s.held.get("calls", 0), "channel_calls": s.held.get("channel_calls", 0),
+                "channel": s.channel is not None and not s.channel.closed, "batches": s.held.get("batches", 0)}
+               for s in pool.slots]
     nodes = sorted({s.node_id for s in pool.slots if s.node_id})
     return JSONResponse({
         "device": pool.device,
