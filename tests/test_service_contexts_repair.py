@@ -28,14 +28,19 @@ def shard_worker_pids(root: int) -> list[int]:
     return found
 
 
+def problem(seed: int, n_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """q [2, 4, 16], k [n_k, 2, 16], v [n_k, 2, 8], float32."""
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((n_k, 2, 16)).astype(np.float32)
+    v = rng.standard_normal((n_k, 2, 8)).astype(np.float32)
+    return rng.standard_normal((2, 4, 16)).astype(np.float32), k, v
+
+
 def test_a_worker_process_killed_is_replaced_and_its_replicas_rebuilt(tmp_path):
     srv = Server(tmp_path, args=("--workers", "2"), env={"SPLITKEY_HEAL_INTERVAL_S": "0.5"})
     srv.start()
     try:
-        rng = np.random.default_rng(3)
-        k = rng.standard_normal((300, 2, 16)).astype(np.float32)
-        v = rng.standard_normal((300, 2, 8)).astype(np.float32)
-        q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+        q, k, v = problem(3, 300)
         with Client(srv.url) as c:
             ctx = c.create_context(k, v, replicas=2)["id"]
             pids = shard_worker_pids(srv.proc.pid)
@@ -74,10 +79,7 @@ def test_a_worker_that_misses_a_ping_or_two_keeps_its_replicas(tmp_path):
     srv = Server(tmp_path, args=("--workers", "1"), env={"SPLITKEY_HEAL_INTERVAL_S": "0.5"})
     srv.start()
     try:
-        rng = np.random.default_rng(4)
-        k = rng.standard_normal((200, 2, 16)).astype(np.float32)
-        v = rng.standard_normal((200, 2, 8)).astype(np.float32)
-        q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+        q, k, v = problem(4, 200)
         with Client(srv.url) as c:
             ctx = c.create_context(k, v)["id"]
             [pid] = shard_worker_pids(srv.proc.pid)
@@ -106,9 +108,7 @@ def test_a_dead_worker_is_listed_holding_nothing(tmp_path):
     srv = Server(tmp_path, args=("--workers", "2"), env={"SPLITKEY_HEAL_INTERVAL_S": "3600"})
     srv.start()
     try:
-        rng = np.random.default_rng(5)
-        k = rng.standard_normal((300, 2, 16)).astype(np.float32)
-        v = rng.standard_normal((300, 2, 8)).astype(np.float32)
+        _, k, v = problem(5, 300)
         with Client(srv.url) as c:
             c.create_context(k, v, replicas=2)
             before = c.cluster()["workers"]
