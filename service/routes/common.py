@@ -118,7 +118,22 @@ async def with_deadline(work: Awaitable[T], seconds: float) -> T:
 
 
 async def to_completion(work: Awaitable[T]) -> T:
-    """Run a context write to its end: cancelling it half way would leave replicas out of
-    step, so writes are not cut by the request deadline (their size is bounded by the
-    body limit instead), nor by a client that goes away."""
-    return await asyncio.shield(work)
+    """Run a context write to its end and answer what it did.
+
+    Cancelling it half way would leave replicas out of step, so writes are not cut by the
+    request deadline (their size is bounded by the body limit instead), nor by a client that
+    goes away, nor by the end of the shutdown's grace period (``service.drain``): a write cut
+    there used to be answered 503 ``shutting_down`` while it went on to commit, and a client
+    retrying it (without ``after``) stored its keys twice. A cancel that arrives here is taken
+    back and the write awaited; uvicorn waits for every answer in progress before the
+    lifespan stops the workers, so the write ends before they do.
+    """
+    task = asyncio.ensure_future(work)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() or me is None:  # the write itself was cancelled (the loop is closing)
+                raise
+            me.uncancel()  # the request's task goes on: its answer is the write's own
