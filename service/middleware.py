@@ -102,12 +102,12 @@ class ServiceMiddleware:
             await send(message)
 
         if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
-            await self._error(send_wrapper, path, route, Unauthorized())
+            await self._error(send_wrapper, path, route, Unauthorized(), early=True)
             return
-        work = path.startswith(WORK_PREFIXES)
+        work = route != UNMATCHED and path.startswith(WORK_PREFIXES)  # a made-up path is a 404, not work
         if work and self.drain.draining:
             await self._error(send_wrapper, path, route, ShuttingDown(
-                "the service must be running to take work, got a request while it drains before it stops"))
+                "the service must be running to take work, got a request while it drains before it stops"), early=True)
             return
         ticket = None
         if work:
@@ -116,7 +116,7 @@ class ServiceMiddleware:
                 try:
                     ticket.admit()
                 except ServiceError as err:
-                    await self._error(send_wrapper, path, route, err)
+                    await self._error(send_wrapper, path, route, err, early=True)
                     return
         task = self.drain.track() if work else None
         try:
@@ -151,11 +151,14 @@ class ServiceMiddleware:
                 return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
         return False
 
-    async def _error(self, send: Any, path: str, route: str, err: ServiceError) -> None:
-        """Answer ``err`` (through ``send``, which adds the request id header)."""
+    async def _error(self, send: Any, path: str, route: str, err: ServiceError, *, early: bool = False) -> None:
+        """Answer ``err`` (through ``send``, which adds the request id header); ``early``: before the
+        request's accounting began, so its bytes are counted here."""
         status, body, extra = render(err, path)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         self.metrics.count_request(route, status)
+        if early:  # answered before the request's own accounting began (its ``finally`` counts the rest)
+            self.metrics.count_bytes_out(route, len(body))

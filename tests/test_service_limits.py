@@ -104,6 +104,33 @@ def test_capacity_error_is_507_and_leaves_nothing_behind(tight):
         assert c.cluster()["bytes_held"] < held and c.list_contexts() == []
 
 
+def metric(srv, series: str) -> float:
+    """The value of one series of the server's /metrics (0 when it has none yet)."""
+    text = httpx.get(srv.url + "/metrics", headers=auth()).text
+    return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " ")), 0.0)
+
+
+def test_body_and_answer_bytes_are_counted_under_their_own_routes(tight):
+    rng = np.random.default_rng(8)
+    k = rng.standard_normal((20, 2, 8)).astype(np.float32)
+    created = 'splitkey_request_body_bytes_total{route="/v1/contexts"}'
+    appended = 'splitkey_request_body_bytes_total{route="/v1/contexts/{id}/append"}'
+    out_create = 'splitkey_response_body_bytes_total{route="/v1/contexts"}'
+    with Client(tight.url, api_key=KEY) as c:
+        ctx = c.create_context(k, k)["id"]
+        before = {s: metric(tight, s) for s in (created, appended, out_create)}
+        body = to_bytes(encode_safetensors({"k": k, "v": k}))
+        r = httpx.post(f"{tight.url}/v1/contexts/{ctx}/append", content=body, timeout=30,
+                       headers={**auth(), "Content-Type": "application/octet-stream"})
+        assert r.status_code == 200, r.text
+        refused = httpx.post(tight.url + "/v1/contexts", content=body)  # no key: 401, answered before any route
+        assert refused.status_code == 401
+        assert metric(tight, appended) - before[appended] == len(body)  # an append's body, under the append route
+        assert metric(tight, created) == before[created]
+        assert metric(tight, out_create) - before[out_create] == len(refused.content)  # the 401's bytes count too
+        c.delete_context(ctx)
+
+
 def inflight(srv) -> float:
     """The server's ``splitkey_inflight_requests`` gauge."""
     text = httpx.get(srv.url + "/metrics", headers=auth()).text
@@ -129,6 +156,9 @@ def test_a_second_request_while_one_works_gets_429_with_retry_after(tight):
         time.sleep(0.005)
     r = httpx.post(tight.url + "/v1/attention", content=to_bytes(encode_safetensors({"q": q, "k": k, "v": k})),
                    timeout=30, headers={**auth(), "Content-Type": "application/octet-stream"})
+    # A path with no route is 404 whatever its prefix: it takes no slot, so it is never 429.
+    miss = httpx.get(tight.url + "/v1/attentionXYZ", headers=auth())
+    assert miss.status_code == 404, miss.text
     t.join()
     assert r.status_code == 429 and r.json()["code"] == "overloaded", r.text
     assert int(r.headers["retry-after"]) >= 1 and r.headers["x-request-id"] == r.json()["request_id"]
