@@ -19,6 +19,7 @@ from service.wire.rules import CONTEXT_APPEND, CONTEXT_CREATE, UPLOAD_ID, BodyKi
 router = APIRouter(tags=["contexts"])
 
 ROUTE = "/v1/contexts"
+APPEND_ROUTE = ROUTE + "/{id}/append"  #: as ``service.middleware.route_label`` names it
 
 
 def _body_doc(model: type[ContextWriteModel]) -> dict:
@@ -38,7 +39,8 @@ async def _write(request: Request, kind: BodyKind, timings: Timings) -> ContextW
     state = app_state(request)
     with timings.measure("parse"):
         fmt = request_format(request.headers.get("content-type"))
-        body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
+        route = ROUTE if kind == CONTEXT_CREATE else APPEND_ROUTE  # the route label the metrics use
+        body = await read_body(request, body_limit(state.limits, fmt), route)
         return await off_loop(len(body), _decode, fmt, body, request.query_params, kind, state.limits)
 
 
@@ -71,7 +73,7 @@ async def append_context(ctx_id: str, request: Request) -> JSONResponse:
     rt, t0, timings = runtime(request), time.perf_counter(), Timings()
     _check_id(app_state(request), ctx_id)
     desc = await to_completion(rt.contexts.append(ctx_id, await _write(request, CONTEXT_APPEND, timings), timings))
-    return _timed(request, "/v1/contexts/{id}/append", timings, t0, JSONResponse(desc))
+    return _timed(request, APPEND_ROUTE, timings, t0, JSONResponse(desc))
 
 
 @router.get(ROUTE, summary="List contexts", responses=error_responses(401))
