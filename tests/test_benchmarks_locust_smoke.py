@@ -18,13 +18,18 @@ from service.client import Client
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="locust is not installed")
 
 
-def run_locust(host: str, tmp_path, seconds: int = 4) -> tuple[subprocess.CompletedProcess, dict]:
+def run_locust(host: str, tmp_path, seconds: int = 4, *, from_root: bool = False) -> tuple[subprocess.CompletedProcess, dict]:
+    """Locust on the locustfile; ``from_root``: as docs/LOADTEST.md runs it, from the repository's
+    root with the file's relative path (Locust then puts benchmarks/ first on sys.path, where
+    benchmarks/service.py could shadow the ``service`` package)."""
     locust = shutil.which("locust", path=str(ROOT / ".venv" / "bin")) or shutil.which("locust")
-    cmd = [locust or sys.executable, *([] if locust else ["-m", "locust"]), "-f", str(ROOT / "benchmarks" / "locustfile.py"),
+    locustfile = "benchmarks/locustfile.py" if from_root else str(ROOT / "benchmarks" / "locustfile.py")
+    cmd = [locust or sys.executable, *([] if locust else ["-m", "locust"]), "-f", locustfile,
            "--host", host, "--headless", "-u", "2", "-r", "2", "-t", f"{seconds}s", "--only-summary",
            "--csv", str(tmp_path / "loc"), "--splitkey-n-k", "2K", "--splitkey-heads", "4,2,16",
            "--splitkey-verify-every", "3"]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(cmd, cwd=ROOT if from_root else tmp_path, capture_output=True, text=True, timeout=120,
+                          check=False)
     with (tmp_path / "loc_stats.csv").open() as f:
         rows = {r["Name"]: r for r in csv.DictReader(f)}
     return done, rows
@@ -34,7 +39,7 @@ def run_locust(host: str, tmp_path, seconds: int = 4) -> tuple[subprocess.Comple
 def test_locust_decodes_over_a_stored_context_with_checked_answers_and_deletes_it(server, tmp_path):
     with Client(server.url) as c:
         before = {ctx["id"] for ctx in c.list_contexts()}
-    done, rows = run_locust(server.url, tmp_path)
+    done, rows = run_locust(server.url, tmp_path, from_root=True)
     assert done.returncode == 0, done.stdout + done.stderr
     row = rows["/v1/attention (decode)"]
     assert int(row["Request Count"]) > 10 and int(row["Failure Count"]) == 0
