@@ -38,6 +38,7 @@ from workers import frames
 from workers.batch import Batcher
 from workers.channel import Listener, gather, then
 from workers.config import WorkerConfig, settings_of
+from workers.fused import available as fused_available
 from workers.fused import warm
 from workers.options import CpuKernels
 from workers.persist import ShardFiles
@@ -165,7 +166,15 @@ class ShardWorker:
             "channel_calls": self.channel_calls,
             "batches": self.compute.batches,
             "config": settings_of(self.config),
+            "cpu_kernels": self._cpu_kernels(),
         }
+
+    def _cpu_kernels(self) -> str | None:
+        """The CPU kernel that serves decode-shaped work here: ``fused`` only when asked for and
+        compiled (a broken compiled path falls back to ``numpy``); None on a GPU worker."""
+        if self.config.device != "cpu":
+            return None
+        return "fused" if self.config.kernel.cpu_kernels is CpuKernels.FUSED and fused_available() else "numpy"
 
     def channel(self) -> dict | None:
         """Where and how to reach this worker's direct channel (host, port, token); None without one."""

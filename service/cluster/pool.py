@@ -33,7 +33,7 @@ from service.errors import WorkersUnavailable
 from service.settings import ServiceSettings
 from workers.actor import ShardWorker
 from workers.config import WorkerConfig, settings_of
-from workers.options import KernelOptions
+from workers.options import CpuKernels, KernelOptions
 from workers.frames import RemoteError
 from workers.store import RecordStale, ShardMissing
 from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, carry
@@ -43,6 +43,12 @@ _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 WORKER_PREFIX = "splitkey-worker-"
+#: Seconds a new worker has to answer its first ping (its constructor runs first: imports, and
+#: loading its --persist-dir store).
+START_PING_S = 60.0
+#: Seconds more when it compiles the fused CPU kernel first (``workers.fused.warm``): a cold
+#: compile of its three dtypes took 55-71 s on this project's 2-core machines.
+COMPILE_S = 240.0
 #: Arrays up to this size travel inside the task call instead of through ray.put.
 INLINE_ARG_BYTES = 256 * 2**10
 #: Seconds before a worker whose direct channel could not be opened is tried again (Ray meanwhile).
@@ -196,7 +202,11 @@ class WorkerPool:
         check_fits(settings, device, [f"{WORKER_PREFIX}{i}" for i in range(n)])
         pool = cls(settings, [], device, detached)
         pool.slots = [Slot(i, f"{WORKER_PREFIX}{i}", pool._spawn(f"{WORKER_PREFIX}{i}")) for i in range(n)]
-        await pool.refresh()
+        fused = settings.cpu_kernels is CpuKernels.FUSED and device == "cpu"
+        if fused:
+            log.info("workers compile the fused CPU kernel as they start: about a minute the first time on a "
+                     "2-core machine, under two seconds once numba's disk cache holds it (docs/BENCHMARKS.md)")
+        await pool.refresh(timeout_s=START_PING_S + (COMPILE_S if fused else 0.0))
         dead = [f"{s.name} ({s.error})" if s.error else s.name for s in pool.slots if not s.alive]
         if dead:
             raise WorkersUnavailable(f"workers did not start: {', '.join(dead)}")

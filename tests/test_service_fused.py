@@ -1,0 +1,34 @@
+"""`splitkey serve --cpu-kernels fused`: the workers compile the fused kernel as they start (a cold
+compile takes about a minute here: the start waits for it) and serve decode-shaped queries with it,
+inline and over resident contexts, within the one-shot error of the float64 reference."""
+
+import numpy as np
+import pytest
+from reference import assert_close_to_reference
+from server import Server
+
+from service.client import Client
+from workers import BFLOAT16
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+
+def test_a_service_started_with_the_fused_kernel_serves_with_it(tmp_path):
+    srv = Server(tmp_path, args=("--workers", "1", "--cpu-kernels", "fused"), startup_s=480).start()
+    try:
+        rng = np.random.default_rng(9)
+        with Client(srv.url) as c:
+            assert [w["cpu_kernels"] for w in c.cluster()["workers"]] == ["fused"]
+            for dtype in (np.float32, BFLOAT16, np.float16):
+                k = rng.standard_normal((700, 2, 32)).astype(dtype)
+                v = rng.standard_normal((700, 2, 16)).astype(dtype)
+                q = rng.standard_normal((1, 8, 32)).astype(dtype)  # decode: g = 4 query rows per kv head
+                out, lse = c.attention(q, k, v)
+                assert_close_to_reference(out, lse, q, k, v)
+                ctx = c.create_context(k[:400], v[:400])["id"]
+                c.append(ctx, k[400:], v[400:])
+                out, lse = c.attention(q, contexts=[ctx], causal=True, q_pos=np.array([650]))
+                assert_close_to_reference(out, lse, q, k[:651], v[:651])
+                c.delete_context(ctx)
+    finally:
+        srv.stop()
