@@ -55,7 +55,8 @@ def _serve(args: argparse.Namespace) -> int:
     log.info("splitkey listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                                           timeout_keep_alive=30, http=JsonErrorsProtocol))
+                                           timeout_keep_alive=30,
+                                           http=JsonErrorsProtocol.with_stall(settings.body_timeout_s)))
 
     def stop() -> None:  # after the drain (service.drain): exit without re-raising the signal, status 0
         server.should_exit = True

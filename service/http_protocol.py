@@ -7,11 +7,17 @@ answers are written here, as JSON with a request id like every other error, API.
   ``header_too_large`` and the connection closed. uvicorn's fast parser (httptools) has no
   bound of its own: a client could send one header of hundreds of MiB, which the parser
   buffers whole while the event loop spends minutes on it (docs/SECURITY.md).
+
+And one for answers: a connection whose answer waits, unread, over the transport's high-water
+mark for :attr:`JsonErrorsProtocol.send_stall_s` seconds is aborted, which frees the answer's
+bytes (uvicorn would keep them, and ``close`` waits for them to be read: a client that never
+reads pinned its answer, up to GiBs, for as long as it kept the socket open).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from service import request_id
 from service.errors import HeadTooLarge, InvalidBody, ServiceError, render
@@ -29,6 +35,8 @@ MALFORMED = ("the request must be valid HTTP/1.1 (a request line, headers, and a
 MAX_HEAD_BYTES = 64 * 2**10
 STATUS_LINES = {400: b"HTTP/1.1 400 Bad Request", 431: b"HTTP/1.1 431 Request Header Fields Too Large"}
 
+log = logging.getLogger(__name__)
+
 
 class JsonErrorsProtocol(BaseProtocol):
     transport: asyncio.Transport
@@ -37,6 +45,41 @@ class JsonErrorsProtocol(BaseProtocol):
     _head_bytes: int | None = 0
     _request_ended = False  #: a request ended in the read being parsed
     _refused = False  #: answered here and closing: nothing more of this connection reaches the app
+    #: Seconds an answer may wait unread over the write buffer's high-water mark before the connection
+    #: is aborted (``splitkey serve`` sets it to ``--body-timeout``: :meth:`with_stall`).
+    send_stall_s: float = 120.0
+    _stall: asyncio.TimerHandle | None = None  #: armed while writing is paused
+
+    @classmethod
+    def with_stall(cls, seconds: float) -> type[JsonErrorsProtocol]:
+        """This protocol with ``send_stall_s`` set (uvicorn takes a class, not an instance)."""
+        return type(cls.__name__, (cls,), {"send_stall_s": seconds})
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self.send_stall_s, self._stalled)
+
+    def resume_writing(self) -> None:
+        self._unstall()
+        super().resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._unstall()
+        super().connection_lost(exc)
+
+    def _unstall(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _stalled(self) -> None:
+        """The client read nothing for ``send_stall_s``: drop what waits for it (connection_lost then
+        ends the request, which gives back its admission ticket: service.middleware)."""
+        self._stall = None
+        log.info("a client read too little of its answer for %g s (%d bytes wait): connection aborted",
+                 self.send_stall_s, self.transport.get_write_buffer_size())
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

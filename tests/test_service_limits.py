@@ -221,3 +221,59 @@ def test_kserve_paths_get_an_error_key_from_auth_and_admission(tight):
     doc = r.json()
     assert doc["code"] == "unauthorized" and doc["error"] == doc["detail"]
     assert "error" not in httpx.get(tight.url + "/v1/cluster").json()
+
+
+def test_an_answer_left_unread_holds_its_slot_and_bytes_until_the_connection_is_aborted(tmp_path):
+    """A client that never reads its answer: the answer counts against the in-flight byte budget
+    (new bodies get 429, not more memory) and, unread for --body-timeout, the connection is
+    aborted and the bytes freed; the server then answers as before."""
+    import socket
+
+    srv = Server(tmp_path, args=("--workers", "1"),
+                 env={"SPLITKEY_BODY_TIMEOUT_S": "5", "SPLITKEY_MAX_INFLIGHT_BYTES": str(8 * 2**20),
+                      "SPLITKEY_MAX_BODY_BYTES": str(4 * 2**20)}).start()
+    try:
+        rng = np.random.default_rng(10)
+        q = rng.standard_normal((60000, 2, 1)).astype(np.float32)
+        k = rng.standard_normal((16, 1, 1)).astype(np.float32)
+        v = rng.standard_normal((16, 1, 64)).astype(np.float32)  # out [60000, 2, 64]: 30.7 MB
+        body = to_bytes(encode_safetensors({"q": q, "k": k, "v": v}))
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", srv.port))
+        t0 = time.monotonic()
+        sock.sendall(b"POST /v1/attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        held = 0.0
+        while time.monotonic() - t0 < 4 and held < 30e6:
+            held = gauge(srv, "splitkey_inflight_body_bytes")
+        assert held >= 30e6 and gauge(srv, "splitkey_inflight_requests") == 1, held
+        small = {"q": q[:1], "k": k, "v": k}
+        r = httpx.post(srv.url + "/v1/attention", content=to_bytes(encode_safetensors(small)), timeout=30,
+                       headers={"Content-Type": "application/octet-stream"})
+        assert r.status_code == 429 and "request bodies in flight must stay within 8388608 bytes" in r.json()["detail"]
+        deadline = time.monotonic() + 30
+        while gauge(srv, "splitkey_inflight_body_bytes") > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert gauge(srv, "splitkey_inflight_body_bytes") == 0 and gauge(srv, "splitkey_inflight_requests") == 0
+        assert time.monotonic() - t0 >= 5  # not before the stall's 5 s
+        sock.settimeout(10)
+        got = b""
+        try:
+            while chunk := sock.recv(2**16):
+                got += chunk
+        except ConnectionResetError:
+            pass
+        sock.close()
+        assert got.startswith(b"HTTP/1.1 200") and len(got) < 30e6, len(got)  # aborted short of the answer
+        assert "read too little of its answer for 5 s" in srv.log()
+        with Client(srv.url) as c:
+            out, lse = c.attention(q[:3], k, v)
+        assert_close_to_reference(out, lse, q[:3], k, v)
+    finally:
+        srv.stop()
+
+
+def gauge(srv, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
