@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -104,6 +105,28 @@ class ResidentWork:
 
     reads: tuple[ShardRead, ...]
     fanin: int
+
+
+def check_stores(persist_dir: Path, workers: int) -> None:
+    """Refuse a start whose ``--persist-dir`` holds stores of workers it does not start.
+
+    Each worker keeps its shards in ``<persist_dir>/<its name>`` (``workers.persist``). A store
+    no worker loads is invisible: its contexts can be neither queried nor deleted, and a delete
+    of a context it shares with the running workers does not reach it, so that context would
+    come back when a later start loads that store again. Only what this host sees is checked
+    (on a cluster each node's workers keep their own folders).
+    """
+    if not persist_dir.is_dir():
+        return
+    extra = sorted((int(p.name[len(WORKER_PREFIX):]), p.name) for p in persist_dir.iterdir()
+                   if p.is_dir() and p.name.startswith(WORKER_PREFIX) and p.name[len(WORKER_PREFIX):].isdigit()
+                   and int(p.name[len(WORKER_PREFIX):]) >= workers and any(p.iterdir()))
+    if extra:
+        names = ", ".join(name for _, name in extra)
+        raise ValueError(f"--persist-dir {str(persist_dir)!r} holds the stores of {names}, which --workers {workers} "
+                         f"does not start: their contexts could be neither queried nor deleted, and would come back "
+                         f"when those workers start again; start with --workers {extra[-1][0] + 1}, or move those "
+                         f"folders out of it")
 
 
 def worker_config(settings: ServiceSettings, device: str) -> WorkerConfig:
@@ -200,6 +223,8 @@ class WorkerPool:
         device = resolve_device(settings)
         n = settings.workers or default_worker_count(settings, device)
         check_fits(settings, device, [f"{WORKER_PREFIX}{i}" for i in range(n)])
+        if settings.persist_dir is not None:
+            check_stores(settings.persist_dir, n)
         pool = cls(settings, [], device, detached)
         pool.slots = [Slot(i, f"{WORKER_PREFIX}{i}", pool._spawn(f"{WORKER_PREFIX}{i}")) for i in range(n)]
         fused = settings.cpu_kernels is CpuKernels.FUSED and device == "cpu"
