@@ -109,19 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without --api-key-file (anyone who reaches it can use it)")
     cli_settings.add_arguments(s)
-    s.set_defaults(func=_serve, subparser=s)
+    s.set_defaults(func=_serve)
     lt = sub.add_parser("loadtest", help="load-test a running service with long contexts")
     from service.client.loadtest.cli import add_arguments
 
     add_arguments(lt)
-    lt.set_defaults(func=_loadtest, subparser=lt)
+    lt.set_defaults(func=_loadtest)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args, unknown = build_parser().parse_known_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the command's own parser, whose usage lists the flags it takes
-        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args) or 0)
 
 
