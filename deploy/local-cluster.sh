@@ -18,6 +18,8 @@ HEAD_GRACE=5
 if [[ -z ${PYTHON:-} ]]; then
   if [[ -n ${VIRTUAL_ENV:-} && -x $VIRTUAL_ENV/bin/python ]]; then
     PYTHON=$VIRTUAL_ENV/bin/python
+  elif [[ -x $ROOT/.venv/bin/python ]]; then  # the README's install
+    PYTHON=$ROOT/.venv/bin/python
   else
     PYTHON=python3
   fi
@@ -48,7 +50,8 @@ State   \${SPLITKEY_CLUSTER_DIR:-\${XDG_RUNTIME_DIR:-/tmp}}/splitkey-NAME: the R
         token (mode 600), PID files, logs/ (every node and serve), ray/ (each node's
         Ray temp dir, its sessions and logs).
 PYTHON  the interpreter with Ray and splitkey (default \$VIRTUAL_ENV/bin/python if a
-        virtual environment is active, else python3). serve runs as
+        virtual environment is active, else $ROOT/.venv/bin/python if it exists, the
+        README's install, else python3). serve runs as
         "\$PYTHON -m service.cli serve" from $ROOT.
 EOF
 }

@@ -12,6 +12,9 @@ Settings come from ``SPLITKEY_*`` variables (a RayService's ``runtime_env.env_va
 * In a cluster: ``serve run service.serve:app`` or the RayService of deploy/k8s.
 * On one machine: ``python -m service.serve --port 8000 --replicas 2`` starts an embedded
   Ray on loopback, Serve's proxy on 127.0.0.1 and the replicas, and stops them on SIGTERM.
+  Each replica also opens Ray Serve's inter-deployment gRPC server, on every interface
+  (Ray 2.60 binds it to ``[::]:0``, with no setting to change it): on a machine others can
+  reach, firewall those ports or run ``splitkey serve``, which listens on loopback only.
 """
 
 from __future__ import annotations
