@@ -250,3 +250,19 @@ def test_grpc_rpcs_not_served_are_unimplemented_behind_the_key(grpc_server, toke
             else:
                 assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
                 assert f"{rpc} is not served" in info.value.details()
+
+
+def test_doc_grpc_example_runs_and_prints_what_it_says(grpc_server):
+    """docs/KSERVE.md's gRPC block, as a user would run it (its ports and key replaced)."""
+    import pathlib
+    import re
+    import subprocess
+    import sys
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "KSERVE.md").read_text()
+    [code] = [b for b in re.findall(r"```python\n(.*?)```", doc, flags=re.DOTALL) if "tritonclient.grpc" in b]
+    code = (code.replace("127.0.0.1:8001", grpc_server.grpc).replace("127.0.0.1:8000", f"127.0.0.1:{grpc_server.port}")
+            .replace('"KEY"', repr(KEY)).replace("Bearer KEY", f"Bearer {KEY}"))
+    run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == re.search(r"# (\(.*)$", code.strip().splitlines()[-1]).group(1).strip()

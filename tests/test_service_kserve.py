@@ -266,7 +266,7 @@ def doc_block(lang: str, marker: str) -> str:
 
 
 def test_doc_tritonclient_example_runs_and_prints_what_it_says(server):
-    code = doc_block("python", "InferenceServerClient").replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
+    code = doc_block("python", "tritonclient.http").replace("127.0.0.1:8000", f"127.0.0.1:{server.port}")
     run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     expected = re.search(r"# (\(.*)$", code.strip().splitlines()[-1]).group(1).strip()
