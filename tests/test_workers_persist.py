@@ -112,3 +112,17 @@ def test_dropping_a_context_removes_its_shards_left_on_disk_unloaded(tmp_path):
     assert small.restore() == 0
     small.drop("c")
     assert not (tmp_path / "c").exists()
+
+
+def test_a_note_that_arrives_after_the_context_was_dropped_brings_nothing_back(tmp_path):
+    """A delete dropped the context here before the note of an earlier commit arrived: the
+    late note neither keeps the record in memory nor writes it to disk for the next start."""
+    st = ShardStore(10**8, files=ShardFiles(tmp_path))
+    k, v = kv(50, np.float32)
+    st.create(ShardWrite("c", 0, "float32", 100, np.arange(50)), k, v, context={"version": 1, "id": "c"})
+    st.drop("c")
+    st.note_context("c", {"version": 2, "id": "c"})
+    assert st.held() == [] and not (tmp_path / "c").exists()
+    st.check_committed("c", 1)  # nothing noted: no version refused
+    again = restarted(tmp_path)
+    assert again.held() == [] and again.files.load() == ([], {})

@@ -200,12 +200,21 @@ class ShardStore:
 
     def note_context(self, context_id: str, record: dict) -> None:
         """Remember the context's committed record (kept if its version is the newest seen); from now on
-        reads of older versions are refused (:meth:`check_committed`)."""
-        with self._index:
-            version = int(record.get("version", 0))
-            if version > self._committed.get(context_id, 0):
-                self._committed[context_id] = version
-        self._remember(context_id, record)
+        reads of older versions are refused (:meth:`check_committed`).
+
+        Only for a context this store holds a shard of, checked under the write lock that
+        :meth:`drop` holds: a note of an earlier commit that arrives after a delete dropped the
+        context here would otherwise bring its record back (in memory, and on disk for the
+        next restart), or write it into a folder being removed.
+        """
+        with self._writing:
+            with self._index:
+                if not any(key[0] == context_id for key in self._shards):
+                    return
+                version = int(record.get("version", 0))
+                if version > self._committed.get(context_id, 0):
+                    self._committed[context_id] = version
+            self._remember(context_id, record)
 
     def _remember(self, context_id: str, record: dict) -> None:
         """Keep ``record`` for a directory rebuild (``held``) if its version is the newest seen."""
