@@ -111,3 +111,27 @@ def test_a_front_end_killed_mid_upload_restarts_with_a_whole_prefix_or_nothing(t
             assert_close_to_reference(out, lse, q, k[:n], v[:n])
     finally:
         srv.stop()
+
+
+def test_an_append_whose_record_a_holder_cannot_keep_on_disk_is_still_answered_as_stored(tmp_path):
+    """The record is noted on the holders after the commit: a holder whose disk refuses the record
+    (here its file is a folder) is logged, and the client is told what was stored, never a 500
+    for an append that went in (its retry would store the keys twice)."""
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((300, 2, 16)).astype(np.float32)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    store = tmp_path / "store"
+    srv = Server(tmp_path / "a", args=("--workers", "1", "--persist-dir", str(store))).start()
+    try:
+        with Client(srv.url) as c:
+            ctx = c.create_context(k[:100], k[:100])["id"]
+            record = store / "splitkey-worker-0" / ctx / "record.json"
+            record.unlink()
+            record.mkdir()  # the next record cannot replace it
+            assert c.append(ctx, k[100:], k[100:])["length"] == 300
+            assert c.get_context(ctx)["length"] == 300
+            out, lse = c.attention(q, contexts=[ctx])
+            assert_close_to_reference(out, lse, q, k, k)
+        assert "did not keep the record of context" in srv.log()
+    finally:
+        srv.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from service.cluster.orchestrator import Job, shard_bounds
-from service.cluster.pool import ResidentWork, WorkerPool
+from service.cluster.pool import ResidentWork, WorkerPool, last_line
 from service.contexts.cache import RecordCache
 from service.contexts.directory import Directory
 from service.contexts.placement import WorkerLoad, place
@@ -54,6 +55,8 @@ from workers.dtypes import dtype_name, dtype_of
 from workers.problem import Arange, KVDims, check_heads, check_positions
 from workers.store import CapacityError, ShardMissing
 from workers.tasks import ShardRead, ShardWrite
+
+log = logging.getLogger(__name__)
 
 LEASE_TTL_S = 60.0
 LEASE_POLL_S = 0.01
@@ -451,8 +454,18 @@ class ContextService:
     async def _note(self, record: ContextRecord) -> None:
         """Every holder keeps the newest committed record (for a directory rebuild)."""
         names = sorted({w for s in record["shards"] for w in s["workers"]})
-        await asyncio.gather(*(self._quietly(self.pool.note_context(i, record["id"], record))
-                               for i in self.pool.indexes(names)))
+        await asyncio.gather(*(self._note_one(i, record) for i in self.pool.indexes(names)))
+
+    async def _note_one(self, index: int, record: ContextRecord) -> None:
+        """Best effort, and never the write's answer: the record is committed when this runs, so a
+        holder that fails to keep it (its disk refused the record's file) is logged, and the
+        client is still told what was stored. The holder takes the version before it writes the
+        file (``ShardStore.note_context``), so older reads are refused there all the same."""
+        try:
+            await self._quietly(self.pool.note_context(index, record["id"], record))
+        except Exception as exc:  # noqa: BLE001 - anything a worker raised; the commit stands
+            log.warning("worker %s did not keep the record of context %s version %s: %s",
+                        self.pool.slots[index].name, record["id"], record.get("version"), last_line(str(exc)))
 
     async def _undo(self, u: Undo) -> None:
         if u.truncate_to is None:
