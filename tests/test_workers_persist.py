@@ -30,7 +30,7 @@ def restarted(root) -> ShardStore:
 
 def persist_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "workers.persist" and r.levelname == "WARNING"]
+            if r.name in ("workers.persist", "workers.store") and r.levelname == "WARNING"]
 
 
 def two_contexts(root, dtype=np.float32):
@@ -129,13 +129,15 @@ def test_dropped_shards_and_contexts_leave_the_disk(tmp_path):
     assert [(i.context_id, i.index) for i in restarted(tmp_path).held()] == [("e", 0)]
 
 
-def test_a_shard_over_the_budget_at_restart_stays_on_disk_unloaded(tmp_path):
+def test_a_shard_over_the_budget_at_restart_stays_on_disk_unloaded_and_is_named_in_a_warning(tmp_path, caplog):
     st = ShardStore(10**8, files=ShardFiles(tmp_path))
     k, v = kv(1000, np.float32)
     st.create(ShardWrite("c", 0, "float32", 1000, np.arange(1000)), k, v, context={})
     small = ShardStore(1000, files=ShardFiles(tmp_path))
     assert small.restore() == 0 and small.held() == []
     assert (tmp_path / "c" / "0").exists()
+    [warning] = persist_warnings(caplog)
+    assert "shard 0 of context c" in warning and "budget" in warning
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
@@ -275,6 +277,25 @@ def test_segments_written_before_digests_still_load_bit_for_bit(tmp_path, caplog
     assert got_k.tobytes() == k.tobytes() and got_v.tobytes() == v.tobytes()
     assert persist_warnings(caplog) == []
     assert "2 persisted segments" in caplog.text and "unverified" in caplog.text
+
+
+def first_segment_gone(root):
+    (root / "c" / "0" / "000000000000-000000000010.safetensors").unlink()
+    return "the next one found starts at key 10"
+
+
+def last_segment_gone(root):
+    (root / "c" / "0" / SEGMENT).unlink()
+    return "no segment holds the keys from 10 on"
+
+
+@pytest.mark.parametrize("loss", [first_segment_gone, last_segment_gone])
+def test_a_shard_shorter_than_its_record_is_named_in_a_warning_with_the_cause(tmp_path, caplog, loss):
+    two_contexts(tmp_path)
+    cause = loss(tmp_path)
+    restarted(tmp_path)
+    [warning] = persist_warnings(caplog)
+    assert "shard 0 of context c" in warning and "fewer than the 30" in warning and cause in warning
 
 
 def test_cutting_a_damaged_segment_fails_instead_of_writing_it_again_with_a_new_digest(tmp_path):

@@ -70,6 +70,8 @@ class LoadedShard:
     k: np.ndarray  # [n, h_kv, d]
     v: np.ndarray  # [n, h_kv, d_v]
     k_pos: np.ndarray  # [n]
+    #: Where the first segment past the contiguous keys starts, if one is there (a gap); None: no segment past them.
+    next_start: int | None = None
     #: Segments loaded without a digest to check them by (written before digests were stored).
     unverified: int = 0
 
@@ -210,7 +212,8 @@ class ShardFiles:
     def load(self) -> tuple[list[LoadedShard], dict[str, dict]]:
         """Every shard found (its contiguous keys from 0) and every context's record; temporaries removed.
 
-        A damaged shard or record is left out with a warning naming it and the file, and the rest loads.
+        A damaged shard or record is left out with a warning naming it and the file, and the rest loads; a
+        shard that loads shorter than its record commits is named in a warning with the cause.
         """
         shards: list[LoadedShard] = []
         records: dict[str, dict] = {}
@@ -230,6 +233,8 @@ class ShardFiles:
                     continue
                 if loaded is not None:
                     shards.append(loaded)
+        for s in shards:
+            _warn_if_short(s, records.get(s.context_id))
         unverified = sum(s.unverified for s in shards)
         if unverified:
             log.info("%d persisted segments under %s have no digest (written before digests were stored): "
@@ -249,9 +254,11 @@ class ShardFiles:
         dims = meta.dims
         parts: list[Segment] = []
         expect = 0
+        next_start = None
         for start, stop, path in found:
             if start != expect:
-                break  # a gap: what follows it was never part of a committed prefix
+                next_start = start  # a gap: what follows it was never part of a committed prefix
+                break
             seg = _read_segment(path, stop - start, meta.dtype)
             dims = dims or seg.dims  # a shard.json without dims: the first segment's are the shard's
             if seg.dims != dims:
@@ -270,7 +277,7 @@ class ShardFiles:
         v = np.concatenate([p.v for p in parts]) if parts else np.zeros((0, h_kv, d_v), dt)
         k_pos = np.concatenate([p.k_pos for p in parts]) if parts else np.zeros(0, np.int64)
         return LoadedShard(context_id, index, meta.dtype, meta.reserve, meta.max_capacity, k, v, k_pos,
-                           unverified=sum(not p.verified for p in parts))
+                           next_start=next_start, unverified=sum(not p.verified for p in parts))
 
 
 def _remove_temporaries(folder: Path) -> None:
@@ -356,6 +363,20 @@ def _check_record(path: Path, record: Any) -> dict:
         raise Damaged(f"{path} must be a context record (an object with a count version and shards each with "
                       f"a count index and length), got {str(record)[:200]}")
     return record
+
+
+def _warn_if_short(shard: LoadedShard, record: dict | None) -> None:
+    """One warning when the shard holds fewer keys than its context's record here commits, naming why: the
+    directory will not count this replica (``service.contexts.directory``)."""
+    committed = next((s["length"] for s in (record or {}).get("shards", []) if s["index"] == shard.index), 0)
+    n = len(shard.k_pos)
+    if n >= committed:
+        return
+    why = (f"its segments stop at key {n}, the next one found starts at key {shard.next_start}"
+           if shard.next_start is not None else f"no segment holds the keys from {n} on")
+    log.warning("persisted shard %d of context %s loaded with %d keys, fewer than the %d its record (version %s) "
+                "commits, so not counted as a replica: %s", shard.index, shard.context_id, n, committed,
+                (record or {}).get("version"), why)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
