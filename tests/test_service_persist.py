@@ -1,5 +1,5 @@
 """`splitkey serve --persist-dir`: contexts survive a restart and answer exactly as before; a crash
-mid-upload leaves a consistent prefix or nothing."""
+mid-upload leaves a consistent prefix or nothing; a damaged file on disk is never served."""
 
 import os
 import signal
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from reference import assert_close_to_reference
 from server import Server
+from test_workers_persist import flip_data_byte
 
-from service.client import Client, UploadError
+from service.client import Client, SplitkeyError, UploadError
 from workers import BFLOAT16
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -22,11 +23,15 @@ def serve(home, store) -> Server:
                   env={"SPLITKEY_CONTEXT_SHARD_KEYS": "256", "SPLITKEY_MIN_SHARD_KEYS": "64"}).start()
 
 
+def draw(seed, n, n_q):
+    """k [n, 2, 16], v [n, 2, 8] and q [n_q, 4, 16], float32."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, 2, 16)).astype(np.float32), rng.standard_normal((n, 2, 8)).astype(np.float32),
+            rng.standard_normal((n_q, 4, 16)).astype(np.float32))
+
+
 def test_contexts_survive_a_restart_and_answer_bit_for_bit_as_before(tmp_path):
-    rng = np.random.default_rng(1)
-    k = rng.standard_normal((1500, 2, 16)).astype(np.float32)
-    v = rng.standard_normal((1500, 2, 8)).astype(np.float32)
-    q = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    k, v, q = draw(1, 1500, 3)
     store = tmp_path / "store"
     srv = serve(tmp_path / "a", store)
     try:
@@ -77,10 +82,7 @@ def test_contexts_survive_a_restart_and_answer_bit_for_bit_as_before(tmp_path):
 
 
 def test_a_front_end_killed_mid_upload_restarts_with_a_whole_prefix_or_nothing(tmp_path):
-    rng = np.random.default_rng(2)
-    k = rng.standard_normal((20000, 2, 16)).astype(np.float32)
-    v = rng.standard_normal((20000, 2, 8)).astype(np.float32)
-    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    k, v, q = draw(2, 20000, 2)
     store = tmp_path / "store"
     srv = serve(tmp_path / "a", store)
     stored = []
@@ -117,9 +119,7 @@ def test_an_append_whose_record_a_holder_cannot_keep_on_disk_is_still_answered_a
     """The record is noted on the holders after the commit: a holder whose disk refuses the record
     (here its file is a folder) is logged, and the client is told what was stored, never a 500
     for an append that went in (its retry would store the keys twice)."""
-    rng = np.random.default_rng(11)
-    k = rng.standard_normal((300, 2, 16)).astype(np.float32)
-    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    k, _, q = draw(11, 300, 2)
     store = tmp_path / "store"
     srv = Server(tmp_path / "a", args=("--workers", "1", "--persist-dir", str(store))).start()
     try:
@@ -133,5 +133,31 @@ def test_an_append_whose_record_a_holder_cannot_keep_on_disk_is_still_answered_a
             out, lse = c.attention(q, contexts=[ctx])
             assert_close_to_reference(out, lse, q, k, k)
         assert "did not keep the record of context" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_a_flipped_byte_on_disk_is_never_served_and_the_other_contexts_come_back(tmp_path):
+    k, v, q = draw(3, 400, 2)
+    store = tmp_path / "store"
+    srv = serve(tmp_path / "a", store)
+    try:
+        with Client(srv.url) as c:
+            damaged = c.create_context(k, v, shards=2)
+            kept = c.create_context(k[:200], v[:200])
+            out, lse = c.attention(q, contexts=[kept["id"]])
+    finally:
+        srv.stop()
+    [segment] = store.glob(f"*/{damaged['id']}/0/*.safetensors")
+    flip_data_byte(segment)
+    srv = serve(tmp_path / "b", store)
+    try:
+        with Client(srv.url) as c:
+            assert {d["id"]: d["state"] for d in c.list_contexts()} == {damaged["id"]: "lost", kept["id"]: "ready"}
+            with pytest.raises(SplitkeyError) as err:
+                c.attention(q, contexts=[damaged["id"]])
+            assert (err.value.status, err.value.code) == (503, "context_lost")
+            got, got_lse = c.attention(q, contexts=[kept["id"]])
+            assert got.tobytes() == out.tobytes() and got_lse.tobytes() == lse.tobytes()
     finally:
         srv.stop()

@@ -1,8 +1,14 @@
-"""Shards on disk: a restarted store holds exactly the keys and records written, crashes leave no torn state."""
+"""Shards on disk: a restarted store holds exactly the keys and records written, crashes leave no torn state,
+and damaged files are refused (never served), each named in one warning, while the rest of the store loads."""
+
+import json
+import os
+import struct
 
 import numpy as np
 import pytest
 from reference import contract_layout
+from safetensors.numpy import load_file, save_file
 
 from workers import BFLOAT16
 from workers.persist import ShardFiles
@@ -20,6 +26,50 @@ def restarted(root) -> ShardStore:
     st = ShardStore(10**8, files=ShardFiles(root))
     st.restore()
     return st
+
+
+def persist_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name in ("workers.persist", "workers.store") and r.levelname == "WARNING"]
+
+
+def two_contexts(root, dtype=np.float32):
+    """Context "c" (shard 0: keys 0-10 and 10-30, two segments) and context "e" (shard 0, 10 keys), each with
+    its record; returns e's keys, to check that they come back whole beside a damaged c."""
+    name = "bfloat16" if dtype == BFLOAT16 else np.dtype(dtype).name
+    st = ShardStore(10**8, files=ShardFiles(root))
+    k, v = kv(30, dtype)
+    st.create(ShardWrite("c", 0, name, 100, np.arange(10)), k[:10], v[:10], context={})
+    st.append(ShardWrite("c", 0, name, 100, np.arange(10, 30)), k[10:], v[10:], committed=10)
+    st.note_context("c", {"version": 2, "id": "c", "shards": [{"index": 0, "length": 30, "workers": ["w"]}]})
+    ek, ev = kv(10, dtype, seed=1)
+    st.create(ShardWrite("e", 0, name, 100, np.arange(10)), ek, ev, context={})
+    st.note_context("e", {"version": 1, "id": "e", "shards": [{"index": 0, "length": 10, "workers": ["w"]}]})
+    return ek, ev
+
+
+def assert_only_e_loaded_whole(root, ek, ev):
+    again = restarted(root)
+    assert [(i.context_id, i.index, i.length) for i in again.held()] == [("e", 0, 10)]
+    got_k, got_v = contract_layout(again.view("e", 0, 10))
+    assert got_k.tobytes() == ek.tobytes() and got_v.tobytes() == ev.tobytes()
+
+
+SEGMENT = "000000000010-000000000030.safetensors"  # c's second segment (two_contexts)
+
+
+def flip_data_byte(path):
+    """Flip one bit of the k tensor's bytes, past the header: a well-formed file with one wrong value."""
+    b = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", b[:8])[0]
+    b[8 + n + json.loads(b[8:8 + n])["k"]["data_offsets"][0] + 2] ^= 0x40
+    path.write_bytes(bytes(b))
+
+
+def rewrite_segment(path, metadata, **tensors):
+    """Write the segment again as given, without a digest (as a store written before digests, or by hand)."""
+    t = {**load_file(str(path)), **tensors}
+    save_file({name: np.ascontiguousarray(a) for name, a in t.items()}, str(path), metadata=metadata)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BFLOAT16, np.float64])
@@ -79,13 +129,15 @@ def test_dropped_shards_and_contexts_leave_the_disk(tmp_path):
     assert [(i.context_id, i.index) for i in restarted(tmp_path).held()] == [("e", 0)]
 
 
-def test_a_shard_over_the_budget_at_restart_stays_on_disk_unloaded(tmp_path):
+def test_a_shard_over_the_budget_at_restart_stays_on_disk_unloaded_and_is_named_in_a_warning(tmp_path, caplog):
     st = ShardStore(10**8, files=ShardFiles(tmp_path))
     k, v = kv(1000, np.float32)
     st.create(ShardWrite("c", 0, "float32", 1000, np.arange(1000)), k, v, context={})
     small = ShardStore(1000, files=ShardFiles(tmp_path))
     assert small.restore() == 0 and small.held() == []
     assert (tmp_path / "c" / "0").exists()
+    [warning] = persist_warnings(caplog)
+    assert "shard 0 of context c" in warning and "budget" in warning
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
@@ -126,3 +178,145 @@ def test_a_note_that_arrives_after_the_context_was_dropped_brings_nothing_back(t
     st.check_committed("c", 1)  # nothing noted: no version refused
     again = restarted(tmp_path)
     assert again.held() == [] and again.files.load() == ([], {})
+
+
+def test_a_flipped_byte_in_a_segment_is_refused_and_logged(tmp_path, caplog):
+    ek, ev = two_contexts(tmp_path)
+    flip_data_byte(tmp_path / "c" / "0" / SEGMENT)
+    assert_only_e_loaded_whole(tmp_path, ek, ev)  # c's shard is not served with a wrong key
+    [warning] = persist_warnings(caplog)
+    assert "shard 0 of context c" in warning and SEGMENT in warning and "sha256" in warning
+
+
+def test_a_flipped_byte_in_a_bfloat16_segment_is_refused(tmp_path, caplog):
+    ek, ev = two_contexts(tmp_path, BFLOAT16)
+    flip_data_byte(tmp_path / "c" / "0" / SEGMENT)
+    assert_only_e_loaded_whole(tmp_path, ek, ev)
+    assert len(persist_warnings(caplog)) == 1
+
+
+def truncate_segment(root):
+    path = root / "c" / "0" / SEGMENT
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def flip_header_byte(root):
+    path = root / "c" / "0" / SEGMENT
+    b = bytearray(path.read_bytes())
+    b[10] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+def unreadable_shard_json(root):
+    (root / "c" / "0" / "shard.json").write_text('{"dtype": "float32", "res')
+
+
+def missing_shard_json(root):
+    (root / "c" / "0" / "shard.json").unlink()
+
+
+@pytest.mark.parametrize("damage, named", [(truncate_segment, SEGMENT), (flip_header_byte, SEGMENT),
+                                           (unreadable_shard_json, "shard.json"), (missing_shard_json, "shard.json")])
+def test_a_damaged_shard_is_skipped_with_a_warning_and_the_rest_of_the_store_loads(tmp_path, caplog, damage, named):
+    ek, ev = two_contexts(tmp_path)
+    damage(tmp_path)
+    assert_only_e_loaded_whole(tmp_path, ek, ev)
+    [warning] = persist_warnings(caplog)
+    assert "shard 0 of context c" in warning and named in warning
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"version": 2, "shards": [{"index": 0}]}'])
+def test_a_damaged_record_is_skipped_with_a_warning_and_its_shards_still_load(tmp_path, caplog, text):
+    two_contexts(tmp_path)
+    (tmp_path / "c" / "record.json").write_text(text)
+    again = restarted(tmp_path)
+    assert {(i.context_id, i.length): i.context.get("version") for i in again.held()} == {("c", 30): None,
+                                                                                         ("e", 10): 1}
+    [warning] = persist_warnings(caplog)
+    assert "record of context c" in warning and "record.json" in warning
+
+
+def test_a_stray_folder_named_like_a_temporary_is_left_alone_and_the_store_loads(tmp_path, caplog):
+    ek, ev = two_contexts(tmp_path)
+    (tmp_path / "e" / "0" / "stray.tmp").mkdir()
+    (tmp_path / "c" / "0" / "000000000030-000000000040.safetensors.tmp").write_bytes(b"torn")  # ours: goes
+    again = restarted(tmp_path)
+    assert sorted((i.context_id, i.length) for i in again.held()) == [("c", 30), ("e", 10)]
+    assert (tmp_path / "e" / "0" / "stray.tmp").is_dir()
+    assert not list((tmp_path / "c" / "0").glob("*.tmp"))
+    assert persist_warnings(caplog) == []
+
+
+def float16_in_a_float32_shard(path):
+    t = load_file(str(path))
+    rewrite_segment(path, {"dtype": "float16"}, k=t["k"].astype(np.float16), v=t["v"].astype(np.float16))
+
+
+def uint16_declared_float32(path):
+    t = load_file(str(path))
+    rewrite_segment(path, {"dtype": "float32"}, k=t["k"].view(np.uint16)[:, :, ::2], v=t["v"].view(np.uint16)[:, :, ::2])
+
+
+def another_d(path):
+    rewrite_segment(path, {"dtype": "float32"}, k=load_file(str(path))["k"][:, :, :4])
+
+
+def fewer_keys_than_its_name(path):
+    t = load_file(str(path))
+    rewrite_segment(path, {"dtype": "float32"}, k=t["k"][:15], v=t["v"][:15], k_pos=t["k_pos"][:15])
+
+
+@pytest.mark.parametrize("change", [float16_in_a_float32_shard, uint16_declared_float32, another_d,
+                                    fewer_keys_than_its_name])
+def test_a_segment_that_disagrees_with_its_shard_json_is_refused_and_logged(tmp_path, caplog, change):
+    ek, ev = two_contexts(tmp_path)
+    change(tmp_path / "c" / "0" / SEGMENT)
+    assert_only_e_loaded_whole(tmp_path, ek, ev)
+    [warning] = persist_warnings(caplog)
+    assert "shard 0 of context c" in warning and SEGMENT in warning
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
+def test_segments_written_before_digests_still_load_bit_for_bit(tmp_path, caplog, dtype):
+    name = "bfloat16" if dtype == BFLOAT16 else "float32"
+    st = ShardStore(10**8, files=ShardFiles(tmp_path))
+    k, v = kv(30, dtype)
+    st.create(ShardWrite("c", 0, name, 100, np.arange(10)), k[:10], v[:10], context={})
+    st.append(ShardWrite("c", 0, name, 100, np.arange(10, 30)), k[10:], v[10:], committed=10)
+    for path in (tmp_path / "c" / "0").glob("*.safetensors"):
+        rewrite_segment(path, {"dtype": name})  # as the store wrote them before: no digest
+    caplog.set_level("INFO", logger="workers.persist")
+    again = restarted(tmp_path)
+    got_k, got_v = contract_layout(again.view("c", 0, 30))
+    assert got_k.tobytes() == k.tobytes() and got_v.tobytes() == v.tobytes()
+    assert persist_warnings(caplog) == []
+    assert "2 persisted segments" in caplog.text and "unverified" in caplog.text
+
+
+def first_segment_gone(root):
+    (root / "c" / "0" / "000000000000-000000000010.safetensors").unlink()
+    return "the next one found starts at key 10"
+
+
+def last_segment_gone(root):
+    (root / "c" / "0" / SEGMENT).unlink()
+    return "no segment holds the keys from 10 on"
+
+
+@pytest.mark.parametrize("loss", [first_segment_gone, last_segment_gone])
+def test_a_shard_shorter_than_its_record_is_named_in_a_warning_with_the_cause(tmp_path, caplog, loss):
+    two_contexts(tmp_path)
+    cause = loss(tmp_path)
+    restarted(tmp_path)
+    [warning] = persist_warnings(caplog)
+    assert "shard 0 of context c" in warning and "fewer than the 30" in warning and cause in warning
+
+
+def test_cutting_a_damaged_segment_fails_instead_of_writing_it_again_with_a_new_digest(tmp_path):
+    st = ShardStore(10**8, files=ShardFiles(tmp_path))
+    k, v = kv(30, np.float32)
+    st.create(ShardWrite("c", 0, "float32", 100, np.arange(30)), k, v, context={})
+    flip_data_byte(tmp_path / "c" / "0" / "000000000000-000000000030.safetensors")
+    with pytest.raises(ValueError, match="sha256"):
+        st.files.truncate("c", 0, 20)  # across the segment: it would be read and cut
+    assert (tmp_path / "c" / "0" / "000000000000-000000000030.safetensors").exists()

@@ -15,11 +15,21 @@ as far as they are contiguous; the directory then reads only the committed prefi
 the newest record names (``service.contexts.directory``), so a write that was stored
 but never committed is never visible. bfloat16 is stored as its uint16 bits with the
 dtype in the file's metadata. Files are read with ``safetensors`` (no pickle).
+
+Each segment's metadata also holds a digest of its tensors (``sha256``: each tensor's
+name, dtype, shape and bytes, :func:`_digest`). Loading checks every segment it reads
+against its digest and against ``shard.json`` (dtype, dims, a length that matches its
+name): a shard whose files fail a check is not loaded, with one warning naming it and
+the file, and the rest of the store is (docs/RELIABILITY.md, "A damaged store"). A
+record that is not a readable JSON object of the expected shape is skipped the same way.
+Segments written before digests were stored load unverified (one info line per load).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -27,13 +37,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
-from workers.dtypes import BFLOAT16, dtype_of
+from workers.dtypes import BFLOAT16, DTYPES, dtype_of
+
+log = logging.getLogger(__name__)
 
 TMP = ".tmp"
 RECORD = "record.json"
 SHARD = "shard.json"
+#: A segment's tensors, in the order its digest covers them.
+TENSORS = ("k", "v", "k_pos")
+#: The segment metadata key of its digest (absent in segments written before digests were stored).
+DIGEST = "sha256"
+
+
+class Damaged(ValueError):
+    """A file of the store is not what this module wrote (unreadable, or failing a check): the shard or
+    record it belongs to is not loaded."""
 
 
 @dataclass
@@ -48,6 +70,34 @@ class LoadedShard:
     k: np.ndarray  # [n, h_kv, d]
     v: np.ndarray  # [n, h_kv, d_v]
     k_pos: np.ndarray  # [n]
+    #: Where the first segment past the contiguous keys starts, if one is there (a gap); None: no segment past them.
+    next_start: int | None = None
+    #: Segments loaded without a digest to check them by (written before digests were stored).
+    unverified: int = 0
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """A shard's ``shard.json``; ``dims`` ``(h_kv, d, d_v)`` is None in shards written before it was stored."""
+
+    dtype: str
+    reserve: int
+    max_capacity: int
+    dims: tuple[int, int, int] | None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment's keys, checked: ``k`` ``[n, h_kv, d]`` and ``v`` ``[n, h_kv, d_v]`` in the shard's dtype."""
+
+    k: np.ndarray
+    v: np.ndarray
+    k_pos: np.ndarray
+    verified: bool  #: its digest was there and matched
+
+    @property
+    def dims(self) -> tuple[int, int, int]:
+        return int(self.k.shape[1]), int(self.k.shape[2]), int(self.v.shape[2])
 
 
 def _fsync_dir(path: Path) -> None:
@@ -76,6 +126,22 @@ def _segment_bounds(name: str) -> tuple[int, int] | None:
     return int(a), int(b)
 
 
+def _digest(tensors: dict[str, np.ndarray], dtype: str) -> str:
+    """sha256 of a segment: its declared dtype, then each tensor's name, dtype, shape and bytes, in
+    :data:`TENSORS` order (so that a changed header is caught as well as a changed byte)."""
+    h = hashlib.sha256(dtype.encode())
+    for name in TENSORS:
+        a = np.ascontiguousarray(tensors[name])
+        h.update(f"\n{name} {a.dtype.str} {list(a.shape)}\n".encode())
+        h.update(a.data)  # read in place (no copy); hashlib releases the GIL while it hashes
+    return h.hexdigest()
+
+
+def _storage_dtype(dtype: str) -> np.dtype:
+    """The dtype a shard of ``dtype`` keeps its k and v in on disk (bfloat16: its uint16 bits)."""
+    return np.dtype(np.uint16) if dtype == "bfloat16" else dtype_of(dtype)
+
+
 class ShardFiles:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -99,15 +165,16 @@ class ShardFiles:
         _atomic_write(folder / SHARD, lambda p: p.write_text(json.dumps(meta)))
 
     def write(self, context_id: str, index: int, start: int, k: np.ndarray, v: np.ndarray, k_pos: np.ndarray) -> None:
-        """Keys ``[start, start + n)`` of a shard, durable when this returns."""
+        """Keys ``[start, start + n)`` of a shard, with their digest, durable when this returns."""
         n = int(k.shape[0])
         if n == 0:
             return
         folder = self._shard_dir(context_id, index)
         dtype = "bfloat16" if k.dtype == BFLOAT16 else str(k.dtype)
         tensors = {"k": _bits(k), "v": _bits(v), "k_pos": np.ascontiguousarray(k_pos, dtype=np.int64)}
+        metadata = {"dtype": dtype, DIGEST: _digest(tensors, dtype)}
         _atomic_write(folder / f"{start:012d}-{start + n:012d}.safetensors",
-                      lambda p: save_file(tensors, str(p), metadata={"dtype": dtype}))
+                      lambda p: save_file(tensors, str(p), metadata=metadata))
 
     def truncate(self, context_id: str, index: int, length: int) -> None:
         """Keep keys ``[0, length)``: segments past it go (a segment across it is cut)."""
@@ -121,10 +188,10 @@ class ShardFiles:
             if bounds[0] >= length:
                 path.unlink()
             else:  # not made by this service's writes (they end on committed lengths), but kept exact
-                t = load_file(str(path))
+                meta = _read_shard_meta(folder / SHARD)
+                seg = _read_segment(path, bounds[1] - bounds[0], meta.dtype)  # checked: a damaged one is not rewritten
                 keep = length - bounds[0]
-                self.write(context_id, index, bounds[0], _from_bits(t["k"][:keep]), _from_bits(t["v"][:keep]),
-                           t["k_pos"][:keep])
+                self.write(context_id, index, bounds[0], seg.k[:keep], seg.v[:keep], seg.k_pos[:keep])
                 path.unlink()
         _fsync_dir(folder)
 
@@ -143,51 +210,175 @@ class ShardFiles:
 
     # -- reads --------------------------------------------------------------------
     def load(self) -> tuple[list[LoadedShard], dict[str, dict]]:
-        """Every shard found (its contiguous keys from 0) and every context's record; temporaries removed."""
+        """Every shard found (its contiguous keys from 0) and every context's record; temporaries removed.
+
+        A damaged shard or record is left out with a warning naming it and the file, and the rest loads; a
+        shard that loads shorter than its record commits is named in a warning with the cause.
+        """
         shards: list[LoadedShard] = []
         records: dict[str, dict] = {}
         for ctx_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            for tmp in ctx_dir.rglob(f"*{TMP}"):
-                tmp.unlink()
-            if (ctx_dir / RECORD).exists():
-                records[ctx_dir.name] = json.loads((ctx_dir / RECORD).read_text())
-            for shard_dir in sorted(p for p in ctx_dir.iterdir() if p.is_dir() and p.name.isdigit()):
-                loaded = self._load_shard(ctx_dir.name, int(shard_dir.name), shard_dir)
+            shard_dirs = sorted(p for p in ctx_dir.iterdir() if p.is_dir() and p.name.isdigit())
+            for folder in (ctx_dir, *shard_dirs):
+                _remove_temporaries(folder)
+            record = _load_record(ctx_dir)
+            if record is not None:
+                records[ctx_dir.name] = record
+            for shard_dir in shard_dirs:
+                try:
+                    loaded = self._load_shard(ctx_dir.name, int(shard_dir.name), shard_dir)
+                except Damaged as exc:
+                    log.warning("persisted shard %s of context %s not loaded, its files are damaged: %s",
+                                shard_dir.name, ctx_dir.name, exc)
+                    continue
                 if loaded is not None:
                     shards.append(loaded)
+        for s in shards:
+            _warn_if_short(s, records.get(s.context_id))
+        unverified = sum(s.unverified for s in shards)
+        if unverified:
+            log.info("%d persisted segments under %s have no digest (written before digests were stored): "
+                     "loaded unverified", unverified, self.root)
         return shards, records
 
     def _load_shard(self, context_id: str, index: int, folder: Path) -> LoadedShard | None:
+        """The shard's contiguous segments from key 0, each checked; raises :class:`Damaged` naming the file."""
+        found = sorted((*b, p) for p in folder.iterdir() if (b := _segment_bounds(p.name)))
         if not (folder / SHARD).exists():
+            if found:
+                raise Damaged(f"{folder / SHARD} is missing beside {len(found)} segments")
+            log.info("persisted shard %d of context %s has no %s and no keys (a create that was interrupted): "
+                     "nothing to load", index, context_id, SHARD)
             return None
-        meta = json.loads((folder / SHARD).read_text())
-        parts = []
+        meta = _read_shard_meta(folder / SHARD)
+        dims = meta.dims
+        parts: list[Segment] = []
         expect = 0
-        for start, stop, path in sorted((*b, p) for p in folder.iterdir() if (b := _segment_bounds(p.name))):
+        next_start = None
+        for start, stop, path in found:
             if start != expect:
-                break  # a gap: what follows it was never part of a committed prefix
-            parts.append(load_file(str(path)))
+                next_start = start  # a gap: what follows it was never part of a committed prefix
+                break
+            seg = _read_segment(path, stop - start, meta.dtype)
+            dims = dims or seg.dims  # a shard.json without dims: the first segment's are the shard's
+            if seg.dims != dims:
+                raise Damaged(f"{path}: dims (h_kv, d, d_v) must be the shard's {dims}, got {seg.dims}")
+            parts.append(seg)
             expect = stop
-        if not parts:
-            if "dims" not in meta:  # written before shards recorded their dims: nothing to rebuild it from
-                return None
-            # No keys yet (a context created empty, or a shard planned for appends to come): a shard all the
-            # same, or its context would come back without it.
-            h_kv, d, d_v = meta["dims"]
-            dt = dtype_of(meta["dtype"])
-            k, v = np.zeros((0, h_kv, d), dt), np.zeros((0, h_kv, d_v), dt)
-            return LoadedShard(context_id, index, meta["dtype"], meta["reserve"], meta["max_capacity"], k, v,
-                               np.zeros(0, np.int64))
-        k, v = (np.concatenate([_from_bits(t[x]) for t in parts]) for x in ("k", "v"))
-        k_pos = np.concatenate([t["k_pos"] for t in parts])
-        return LoadedShard(context_id, index, meta["dtype"], meta["reserve"], meta["max_capacity"], k, v, k_pos)
+        if dims is None:  # written before shards recorded their dims, and no keys: nothing to rebuild it from
+            log.info("persisted shard %d of context %s has no keys and no dims in its %s: nothing to load",
+                     index, context_id, SHARD)
+            return None
+        h_kv, d, d_v = dims
+        dt = dtype_of(meta.dtype)
+        # No keys yet (a context created empty, or a shard planned for appends to come) is a shard all the same,
+        # or its context would come back without it.
+        k = np.concatenate([p.k for p in parts]) if parts else np.zeros((0, h_kv, d), dt)
+        v = np.concatenate([p.v for p in parts]) if parts else np.zeros((0, h_kv, d_v), dt)
+        k_pos = np.concatenate([p.k_pos for p in parts]) if parts else np.zeros(0, np.int64)
+        return LoadedShard(context_id, index, meta.dtype, meta.reserve, meta.max_capacity, k, v, k_pos,
+                           next_start=next_start, unverified=sum(not p.verified for p in parts))
+
+
+def _remove_temporaries(folder: Path) -> None:
+    """Remove the temporaries of interrupted writes (files only: a folder so named is none of ours)."""
+    for path in folder.glob(f"*{TMP}"):
+        if path.is_file():
+            path.unlink()
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: JSON, or bytes that are not UTF-8
+        raise Damaged(f"{path} must be readable JSON, got {type(exc).__name__}: {exc}") from None
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _read_shard_meta(path: Path) -> ShardMeta:
+    raw = _read_json(path)
+    if not isinstance(raw, dict) or raw.get("dtype") not in DTYPES or \
+            not (_is_count(raw.get("reserve")) and _is_count(raw.get("max_capacity"))):
+        raise Damaged(f"{path} must be an object with a dtype of {', '.join(DTYPES)} and counts reserve and "
+                      f"max_capacity, got {str(raw)[:200]}")
+    dims = raw.get("dims")
+    if dims is not None and not (isinstance(dims, list) and len(dims) == 3 and all(_is_count(x) for x in dims)):
+        raise Damaged(f"{path}: dims must be three counts (h_kv, d, d_v), got {str(dims)[:100]}")
+    return ShardMeta(raw["dtype"], raw["reserve"], raw["max_capacity"], None if dims is None else tuple(dims))
+
+
+def _read_segment(path: Path, n: int, dtype: str) -> Segment:
+    """The segment at ``path``, which its name says holds ``n`` keys of a shard of ``dtype``, checked against
+    its digest (when it has one) and against both; raises :class:`Damaged` naming the file and what failed."""
+    try:
+        with safe_open(str(path), framework="np") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, SafetensorError) as exc:
+        raise Damaged(f"{path} must be a readable safetensors file, got {type(exc).__name__}: {exc}") from None
+    if sorted(tensors) != sorted(TENSORS):
+        raise Damaged(f"{path} must hold tensors {', '.join(TENSORS)}, got {', '.join(sorted(tensors)) or 'none'}")
+    digest = metadata.get(DIGEST)
+    if digest is not None and digest != _digest(tensors, metadata.get("dtype", "")):
+        raise Damaged(f"{path}: its bytes do not match its {DIGEST} digest")
+    _check_segment(path, tensors, metadata.get("dtype"), n, dtype)
+    k, v = (t.view(BFLOAT16) if dtype == "bfloat16" else t for t in (tensors["k"], tensors["v"]))
+    return Segment(k, v, tensors["k_pos"], verified=digest is not None)
+
+
+def _check_segment(path: Path, t: dict[str, np.ndarray], declared: str | None, n: int, dtype: str) -> None:
+    """Raise :class:`Damaged` unless the segment's tensors are ``n`` keys of a shard of ``dtype``."""
+    stored = _storage_dtype(dtype)
+    if declared != dtype or t["k"].dtype != stored or t["v"].dtype != stored or t["k_pos"].dtype != np.int64:
+        raise Damaged(f"{path} must hold {dtype} keys ({stored} k and v, int64 k_pos) as its shard does, got "
+                      f"{declared} ({t['k'].dtype} k, {t['v'].dtype} v, {t['k_pos'].dtype} k_pos)")
+    k, v, k_pos = t["k"].shape, t["v"].shape, t["k_pos"].shape
+    if len(k) != 3 or len(v) != 3 or k[0] != n or v[0] != n or k_pos != (n,) or k[1] != v[1]:
+        raise Damaged(f"{path} must hold its name's {n} keys as k [n, h_kv, d], v [n, h_kv, d_v], k_pos [n], "
+                      f"got k {list(k)}, v {list(v)}, k_pos {list(k_pos)}")
+
+
+def _load_record(ctx_dir: Path) -> dict | None:
+    """The context's record kept here, or None: none stored, or a damaged one (a warning names it)."""
+    path = ctx_dir / RECORD
+    if not path.exists():
+        return None
+    try:
+        return _check_record(path, _read_json(path))
+    except Damaged as exc:
+        log.warning("persisted record of context %s not loaded, it is damaged: %s", ctx_dir.name, exc)
+        return None
+
+
+def _check_record(path: Path, record: Any) -> dict:
+    """``record`` if it has the shape a directory rebuild reads (``version``, ``shards``' ``index`` and
+    ``length``, where present), else raise :class:`Damaged`."""
+    shards = record.get("shards", []) if isinstance(record, dict) else None
+    ok = isinstance(record, dict) and _is_count(record.get("version", 0)) and isinstance(shards, list) and all(
+        isinstance(s, dict) and _is_count(s.get("index")) and _is_count(s.get("length")) for s in shards)
+    if not ok:
+        raise Damaged(f"{path} must be a context record (an object with a count version and shards each with "
+                      f"a count index and length), got {str(record)[:200]}")
+    return record
+
+
+def _warn_if_short(shard: LoadedShard, record: dict | None) -> None:
+    """One warning when the shard holds fewer keys than its context's record here commits, naming why: the
+    directory will not count this replica (``service.contexts.directory``)."""
+    committed = next((s["length"] for s in (record or {}).get("shards", []) if s["index"] == shard.index), 0)
+    n = len(shard.k_pos)
+    if n >= committed:
+        return
+    why = (f"its segments stop at key {n}, the next one found starts at key {shard.next_start}"
+           if shard.next_start is not None else f"no segment holds the keys from {n} on")
+    log.warning("persisted shard %d of context %s loaded with %d keys, fewer than the %d its record (version %s) "
+                "commits, so not counted as a replica: %s", shard.index, shard.context_id, n, committed,
+                (record or {}).get("version"), why)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
     a = np.ascontiguousarray(a)
     return a.view(np.uint16) if a.dtype == BFLOAT16 else a
-
-
-def _from_bits(a: np.ndarray) -> np.ndarray:
-    """uint16 is only ever bfloat16's bits here (no contract dtype is uint16)."""
-    return a.view(dtype_of("bfloat16")) if a.dtype == np.uint16 else a

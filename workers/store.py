@@ -18,6 +18,7 @@ reads its view while a long write copies.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -30,6 +31,8 @@ from workers.dtypes import dtype_name, dtype_of
 from workers.layout import StreamingKV, StreamingView, bytes_per_key, padded_capacity
 from workers.persist import ShardFiles
 from workers.tasks import ShardWrite
+
+log = logging.getLogger(__name__)
 
 #: Keys a shard's prefault thread faults in per step, ahead of the appends.
 PREFAULT_KEYS = 8192
@@ -282,7 +285,8 @@ class ShardStore:
     def restore(self) -> int:
         """Load what ``files`` holds (a restart): every shard and record found; the shards loaded.
 
-        A shard that no longer fits the budget is left on disk and not loaded.
+        A shard that no longer fits the budget is left on disk and not loaded, named in a warning (as
+        ``files.load`` names a damaged one).
         """
         if self.files is None:
             return 0
@@ -294,8 +298,8 @@ class ShardStore:
                 with self._writing:
                     self._create(write, s.k, s.v, records.get(s.context_id, {}), persist=False)
                 loaded += 1
-            except (CapacityError, ValueError):
-                continue
+            except (CapacityError, ValueError) as exc:
+                log.warning("persisted shard %d of context %s left on disk, not loaded: %s", s.index, s.context_id, exc)
         return loaded
 
     def _host(self, x: Any, dt: np.dtype) -> np.ndarray:
