@@ -7,10 +7,11 @@
 * Body bytes are charged to one budget of ``max_inflight_bytes`` as they arrive (a body's
   buffer only takes memory as it fills, ``service.wire.body``) and given back when the
   request ends, so the bodies held at once never pass the budget, whatever is declared.
-* An answer the client has not read yet (over the transport's buffer mark) keeps its slot
-  and is counted against the same budget until it leaves (``Ticket.carry``): a client that
-  does not read its answers holds slots and bytes, so new requests are refused, not the
-  memory taken; ``service.http_protocol`` aborts such a connection after ``--body-timeout``.
+* Answers waiting unsent in a connection's buffer (over its high-water mark, 64 KiB) count
+  against the same budget while they wait (:meth:`Admission.answers_waiting`, from
+  ``service.http_protocol``, which also aborts a connection whose answer stops leaving):
+  clients that do not read their answers get new bodies refused, not the memory taken.
+  They hold no slot: the request ended when its answer was handed over.
 
 Past either bound the request gets 429 with ``Retry-After``. Everything here runs on the
 event loop, so the counts need no lock.
@@ -36,6 +37,13 @@ class Admission:
 
     def ticket(self) -> Ticket:
         return Ticket(self)
+
+    def answers_waiting(self, delta: int) -> None:
+        """``delta`` more (or, negative, fewer) bytes of answers wait unsent in the connections'
+        buffers (``service.http_protocol``): counted with the bodies, so that while answers nobody
+        reads hold memory, new bodies are refused (429) instead of taking more."""
+        self.body_bytes += delta
+        self.metrics.inflight_body_bytes.inc(delta)
 
 
 class Ticket:
@@ -70,14 +78,6 @@ class Ticket:
         a = self.admission
         if a.body_bytes + nbytes > a.max_inflight_bytes:
             self._over(f"{self.charged + nbytes} bytes of this body")
-        a.body_bytes += nbytes
-        a.metrics.inflight_body_bytes.inc(nbytes)
-        self.charged += nbytes
-
-    def carry(self, nbytes: int) -> None:
-        """Count an answer of ``nbytes`` waiting to be read against the budget: it cannot be refused
-        (it exists), but while it waits the bytes it holds keep new bodies out (429)."""
-        a = self.admission
         a.body_bytes += nbytes
         a.metrics.inflight_body_bytes.inc(nbytes)
         self.charged += nbytes

@@ -56,7 +56,9 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_keep_alive=30,
-                                           http=JsonErrorsProtocol.with_stall(settings.body_timeout_s)))
+                                           http=JsonErrorsProtocol.configured(
+                                               admission=app.state.splitkey.admission,
+                                               check_s=settings.body_grace_s, min_rate=settings.min_body_rate)))
 
     def stop() -> None:  # after the drain (service.drain): exit without re-raising the signal, status 0
         server.should_exit = True

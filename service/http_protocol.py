@@ -8,10 +8,14 @@ answers are written here, as JSON with a request id like every other error, API.
   bound of its own: a client could send one header of hundreds of MiB, which the parser
   buffers whole while the event loop spends minutes on it (docs/SECURITY.md).
 
-And one for answers: a connection whose answer waits, unread, over the transport's high-water
-mark for :attr:`JsonErrorsProtocol.send_stall_s` seconds is aborted, which frees the answer's
-bytes (uvicorn would keep them, and ``close`` waits for them to be read: a client that never
-reads pinned its answer, up to GiBs, for as long as it kept the socket open).
+And one for answers. While an answer waits unsent over the transport's high-water mark (the
+client reads it slower than it is written, or not at all), its bytes count against the
+in-flight byte budget (``service.admission``), and every ``answer_check_s`` seconds at least
+``answer_min_rate`` bytes/s of it must have left, else the connection is aborted, which frees
+them. uvicorn kept such bytes, and ``close`` waits for them to be read: a client that never
+read pinned its answer, up to GiBs, outside every limit, for as long as it kept the socket
+open. ``splitkey serve`` sets the check from ``--body-grace`` and ``--min-body-rate``, the
+pace asked of request bodies (:meth:`JsonErrorsProtocol.configured`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import logging
 
 from service import request_id
+from service.admission import Admission
 from service.errors import HeadTooLarge, InvalidBody, ServiceError, render
 
 try:  # uvicorn's fast parser when installed (uvicorn[standard]), else its pure-Python one
@@ -45,41 +50,63 @@ class JsonErrorsProtocol(BaseProtocol):
     _head_bytes: int | None = 0
     _request_ended = False  #: a request ended in the read being parsed
     _refused = False  #: answered here and closing: nothing more of this connection reaches the app
-    #: Seconds an answer may wait unread over the write buffer's high-water mark before the connection
-    #: is aborted (``splitkey serve`` sets it to ``--body-timeout``: :meth:`with_stall`).
-    send_stall_s: float = 120.0
-    _stall: asyncio.TimerHandle | None = None  #: armed while writing is paused
+    #: Where waiting answers are counted (None: not counted), how often their progress is
+    #: checked, and the bytes/s they must leave at (``configured``).
+    admission: Admission | None = None
+    answer_check_s: float = 10.0
+    answer_min_rate: float = 65536.0
+    _waiting = 0  #: bytes of this connection's answer counted as waiting (its buffer at the last look)
+    _watch: asyncio.TimerHandle | None = None  #: the next progress check, while writing is paused
 
     @classmethod
-    def with_stall(cls, seconds: float) -> type[JsonErrorsProtocol]:
-        """This protocol with ``send_stall_s`` set (uvicorn takes a class, not an instance)."""
-        return type(cls.__name__, (cls,), {"send_stall_s": seconds})
+    def configured(cls, *, admission: Admission | None, check_s: float, min_rate: float) -> type[JsonErrorsProtocol]:
+        """This protocol counting waiting answers in ``admission``, checked every ``check_s`` seconds
+        (at least 1) for ``min_rate`` bytes/s (at least one byte): uvicorn takes a class."""
+        return type(cls.__name__, (cls,), {"admission": admission, "answer_check_s": max(check_s, 1.0),
+                                           "answer_min_rate": min_rate})
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._stall is None:
-            self._stall = self.loop.call_later(self.send_stall_s, self._stalled)
+        self._count_waiting()
+        if self._watch is None:
+            self._watch = self.loop.call_later(self.answer_check_s, self._check_progress, self._waiting)
 
     def resume_writing(self) -> None:
-        self._unstall()
+        self._stop_watching()
         super().resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._unstall()
+        self._stop_watching()
         super().connection_lost(exc)
 
-    def _unstall(self) -> None:
-        if self._stall is not None:
-            self._stall.cancel()
-            self._stall = None
+    def _count_waiting(self) -> None:
+        """Count what waits in the buffer now, in place of what was counted before."""
+        now = self.transport.get_write_buffer_size()
+        if self.admission is not None and now != self._waiting:
+            self.admission.answers_waiting(now - self._waiting)
+        self._waiting = now
 
-    def _stalled(self) -> None:
-        """The client read nothing for ``send_stall_s``: drop what waits for it (connection_lost then
-        ends the request, which gives back its admission ticket: service.middleware)."""
-        self._stall = None
-        log.info("a client read too little of its answer for %g s (%d bytes wait): connection aborted",
-                 self.send_stall_s, self.transport.get_write_buffer_size())
-        self.transport.abort()
+    def _stop_watching(self) -> None:
+        """Writing resumed (the buffer is under its low-water mark) or the connection is gone."""
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if self.admission is not None and self._waiting:
+            self.admission.answers_waiting(-self._waiting)
+        self._waiting = 0
+
+    def _check_progress(self, before: int) -> None:
+        """``before`` bytes waited ``answer_check_s`` ago. While paused, the buffer only shrinks (a
+        send waits for it to drain before it writes more), so what left is ``before`` minus now."""
+        self._watch = None
+        self._count_waiting()
+        left = before - self._waiting
+        if left < max(1.0, self.answer_min_rate * self.answer_check_s):
+            log.info("a client read %d bytes of its answer in %g s (%d wait; at least %g bytes/s asked): "
+                     "connection aborted", left, self.answer_check_s, self._waiting, self.answer_min_rate)
+            self.transport.abort()  # connection_lost follows: it gives the bytes back
+            return
+        self._watch = self.loop.call_later(self.answer_check_s, self._check_progress, self._waiting)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:

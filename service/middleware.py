@@ -28,7 +28,7 @@ import secrets
 from typing import Any
 
 from service import request_id
-from service.admission import TICKET, Admission, Ticket
+from service.admission import TICKET, Admission
 from service.drain import Drain
 from service.errors import Internal, ServiceError, ShuttingDown, Unauthorized, render
 from service.metrics import Metrics
@@ -43,9 +43,6 @@ WORK_PREFIXES = ("/v1/attention", "/v1/contexts", "/v2/models/")
 #: (made at import, so an app object copied into another process, as Ray Serve does, names it anew).
 FRONTEND_HEADER = b"x-splitkey-frontend"
 FRONTEND = secrets.token_hex(6)
-#: Answers larger than this (asyncio's default write high-water mark) hold their request's
-#: admission ticket until the transport has sent them down to that mark.
-HELD_ANSWER_BYTES = 64 * 2**10
 #: Methods whose requests carry no body: admitted as they come (the others once their body is in).
 BODILESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 
@@ -92,7 +89,6 @@ class ServiceMiddleware:
         status = {"code": 500}
         sent = {"bytes": 0}
         started = {"response": False}
-        ticket: Ticket | None = None  # a work request's, once past auth and the drain check
 
         async def send_wrapper(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -102,16 +98,7 @@ class ServiceMiddleware:
                 extra = [frontend, (request_id.HEADER, rid.encode())] if self.request_id_header else [frontend]
                 message = {**message, "headers": [*message.get("headers", []), *extra]}
             elif message["type"] == "http.response.body":
-                body = message.get("body", b"")
-                sent["bytes"] += len(body)
-                if ticket is not None and not message.get("more_body", False) and len(body) > HELD_ANSWER_BYTES:
-                    # The request ends once its answer has left, not once it is handed over: the
-                    # empty last part waits (uvicorn's flow control) while the transport holds more
-                    # than its high-water mark, and the answer's bytes count against the budget.
-                    ticket.carry(len(body))
-                    await send({**message, "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    return
+                sent["bytes"] += len(message.get("body", b""))
             await send(message)
 
         if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
@@ -122,6 +109,7 @@ class ServiceMiddleware:
             await self._error(send_wrapper, path, route, ShuttingDown(
                 "the service must be running to take work, got a request while it drains before it stops"), early=True)
             return
+        ticket = None
         if work:
             ticket = scope[TICKET] = self.admission.ticket()
             if scope["method"] in BODILESS:

@@ -44,13 +44,13 @@ class ServiceSettings(BaseSettings):
     max_inflight_bytes: int = Field(4 * 2**30, ge=1024, description="Request body bytes held at once, by all "
                                                                    "requests together; past it 429. At least "
                                                                    "max_body_bytes.")
-    body_timeout_s: float = Field(120.0, gt=0, description="A request body must arrive within this (408 past it); an "
-                                                         "answer left unread this long is dropped (the connection "
-                                                         "aborted).")
+    body_timeout_s: float = Field(120.0, gt=0, description="A request body must arrive within this (408 past it).")
     min_body_rate: float = Field(65536.0, ge=0, description="Bytes/s a body must average after body_grace_s "
-                                                            "(408 below it); 0: no minimum.")
+                                                            "(408 below it), and an answer waiting unsent must "
+                                                            "leave at (the connection aborted); 0: no minimum.")
     body_grace_s: float = Field(10.0, ge=0, description="Seconds a body may start slowly or pause before "
-                                                        "min_body_rate applies.")
+                                                        "min_body_rate applies; an answer waiting unsent is "
+                                                        "checked this often (at least 1 s).")
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request deadline (504 past it).")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429, in seconds.")
     shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long requests in flight may "
