@@ -63,7 +63,11 @@ def _serve(args: argparse.Namespace) -> int:
     def stop() -> None:  # after the drain (service.drain): exit without re-raising the signal, status 0
         server.should_exit = True
 
+    def force() -> None:  # a signal after the drain: uvicorn waits no more for answers in progress
+        server.force_exit = True
+
     app.state.splitkey.drain.stop = stop
+    app.state.splitkey.drain.force = force
     state = app.state.splitkey
     logging.getLogger("uvicorn.error").addFilter(lambda record: state.startup_error is None)  # one line, below
     try:

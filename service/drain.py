@@ -13,7 +13,8 @@ keeps uvicorn's handlers and, once Ray is up, installs :meth:`Drain.on_signal`:
    other way gets the handler the signal had before): it closes the listener and the
    connections and runs the lifespan's end, which stops the workers and the embedded Ray.
    ``splitkey serve`` exits 0. A second signal during the drain skips what is left of
-   the grace period.
+   the grace period; one after it (uvicorn waiting for answers in progress, such as a
+   context write, which is never cut) stops at once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class Drain:
         #: that the process exits 0); None: call the handler the signal had before (uvicorn's own,
         #: which exits by re-raising the signal).
         self.stop: Callable[[], None] | None = None
+        #: How to stop at once, once :attr:`stop` was called and a signal comes again (``splitkey
+        #: serve`` sets uvicorn's ``force_exit``: it then waits no more for answers in progress,
+        #: such as a context write whose worker hangs, ``service.routes.common.to_completion``).
+        self.force: Callable[[], None] | None = None
+        self._stopped = False
 
     def saved_handlers(self) -> dict[int, Any]:
         """The current handlers of :data:`SIGNALS` (uvicorn's, before ``ray.init`` replaces them)."""
@@ -75,6 +81,9 @@ class Drain:
             return
         if self.draining:
             self._loop.call_soon_threadsafe(self._skip.set)
+            if self._stopped and self.force is not None:
+                log.warning("signal %d again: stopping now, without waiting for the answers in progress", signum)
+                self._loop.call_soon_threadsafe(self.force)
             return
         self.draining = True
         log.warning("signal %d: draining %d request(s) for up to %g s", signum, len(self.inflight), self.grace_s)
@@ -96,6 +105,7 @@ class Drain:
             while self.inflight and time.monotonic() < stop:
                 await asyncio.sleep(POLL_S)
         handler = self._then.get(signum) or self._then.get(signal.SIGTERM)
+        self._stopped = True
         if self.stop is not None:
             self.stop()
         elif handler is not None:

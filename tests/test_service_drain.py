@@ -1,9 +1,11 @@
 """Stopping the service: SIGTERM and SIGINT drain, the grace period cuts with the JSON error,
 exit status 0, and the embedded Ray does not outlive the front end, not even after a SIGKILL."""
 
+import contextlib
 import os
-import socket
 import signal
+import socket
+import subprocess
 import threading
 import time
 
@@ -182,3 +184,34 @@ def test_a_context_write_cut_by_the_grace_period_answers_what_it_did(tmp_path):
     status = int(answer.split(" ", 2)[1])
     assert (status, length) in ((200, 8192 + 49152), (503, 8192)), (answer[:300], length)
     assert status == 200, answer[:300]  # the cut came while the write ran (0.3 s after its body): it finished
+
+
+def test_a_second_signal_stops_a_server_that_waits_for_a_hung_write(tmp_path):
+    """A context write is never cut, so a drain waits for its answer; when its worker hangs
+    (here: stopped), a second SIGTERM after the drain stops the server at once."""
+    from test_service_contexts_repair import shard_worker_pids
+
+    from service.wire.safetensors import encode_safetensors, to_bytes
+
+    srv = Server(tmp_path, args=("--workers", "1"), env={"SPLITKEY_SHUTDOWN_GRACE_S": "0.05"}).start()
+    k = np.ones((100, 1, 8), np.float32)
+    with Client(srv.url) as c:
+        ctx = c.create_context(k, k)["id"]
+    [worker] = shard_worker_pids(srv.proc.pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        body = to_bytes(encode_safetensors({"k": k, "v": k}))
+        with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+            sock.sendall(f"POST /v1/contexts/{ctx}/append HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         f"application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+            time.sleep(1.0)  # the append waits on the stopped worker
+            os.kill(srv.proc.pid, signal.SIGTERM)
+            with pytest.raises(subprocess.TimeoutExpired):
+                srv.proc.wait(timeout=8)  # the drain is over, the write is not: the server waits for it
+            os.kill(srv.proc.pid, signal.SIGTERM)
+            srv.proc.wait(timeout=30)
+        assert "stopping now, without waiting for the answers in progress" in srv.log()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGCONT)
+        srv.stop()
