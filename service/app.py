@@ -96,7 +96,6 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             healer = _serve(state, pool, await Directory.connect(settings, [s.name for s in pool.slots],
                                                                  detached=detached))
-            log.info("splitkey ready: %d worker(s) up, taking requests", len(pool.slots))
             try:
                 yield
             finally:

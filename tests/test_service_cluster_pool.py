@@ -34,6 +34,7 @@ def test_empty_folders_and_other_names_are_not_stores(tmp_path):
     store(tmp_path, 0)
     store(tmp_path, 5, empty=True)  # left by a worker that held nothing
     (tmp_path / f"{WORKER_PREFIX}x").mkdir()
+    (tmp_path / f"{WORKER_PREFIX}\u00b2" / "ctx").mkdir(parents=True)  # a digit to str.isdigit, not a worker's index
     (tmp_path / "notes").mkdir()
     (tmp_path / f"{WORKER_PREFIX}7").write_text("a file, not a store")
     check_stores(tmp_path, 1)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,7 +49,8 @@ WORKER_PREFIX = "splitkey-worker-"
 #: loading its --persist-dir store).
 START_PING_S = 60.0
 #: Seconds more when it compiles the fused CPU kernel first (``workers.fused.warm``): a cold
-#: compile of its three dtypes took 55-71 s on this project's 2-core machines.
+#: compile of its three dtypes took 55-71 s on this project's quiet 2-core machines, and a
+#: first start 70-135 s under load (docs/BENCHMARKS.md "Start-up").
 COMPILE_S = 240.0
 #: Arrays up to this size travel inside the task call instead of through ray.put.
 INLINE_ARG_BYTES = 256 * 2**10
@@ -118,9 +120,9 @@ def check_stores(persist_dir: Path, workers: int) -> None:
     """
     if not persist_dir.is_dir():
         return
-    extra = sorted((int(p.name[len(WORKER_PREFIX):]), p.name) for p in persist_dir.iterdir()
-                   if p.is_dir() and p.name.startswith(WORKER_PREFIX) and p.name[len(WORKER_PREFIX):].isdigit()
-                   and int(p.name[len(WORKER_PREFIX):]) >= workers and any(p.iterdir()))
+    index = re.compile(re.escape(WORKER_PREFIX) + r"([0-9]+)")  # ASCII digits: the names the pool gives
+    found = [(int(m[1]), p) for p in persist_dir.iterdir() if (m := index.fullmatch(p.name)) and p.is_dir()]
+    extra = sorted((i, p.name) for i, p in found if i >= workers and any(p.iterdir()))
     if extra:
         names = ", ".join(name for _, name in extra)
         raise ValueError(f"--persist-dir {str(persist_dir)!r} holds the stores of {names}, which --workers {workers} "
