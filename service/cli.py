@@ -58,7 +58,8 @@ def _serve(args: argparse.Namespace) -> int:
                                            timeout_keep_alive=30,
                                            http=JsonErrorsProtocol.configured(
                                                admission=app.state.splitkey.admission,
-                                               check_s=settings.body_grace_s, min_rate=settings.min_body_rate)))
+                                               check_s=settings.body_grace_s, min_rate=settings.min_body_rate,
+                                               head_timeout_s=settings.body_timeout_s)))
 
     def stop() -> None:  # after the drain (service.drain): exit without re-raising the signal, status 0
         server.should_exit = True

@@ -8,6 +8,12 @@ answers are written here, as JSON with a request id like every other error, API.
   bound of its own: a client could send one header of hundreds of MiB, which the parser
   buffers whole while the event loop spends minutes on it (docs/SECURITY.md).
 
+* a request line and headers that do not arrive within :attr:`JsonErrorsProtocol.head_timeout_s`
+  seconds (from the connection's opening, or from a later head's first byte) are answered 408
+  ``request_timeout`` and the connection closed: neither a connection that sends nothing nor
+  one that trickles its head holds a socket forever (uvicorn bounds only the idle time between
+  requests, by its keep-alive timeout).
+
 And one for answers. While an answer waits unsent over the transport's high-water mark (the
 client reads it slower than it is written, or not at all), its bytes count against the
 in-flight byte budget (``service.admission``), and every ``answer_check_s`` seconds at least
@@ -25,7 +31,7 @@ import logging
 
 from service import request_id
 from service.admission import Admission
-from service.errors import HeadTooLarge, InvalidBody, ServiceError, render
+from service.errors import HeadTooLarge, InvalidBody, RequestTimeout, ServiceError, render
 
 try:  # uvicorn's fast parser when installed (uvicorn[standard]), else its pure-Python one
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as BaseProtocol
@@ -38,7 +44,8 @@ MALFORMED = ("the request must be valid HTTP/1.1 (a request line, headers, and a
 #: parser, allows 16 KiB, nginx 4 x 8 KiB by default; an API key, a request id and the service's
 #: few headers take well under 1 KiB, so this leaves room for what proxies add.
 MAX_HEAD_BYTES = 64 * 2**10
-STATUS_LINES = {400: b"HTTP/1.1 400 Bad Request", 431: b"HTTP/1.1 431 Request Header Fields Too Large"}
+STATUS_LINES = {400: b"HTTP/1.1 400 Bad Request", 408: b"HTTP/1.1 408 Request Timeout",
+                431: b"HTTP/1.1 431 Request Header Fields Too Large"}
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +64,37 @@ class JsonErrorsProtocol(BaseProtocol):
     answer_min_rate: float = 65536.0
     _waiting = 0  #: bytes of this connection's answer counted as waiting (its buffer at the last look)
     _watch: asyncio.TimerHandle | None = None  #: the next progress check, while writing is paused
+    #: Seconds a request's line and headers may take (``configured``: ``--body-timeout``).
+    head_timeout_s: float = 120.0
+    _head_timer: asyncio.TimerHandle | None = None  #: armed while a head is awaited
 
     @classmethod
-    def configured(cls, *, admission: Admission | None, check_s: float, min_rate: float) -> type[JsonErrorsProtocol]:
+    def configured(cls, *, admission: Admission | None, check_s: float, min_rate: float,
+                   head_timeout_s: float) -> type[JsonErrorsProtocol]:
         """This protocol counting waiting answers in ``admission``, checked every ``check_s`` seconds
-        (at least 1) for ``min_rate`` bytes/s (at least one byte): uvicorn takes a class."""
+        (at least 1) for ``min_rate`` bytes/s (at least one byte), and waiting ``head_timeout_s``
+        for a head: uvicorn takes a class."""
         return type(cls.__name__, (cls,), {"admission": admission, "answer_check_s": max(check_s, 1.0),
-                                           "answer_min_rate": min_rate})
+                                           "answer_min_rate": min_rate, "head_timeout_s": head_timeout_s})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def _await_head(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_late)
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if not self._refused and not self.transport.is_closing():
+            self._refuse(RequestTimeout(f"the request line and headers must arrive within {self.head_timeout_s:g} s, "
+                                        f"got {self._head_bytes or 0} bytes of them"))
+
+    def _head_arrived(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -77,6 +108,7 @@ class JsonErrorsProtocol(BaseProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_watching()
+        self._head_arrived()
         super().connection_lost(exc)
 
     def _count_waiting(self) -> None:
@@ -111,6 +143,8 @@ class JsonErrorsProtocol(BaseProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if self._head_bytes == 0:  # a head begins (the first since the connection opened is awaited already)
+            self._await_head()
         self._request_ended = False
         super().data_received(data)
         if self._head_bytes is None or self._request_ended or self.transport.is_closing():
@@ -128,6 +162,7 @@ class JsonErrorsProtocol(BaseProtocol):
     def on_headers_complete(self) -> None:
         if self._refused:
             return
+        self._head_arrived()
         self._head_bytes = None
         # The whole head, measured as it was sent: a head that ends in the read it began in (up
         # to a read's 256 KiB) is never counted by data_received.

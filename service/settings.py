@@ -44,7 +44,8 @@ class ServiceSettings(BaseSettings):
     max_inflight_bytes: int = Field(4 * 2**30, ge=1024, description="Request body bytes held at once, by all "
                                                                    "requests together; past it 429. At least "
                                                                    "max_body_bytes.")
-    body_timeout_s: float = Field(120.0, gt=0, description="A request body must arrive within this (408 past it).")
+    body_timeout_s: float = Field(120.0, gt=0, description="A request's line and headers, and then its body, must "
+                                                         "each arrive within this (408 past it).")
     min_body_rate: float = Field(65536.0, ge=0, description="Bytes/s a body must average after body_grace_s "
                                                             "(408 below it), and an answer waiting unsent must "
                                                             "leave at (the connection aborted); 0: no minimum.")

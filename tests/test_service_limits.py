@@ -312,3 +312,31 @@ def read_all(sock, chunk: int = 2**16, pause_s: float = 0.0) -> bytes:
 def gauge(srv, name: str) -> float:
     text = httpx.get(srv.url + "/metrics").text
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def test_a_head_that_does_not_arrive_in_time_gets_408_and_idle_keep_alive_is_left_alone(tmp_path):
+    import socket
+
+    srv = Server(tmp_path, args=("--workers", "1"), env={"SPLITKEY_BODY_TIMEOUT_S": "2"}).start()
+    try:
+        silent = socket.create_connection(("127.0.0.1", srv.port))  # sends nothing at all
+        trickle = socket.create_connection(("127.0.0.1", srv.port))
+        kept = socket.create_connection(("127.0.0.1", srv.port))
+        kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_all(kept_copy := kept.dup()).startswith(b"HTTP/1.1 200")  # read off a copy: kept stays open
+        t0 = time.monotonic()
+        for piece in (b"POST /v1/attention HTTP/1.1\r\n", b"Host: x\r\n", b"X-A: 1\r\n", b"X-B: 2\r\n", b"X-C: 3\r\n"):
+            trickle.sendall(piece)
+            time.sleep(0.6)
+        for sock in (silent, trickle):
+            answer = read_all(sock)
+            assert answer.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in answer, answer[:200]
+            assert b"the request line and headers must arrive within 2 s" in answer
+        assert time.monotonic() - t0 < 10
+        # Idle longer than the head's time between two requests: uvicorn's keep-alive (30 s) rules there.
+        kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert read_all(kept).startswith(b"HTTP/1.1 200")
+        kept_copy.close()
+        assert httpx.get(srv.url + "/healthz").status_code == 200
+    finally:
+        srv.stop()
