@@ -7,6 +7,7 @@ import pytest
 import ray
 
 from service.app import create_app
+from service.middleware import ServiceMiddleware
 from service.settings import ServiceSettings
 
 
@@ -78,6 +79,10 @@ def test_admission_control_answers_429_with_a_retry_after_of_at_least_a_second()
         return {}
 
     app.add_api_route("/v1/attention/slow", slow)
+    # The middleware knows the app's routes from create_app (a path without one is a 404 that
+    # takes no slot): tell it of this one, before the first request builds the middleware stack.
+    [mw] = [m for m in app.user_middleware if m.cls is ServiceMiddleware]
+    mw.kwargs["paths"] = mw.kwargs["paths"] | {"/v1/attention/slow"}
 
     async def go() -> tuple[httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://splitkey") as c:
