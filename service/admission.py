@@ -45,6 +45,11 @@ class Admission:
         self.body_bytes += delta
         self.metrics.inflight_body_bytes.inc(delta)
 
+    def answer_aborted(self) -> None:
+        """A connection was aborted because its client read its answer too slowly (``service.http_protocol``):
+        the request was already counted with the status it was answered, its cut delivery is counted here."""
+        self.metrics.rejected.labels(reason="slow_answer").inc()
+
 
 class Ticket:
     """One request's share: a slot once admitted, the body bytes charged so far; :meth:`release` returns both."""

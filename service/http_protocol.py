@@ -136,6 +136,8 @@ class JsonErrorsProtocol(BaseProtocol):
         if left < max(1.0, self.answer_min_rate * self.answer_check_s):
             log.info("a client read %d bytes of its answer in %g s (%d wait; at least %g bytes/s asked): "
                      "connection aborted", left, self.answer_check_s, self._waiting, self.answer_min_rate)
+            if self.admission is not None:
+                self.admission.answer_aborted()
             self.transport.abort()  # connection_lost follows: it gives the bytes back
             return
         self._watch = self.loop.call_later(self.answer_check_s, self._check_progress, self._waiting)

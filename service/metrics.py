@@ -102,7 +102,8 @@ class Metrics:
         self.inflight_body_bytes = Gauge("splitkey_inflight_body_bytes", "Request body bytes received and held "
                                          "(service.admission).", registry=r)
         self.rejected = Counter("splitkey_rejected_requests", "Requests refused by admission control (inflight, "
-                                "body_bytes) or closed for a slow body (slow_body).", ["reason"], registry=r)
+                                "body_bytes), closed for a slow body (slow_body), or whose answer was cut because the "
+                                "client read it too slowly (slow_answer).", ["reason"], registry=r)
         self.workers = Gauge("splitkey_workers", "Shard workers by state.", ["state"], registry=r)
         self.worker_bytes = Gauge("splitkey_worker_bytes_held", "Resident context bytes per worker.", ["worker"], registry=r)
         self.contexts = Gauge("splitkey_contexts", "Resident contexts in the directory.", registry=r)
