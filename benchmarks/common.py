@@ -80,6 +80,14 @@ def positive(text: str) -> int:
     return n
 
 
+def count(text: str) -> int:
+    """An argument that must be an int >= 0."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {text}")
+    return n
+
+
 # ------------------------------------------------------------------ sizes, statistics and formatting
 
 

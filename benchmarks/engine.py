@@ -20,7 +20,10 @@ with the default settings. Per round (rounds alternate the servers, each started
    pre-encoded request on a raw keep-alive socket (no client library; ``GET /healthz`` too,
    the floor of an HTTP round trip here), and that raw request over the first small context (the
    same path after a kernel whose keys do not push the rest out of the caches, compared with
-   that context's kernel); in ``--blocks`` blocks per client, each block right
+   that context's kernel), and ``Client`` and the raw request over ``--layers`` contexts of
+   ``--n-k`` keys in turn, as an engine's layers call theirs (compared with the in-process
+   kernel over the same contexts in turn: no call finds its keys in the caches, on either
+   side); in ``--blocks`` blocks per client, each block right
    after the single context's in-process kernel measured anew, the clients taking turns;
    p50/p99, Server-Timing stage medians; overhead = p50 - the round's in-process kernel, and
    "beside it" = the median over the calls of (call - its block's kernel);
@@ -43,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import os
 import socket
 import statistics
@@ -102,6 +106,22 @@ def inprocess(view: Any, q: np.ndarray, calls: int) -> tuple[float, tuple[Any, A
     return statistics.median(seconds), answer
 
 
+def inprocess_layers(views: list[Any], q: np.ndarray, calls: int) -> float:
+    """Median seconds of one kernel call as an engine's layers make them: call i over ``views[i % L]``,
+    so no call finds its keys left in the caches by the call before (L contexts of 32 MiB pass 4 x 32
+    MiB through this machine's 32 MiB L3 between two calls over the same one)."""
+    q_pos = [np.array([v.k_pos.shape[0]]) for v in views]
+    seconds = []
+    with common.blas_threads(1):
+        for i in range(calls + len(views)):  # one untimed pass over the layers first
+            t0 = time.perf_counter()
+            finalize(partial_attention_resident(q, views[i % len(views)], q_pos=q_pos[i % len(views)],
+                                                options=AttentionOptions(), kernel=KernelOptions(threads=1)))
+            if i >= len(views):
+                seconds.append(time.perf_counter() - t0)
+    return statistics.median(seconds)
+
+
 def inprocess_batch(views: list[Any], q: np.ndarray, items: int, repeat: int, threads: int = 1) -> float:
     """Median seconds of a batch's items computed in-process: item i over ``views[i % len(views)]``,
     as the service's batch of ``items`` reads them, one after another on each of ``threads`` threads
@@ -127,6 +147,7 @@ def kernel_times(data: dict, calls: int, batches: Sequence[int] = ()) -> dict[st
     speed drifts over minutes)."""
     return {"single": inprocess(data["view"], data["q"], calls)[0],
             "small": inprocess(data["small_views"][0], data["q"], calls)[0],
+            **({"layers": inprocess_layers(data["layer_views"], data["q"], calls)} if data["layer_views"] else {}),
             "batches": {b: inprocess_batch(data["small_views"], data["q"], b, max(3, min(20, 2000 // b)))
                         for b in batches},
             "batches_2t": {b: inprocess_batch(data["small_views"], data["q"], b, max(3, min(20, 2000 // b)), 2)
@@ -142,15 +163,18 @@ def quantiles(seconds: Sequence[float]) -> dict[str, float]:
 Block = Callable[[int], tuple[list[float], list[dict[str, float]]]]
 
 
-def client_block(url: str, ctx_id: str, q: np.ndarray) -> tuple[Block, Callable[[], None]]:
-    """Sync ``Client`` calls on one keep-alive connection; its block and its close."""
+def client_block(url: str, ctx_ids: Sequence[str], q: np.ndarray) -> tuple[Block, Callable[[], None]]:
+    """Sync ``Client`` calls on one keep-alive connection, over ``ctx_ids`` in turn (one context: the
+    same one every call; several: an engine's layers, each over its own); its block and its close."""
     c = Client(url)
-    for _ in range(5):
-        c.attention(q, contexts=[ctx_id])
+    for i in range(5):
+        c.attention(q, contexts=[ctx_ids[i % len(ctx_ids)]])
+    turn = iter(itertools.cycle(ctx_ids))
 
     def block(n: int) -> tuple[list[float], list[dict[str, float]]]:
         seconds, stages = [], []
         for _ in range(n):
+            ctx_id = next(turn)
             t0 = time.perf_counter()
             c.attention(q, contexts=[ctx_id])
             seconds.append(time.perf_counter() - t0)
@@ -159,9 +183,10 @@ def client_block(url: str, ctx_id: str, q: np.ndarray) -> tuple[Block, Callable[
     return block, c.close
 
 
-def raw_block(url: str, request: bytes) -> tuple[Block, Callable[[], None]]:
-    """Round trips of one pre-encoded HTTP/1.1 request on a keep-alive socket (no client library,
-    nothing encoded or decoded per call): what the server and the network take alone."""
+def raw_block(url: str, request: bytes | Sequence[bytes]) -> tuple[Block, Callable[[], None]]:
+    """Round trips of one pre-encoded HTTP/1.1 request (or of several in turn) on a keep-alive socket (no
+    client library, nothing encoded or decoded per call): what the server and the network take alone."""
+    turn = iter(itertools.cycle([request] if isinstance(request, bytes) else request))
     host, port = url.removeprefix("http://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=30)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -169,12 +194,13 @@ def raw_block(url: str, request: bytes) -> tuple[Block, Callable[[], None]]:
     def block(n: int) -> tuple[list[float], list[dict[str, float]]]:
         seconds, stages = [], []
         for _ in range(n):
+            sent = next(turn)
             t0 = time.perf_counter()
-            sock.sendall(request)
+            sock.sendall(sent)
             status, headers = _response(sock)
             seconds.append(time.perf_counter() - t0)
             if status != 200:
-                raise RuntimeError(f"{request[:40]!r} answered {status}")
+                raise RuntimeError(f"{sent[:40]!r} answered {status}")
             stages.append(parse_server_timing(headers.get("server-timing")))
         return seconds, stages
     block(5)
@@ -263,6 +289,8 @@ def grpc_block(target: str, ctx_id: str, q: np.ndarray) -> tuple[Block, Callable
 
 #: The client block over the first small context (the others are over the single context).
 SMALL_RAW = "raw_small"
+#: The client blocks over the layers' contexts in turn (compared with the in-process kernel over them in turn).
+LAYERS = ("client_layers", "raw_layers")
 
 
 def interleaved(blocks: dict[str, Block], data: dict, calls: int, rounds: int) -> dict[str, dict[str, Any]]:
@@ -278,10 +306,13 @@ def interleaved(blocks: dict[str, Block], data: dict, calls: int, rounds: int) -
         kernel = {"single": inprocess(data["view"], data["q"], 9)[0]}
         if SMALL_RAW in blocks:
             kernel["small"] = inprocess(data["small_views"][0], data["q"], 9)[0]
+        if any(name in blocks for name in LAYERS):
+            kernel["layers"] = inprocess_layers(data["layer_views"], data["q"], 9)
         for name in names[r % len(names):] + names[:r % len(names)]:
             seconds, stages = blocks[name](per)
             got[name]["seconds"] += seconds
-            got[name]["beyond"] += [t - kernel["small" if name == SMALL_RAW else "single"] for t in seconds]
+            which = "small" if name == SMALL_RAW else "layers" if name in LAYERS else "single"
+            got[name]["beyond"] += [t - kernel[which] for t in seconds]
             got[name]["stages"] += stages
     return {name: {**quantiles(g["seconds"]), "beyond": statistics.median(g["beyond"]),
                    "stages": common.median_stages(g["stages"])} for name, g in got.items()}
@@ -322,8 +353,9 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
             out["single_max_diff"] = max(common.max_diff(got[0], want[0]), common.max_diff(got[1], want[1]))
             if out["single_max_diff"] > 1e-5:
                 raise RuntimeError(f"the service's answer differs from the in-process one by {out['single_max_diff']}")
-            opened = {"single": client_block(url, ctx, data["q"])}
+            opened = {"single": client_block(url, [ctx], data["q"])}
             small = [c.create_context(*kv)["id"] for kv in data["small"]] if batches else []
+            layers: list[str] = []
             try:
                 if batches and clients:
                     opened["raw"] = raw_block(url, attention_request(ctx, data["q"]))
@@ -331,6 +363,14 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
                     opened[SMALL_RAW] = raw_block(url, attention_request(small[0], data["q"]))
                     opened["async"] = async_block(url, ctx, data["q"])
                     opened["grpc"] = grpc_block(str(grpc_target), ctx, data["q"])
+                    if data["layers"]:  # an engine's layers: each call over the next layer's context
+                        layers += [c.create_context(*kv)["id"] for kv in data["layers"]]
+                        for cid, want in zip(layers, data["layer_answers"]):
+                            got = c.attention(data["q"], contexts=[cid])
+                            if common.max_diff(got[0], want[0]) > 1e-5:
+                                raise RuntimeError(f"layer context {cid}: the answer differs from the in-process one")
+                        opened["client_layers"] = client_block(url, layers, data["q"])
+                        opened["raw_layers"] = raw_block(url, [attention_request(cid, data["q"]) for cid in layers])
                 out.update(interleaved({name: block for name, (block, _) in opened.items()}, data, args.calls,
                                        args.blocks))
             finally:
@@ -351,7 +391,7 @@ def round_for(args: argparse.Namespace, root: Path, workdir: Path, batches: bool
                     out["batch"][b] = batch_calls(c, items, max(5, args.calls // max(1, b // 4)), check)
                 same = [{"q": query(100 + i), "contexts": [ctx]} for i in range(64)]
                 out["batch_same_context"] = batch_calls(c, same, max(5, args.calls // 16), lambda a: None)
-                for cid in small:
+                for cid in small + layers:
                     c.delete_context(cid)
             c.delete_context(ctx)
         out["kernel"].append(kernel_times(data, max(10, args.calls // 5), measured))
@@ -397,6 +437,12 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
         rows.append(row("this tree, AsyncClient", [r["async"] for r in own], kernels, False))
         rows.append(row("this tree, gRPC (tritonclient.grpc)", [r["grpc"] for r in own], kernels, False))
         rows.append(row("this tree, raw HTTP/1.1 (no client library)", [r["raw"] for r in own], kernels, True))
+        if all(name in r for r in own for name in LAYERS):
+            kernels = [round_kernel(r, "layers") for r in own]
+            rows.append(row(f"this tree, Client, {args.layers} contexts of {args.n_k} keys in turn",
+                            [r["client_layers"] for r in own], kernels, True))
+            rows.append(row(f"this tree, raw HTTP/1.1, {args.layers} contexts in turn",
+                            [r["raw_layers"] for r in own], kernels, True))
         if all(SMALL_RAW in r for r in own):
             rows.append(row(f"this tree, raw HTTP/1.1, over a {args.small_n_k}-key context",
                             [r[SMALL_RAW] for r in own], [round_kernel(r, "small") for r in own], True))
@@ -459,6 +505,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-k", type=common.positive, default=4096)
     p.add_argument("--small-n-k", type=common.positive, default=512)
     p.add_argument("--contexts", type=common.positive, default=64)
+    p.add_argument("--layers", type=common.count, default=4,
+                   help="contexts of --n-k keys called in turn, as an engine's layers call theirs (0: none)")
     p.add_argument("--batch", type=common.parse_keys, default=[1, 4, 16, 64, 256])
     p.add_argument("--baseline", default=None, help="a checkout of another commit: its server too, step 2 only")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, few calls, small batches")
@@ -467,7 +515,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.rounds, args.calls, args.blocks, args.contexts, args.batch = 1, 20, 2, 4, [1, 8]
-        args.small_n_k = 256
+        args.small_n_k, args.layers = 256, min(args.layers, 2)
     return args
 
 
@@ -479,8 +527,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     small = [keys(args.small_n_k, 10 + i) for i in range(args.contexts)]
     view = resident(k, v)
     small_views = [resident(*kv) for kv in small]
+    layers = [keys(args.n_k, 50 + i) for i in range(args.layers)]
+    layer_views = [resident(*kv) for kv in layers]
     data = {"single": (k, v), "view": view, "single_answer": inprocess(view, q, 3)[1], "q": q, "small": small,
-            "small_views": small_views, "small_answers": [inprocess(sv, q, 3)[1] for sv in small_views]}
+            "small_views": small_views, "small_answers": [inprocess(sv, q, 3)[1] for sv in small_views],
+            "layers": layers, "layer_views": layer_views,
+            "layer_answers": [inprocess(lv, q, 3)[1] for lv in layer_views]}
     servers: list[tuple[str, Path, bool, tuple[str, ...]]] = [("this tree, Client", ROOT, True, ())]
     if not args.quick:  # the same tree with every query a Ray call: what the direct channel saves
         servers.append((RAY_ONLY, ROOT, True, ("--worker-channel", "false")))
