@@ -218,7 +218,7 @@ def measure_service(dtype: str, batching: bool, args: argparse.Namespace, workdi
                     res.mismatches += 1
 
         for level in args.levels:
-            res.levels.append(run_level(lambda: Client(url), request, level, max(4 * level, args.repeat),
+            res.levels.append(run_level(lambda: Client(url, retries=0), request, level, max(4 * level, args.repeat),
                                         args.level_seconds))
         admin.delete_context(ctx_id)
     return res

@@ -211,7 +211,8 @@ def closed_loop(url: str, send: Callable[[TimedClient], Any], concurrency: int, 
         with lock:
             records.append(Record(dt, client.last_stages()))
 
-    level = run_level(lambda: TimedClient(url), request, concurrency, requests, max_s)
+    # retries=0: an error answer is counted as the level's error, not sent again
+    level = run_level(lambda: TimedClient(url, retries=0), request, concurrency, requests, max_s)
     return records, level
 
 

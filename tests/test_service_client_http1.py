@@ -6,6 +6,7 @@ The client's calls against a live splitkey server are tested with the service
 
 import socket
 import threading
+import time
 from http.client import BadStatusLine, IncompleteRead, RemoteDisconnected
 
 import numpy as np
@@ -99,6 +100,29 @@ def test_a_connection_closed_before_any_answer_raises_what_http_client_raises():
         conn.close()
         srv.close()
     assert [r.split(b" ")[1] for r in srv.requests] == [b"/1", b"/2"]
+
+
+def test_a_request_timeout_bounds_that_request_alone_and_the_next_has_the_connections_again():
+    srv = Scripted([[OK, OK]])  # one connection, kept for both requests
+    conn = Connection("127.0.0.1", srv.port, timeout=10)
+    try:
+        assert conn.request("GET", "/1", {}, timeout=0.5).body == b"ok"
+        assert conn._sock is not None and conn._sock.gettimeout() == 0.5
+        assert conn.request("GET", "/2", {}).body == b"ok"
+        assert conn._sock is not None and conn._sock.gettimeout() == 10
+    finally:
+        conn.close()
+        srv.close()
+    silent = socket.create_server(("127.0.0.1", 0))  # its backlog takes the connection; nothing answers
+    conn = Connection("127.0.0.1", silent.getsockname()[1], timeout=10)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            conn.request("GET", "/", {}, timeout=0.2)
+        assert time.monotonic() - t0 < 2 and conn._sock is None
+    finally:
+        conn.close()
+        silent.close()
 
 
 @pytest.mark.parametrize("answer, error", [

@@ -18,10 +18,9 @@ from server import Server
 from service.cli import build_parser
 from service.client import Client, SplitkeyError, UploadError
 from service.client.errors import retry_after_seconds
+from service.client.retry import BACKOFF_S, MAX_BACKOFF_S
 from service.client.upload import (
-    BACKOFF_S,
     HEADER_ROOM,
-    MAX_BACKOFF_S,
     Upload,
     chunk_bounds,
     chunk_keys,

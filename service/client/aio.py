@@ -12,7 +12,11 @@ chunked uploads, and retries that are safe for what they retry:
   (``service.client.upload``): a create, then appends with ``after``, so a chunk
   sent twice is stored once;
 * ``deadline`` (seconds, per call, retries included) ends a call that takes longer
-  with :class:`TimeoutError`.
+  with :class:`TimeoutError`, as does a wait before a resend that would end past it
+  (raised at once, from the error that asked for the wait).
+
+The query policy is ``service.client.retry``'s, which the synchronous client follows too
+(docs/SERVICE.md, "Retries and deadlines").
 
     >>> async with AsyncClient("http://127.0.0.1:8000") as c:
     ...     out, lse = await c.attention(q, contexts=[ctx_id])
@@ -26,7 +30,7 @@ import asyncio
 import json
 import urllib.parse
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -34,9 +38,8 @@ from service.client.aio_http import HttpPool, TransportError
 from service.client.batch import BatchAnswer, decode_batch, encode_batch
 from service.client.errors import SplitkeyError, UploadError, from_answer
 from service.client.sync import BINARY, CREATE, _arrays, _chunks, _keys, _query
+from service.client.retry import backoff, check_deadline, check_retries, deadline_passed, query_delay
 from service.client.upload import (
-    BACKOFF_S,
-    MAX_BACKOFF_S,
     Progress,
     Upload,
     holding,
@@ -49,8 +52,6 @@ from service.wire.safetensors import decode_safetensors, encode_safetensors
 
 __all__ = ["AsyncClient", "SplitkeyError", "TransportError", "UploadError"]
 
-#: Answers after which a query is sent again: not admitted now (429), workers not ready (503).
-QUERY_RETRY_STATUSES = frozenset({429, 503})
 #: A failed connection, or no answer within ``timeout``: the request may be sent again (queries always;
 #: chunks as the upload protocol allows).
 TRANSPORT_ERRORS: tuple[type[Exception], ...] = (TransportError, TimeoutError)
@@ -64,8 +65,7 @@ class AsyncClient:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url must be http(s)://HOST[:PORT], got {url!r}")
-        if type(retries) is not int or retries < 0:
-            raise ValueError(f"retries must be an int >= 0, got {retries!r}")
+        check_retries(retries)
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.url = url.rstrip("/")
@@ -104,26 +104,29 @@ class AsyncClient:
         return decode_batch(data, len(items))
 
     async def _query(self, path: str, query: str, body: list[bytes | memoryview], deadline: float | None) -> bytes:
-        """POST a query, sent again after 429/503/a lost connection up to ``retries`` times, within ``deadline``."""
-        if deadline is not None and not deadline > 0:
-            raise ValueError(f"deadline must be > 0 seconds, got {deadline!r}")
-
-        async def attempts() -> bytes:
-            attempt = 0
-            while True:
-                try:
-                    return await self._request("POST", path, query, body)
-                except SplitkeyError as exc:
-                    if exc.status not in QUERY_RETRY_STATUSES or attempt >= self.retries:
-                        raise
-                    delay = max(_backoff(attempt), exc.retry_after or 0.0)
-                except TRANSPORT_ERRORS:
-                    if attempt >= self.retries:
-                        raise
-                    delay = 0.0 if attempt == 0 else _backoff(attempt)
-                await asyncio.sleep(delay)
-                attempt += 1
-        return await _within(attempts(), deadline)
+        """POST a query, sent again after 429/503/a lost connection up to ``retries`` times, within ``deadline``
+        (``service.client.retry``: the policy ``Client`` follows too)."""
+        seconds = check_deadline(deadline)
+        loop = asyncio.get_running_loop()
+        timer = asyncio.timeout(seconds)  # in this task, as _request's
+        try:
+            async with timer:
+                attempt = 0
+                while True:
+                    try:
+                        return await self._request("POST", path, query, body)
+                    except ATTEMPT_ERRORS as exc:
+                        delay = query_delay(exc, attempt, self.retries)
+                        if delay is None:
+                            raise
+                        if seconds is not None and loop.time() + delay >= cast(float, timer.when()):
+                            raise deadline_passed(seconds) from exc  # a wait that would end past it: not begun
+                    await asyncio.sleep(delay)
+                    attempt += 1
+        except TimeoutError as exc:
+            if seconds is not None and timer.expired():
+                raise deadline_passed(seconds) from exc
+            raise
 
     # -- contexts ----------------------------------------------------------------
     async def create_context(self, k: Any, v: Any, k_pos: Any = None, *, replicas: int | None = None,
@@ -240,7 +243,7 @@ class AsyncClient:
                 transport = isinstance(exc, TRANSPORT_ERRORS)
                 may_resend = resendable or not transport
                 # retry_delay knows SplitkeyError; a failed connection waits as the sync client's does
-                delay = ((0.0 if attempt == 0 else _backoff(attempt)) if transport else retry_delay(exc, attempt))
+                delay = ((0.0 if attempt == 0 else backoff(attempt)) if transport else retry_delay(exc, attempt))
                 if attempt >= upload.retries or not may_resend or delay is None:
                     raise upload.stopped(exc) from exc
             await asyncio.sleep(delay)
@@ -261,16 +264,3 @@ class AsyncClient:
         if resp.status >= 400:
             raise from_answer(resp.status, resp.body, resp.headers.get("retry-after"))
         return resp.body
-
-
-def _backoff(attempt: int) -> float:
-    return min(MAX_BACKOFF_S, BACKOFF_S * 2 ** attempt)
-
-
-async def _within(work: Any, deadline: float | None) -> Any:
-    """``await work``, cut with :class:`TimeoutError` after ``deadline`` seconds (None: no deadline)."""
-    if deadline is None:
-        return await work
-    async with asyncio.timeout(deadline):
-        return await work
-

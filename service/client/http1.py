@@ -82,14 +82,17 @@ class Connection:
         self._tls = ssl.create_default_context() if https else None
         self._sock: socket.socket | None = None
         self._reader: BinaryIO | None = None
+        self._sock_timeout = timeout  #: the socket's timeout now
 
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Sequence[bytes | memoryview] = (),
-                *, resend: bool = True, sent: Callable[[], None] | None = None) -> Answer:
+                *, resend: bool = True, sent: Callable[[], None] | None = None,
+                timeout: float | None = None) -> Answer:
         """Send one request and read its whole answer.
 
         ``resend``: send once more on a fresh connection when a kept one turns out closed by the
         server (idle too long) before any byte of the answer; otherwise that raises.
         ``sent()`` is called once the body is out, before the answer is read.
+        ``timeout``: this request's socket timeout, connecting included (None: the connection's).
         """
         size = sum(memoryview(b).nbytes for b in body)
         head = request_head(method, target, f"{self.host}:{self.port}", headers, size)
@@ -97,7 +100,7 @@ class Connection:
         for attempt in (0, 1):
             reused = self._sock is not None
             try:
-                sock, reader = self._open()
+                sock, reader = self._open(timeout)
                 for buf in data:
                     sock.sendall(buf)
                 if sent is not None:
@@ -124,15 +127,21 @@ class Connection:
             self._sock.close()
             self._sock = None
 
-    def _open(self) -> tuple[socket.socket, BinaryIO]:
+    def _open(self, timeout: float | None = None) -> tuple[socket.socket, BinaryIO]:
+        """The connection (a new one if there is none, or the server closed it), its socket timeout
+        ``timeout`` (None: the connection's)."""
+        wait = self.timeout if timeout is None else timeout
         if self._sock is not None and _closed_by_peer(self._sock):
             self.close()  # the server closed it while idle (keep-alive timeout): a new one, nothing resent
         if self._sock is None or self._reader is None:
-            sock = socket.create_connection((self.host, self.port), self.timeout)
+            sock = socket.create_connection((self.host, self.port), wait)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self.host)
             self._sock, self._reader = sock, cast(BinaryIO, sock.makefile("rb", buffering=READ_BUFFER_BYTES))
+        elif self._sock_timeout != wait:  # a kept connection last used with another timeout
+            self._sock.settimeout(wait)
+        self._sock_timeout = wait
         return self._sock, self._reader
 
     @staticmethod

@@ -6,7 +6,10 @@ leaves in one write, a large body as the buffers that
 tensors). One ``Client`` holds one keep-alive connection: use one per thread.
 
 Contexts of any length are uploaded in chunks under the server's limits
-(``service.client.upload``; docs/CONTEXTS.md, "Uploading long contexts").
+(``service.client.upload``; docs/CONTEXTS.md, "Uploading long contexts"). Queries are sent
+again after 429, 503 or a lost connection, ``retries`` times, within a per-call ``deadline``,
+as :class:`service.client.aio.AsyncClient` sends them (``service.client.retry``; docs/SERVICE.md,
+"Retries and deadlines").
 
     >>> c = Client("http://127.0.0.1:8000")
     >>> out, lse = c.attention(q, k, v, causal=True)
@@ -15,6 +18,7 @@ Contexts of any length are uploaded in chunks under the server's limits
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,6 +30,7 @@ from service.client.batch import BatchAnswer, decode_batch, encode_batch
 from service.client.errors import SplitkeyError, UploadError, from_answer
 from service.client.http1 import Connection
 from service.client.pipeline import Chunk, SendChunk, send_pipelined
+from service.client.retry import check_deadline, check_retries, deadline_passed, query_delay
 from service.client.upload import (
     ATTEMPT_ERRORS,
     TRANSPORT_ERRORS,
@@ -64,10 +69,15 @@ def _query(options: Mapping[str, Any]) -> str:
 
 
 class Client:
-    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+    """``timeout``: seconds a connection may wait on the server (each send, each read). ``retries``:
+    times a query (:meth:`attention`, :meth:`attention_batch`) is sent again after 429 (after at
+    least its ``Retry-After``), 503 (with backoff) or a lost connection; uploads have their own."""
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0, *, retries: int = 2) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url must be http(s)://HOST[:PORT], got {url!r}")
+        self.retries = check_retries(retries)
         self.url = url
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -85,25 +95,63 @@ class Client:
     def attention(self, q: Any, k: Any = None, v: Any = None, contexts: Sequence[str] | None = None, *,
                   q_pos: Any = None, k_pos: Any = None, alibi_slopes: Any = None, scale: float | None = None,
                   causal: bool | None = None, window: tuple[int | None, int | None] | None = None,
-                  softcap: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``(out [n_q, h_q, d_v], lse [n_q, h_q])`` of ``q`` over inline ``k, v`` and/or ``contexts``."""
+                  softcap: float | None = None, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(out [n_q, h_q, d_v], lse [n_q, h_q])`` of ``q`` over inline ``k, v`` and/or ``contexts``.
+
+        Sent again after 429, 503 or a lost connection up to ``retries`` times; ``deadline``
+        (seconds, retries and waits included) ends the call with :class:`TimeoutError`.
+        """
         tensors = {"q": q, "k": k, "v": v, "q_pos": q_pos, "k_pos": k_pos, "alibi_slopes": alibi_slopes}
         query = _query({"scale": scale, "causal": causal, "window": window, "softcap": softcap,
                         "contexts": list(contexts) if contexts else None})
-        body = self._request("POST", "/v1/attention", query, tensors)
-        res = decode_safetensors(body, {"out", "lse"})
+        body = encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None})
+        res = decode_safetensors(self._query("/v1/attention", query, body, deadline), {"out", "lse"})
         return np.array(res["out"]), np.array(res["lse"])
 
-    def attention_batch(self, items: Sequence[Mapping[str, Any]]) -> list[BatchAnswer]:
+    def attention_batch(self, items: Sequence[Mapping[str, Any]], *,
+                        deadline: float | None = None) -> list[BatchAnswer]:
         """Many attention items in one request (``POST /v1/attention/batch``, docs/API.md section 10).
 
         Each item is a mapping of :meth:`attention`'s arguments (``q`` and any of ``k``,
         ``v``, ``contexts``, ``q_pos``, ``k_pos``, ``alibi_slopes``, ``scale``, ``causal``,
         ``window``, ``softcap``); each answer is ``(out, lse)`` or the :class:`SplitkeyError`
-        of that item alone. An error of the whole request raises.
+        of that item alone. An error of the whole request raises, once the retries and
+        ``deadline`` of :meth:`attention` are spent.
         """
         body = encode_batch(items)
-        return decode_batch(self._request("POST", "/v1/attention/batch", body=body), len(items))
+        return decode_batch(self._query("/v1/attention/batch", "", body, deadline), len(items))
+
+    def _query(self, path: str, query: str, body: list[bytes | memoryview], deadline: float | None) -> bytes:
+        """POST a query, sent again after 429/503/a lost connection up to ``retries`` times, within ``deadline``
+        (``service.client.retry``: the policy ``AsyncClient`` follows too).
+
+        Each attempt's socket timeout is the time left (at most ``timeout``), and no wait before
+        a resend is begun that would end at or past the deadline: the deadline's
+        :class:`TimeoutError` is raised at once instead, from the error that asked for the wait.
+        """
+        seconds = check_deadline(deadline)
+        start = time.monotonic()
+        attempt = 0
+        while True:
+            timeout = None  # the client's
+            if seconds is not None:
+                left = start + seconds - time.monotonic()
+                if left <= 0:  # only after a resend without a wait: the attempt before used it all
+                    raise deadline_passed(seconds)
+                if left < (self.timeout or math.inf):
+                    timeout = left
+            try:
+                return self._request("POST", path, query, body=body, timeout=timeout)
+            except ATTEMPT_ERRORS as exc:
+                if seconds is not None and timeout is not None and isinstance(exc, TimeoutError):
+                    raise deadline_passed(seconds) from exc  # the socket waited out the time left
+                delay = query_delay(exc, attempt, self.retries)
+                if delay is None:
+                    raise
+                if seconds is not None and time.monotonic() + delay >= start + seconds:
+                    raise deadline_passed(seconds) from exc
+            time.sleep(delay)
+            attempt += 1
 
     # -- contexts ----------------------------------------------------------------
     def create_context(self, k: Any, v: Any, k_pos: Any = None, *, replicas: int | None = None,
@@ -305,10 +353,11 @@ class Client:
 
     def _request(self, method: str, path: str, query: str = "", tensors: Mapping[str, Any] | None = None, *,
                  resend: bool = True, sent: Callable[[], None] | None = None,
-                 body: list[bytes | memoryview] | None = None) -> bytes:
+                 body: list[bytes | memoryview] | None = None, timeout: float | None = None) -> bytes:
         """The answer's body; an error answer raises :class:`SplitkeyError`.
 
         The request body is the safetensors of ``tensors``, or ``body`` (buffers of one) as it is.
+        ``timeout``: this request's socket timeout (None: the client's ``timeout``).
 
         ``resend``: send once more on a fresh connection when the kept one turns out closed
         (the server closed it while idle); a lost connection otherwise raises (what
@@ -324,7 +373,8 @@ class Client:
         if body is not None:
             headers["Content-Type"] = BINARY
         target = urllib.parse.quote(self.base + path, safe="/") + (f"?{query}" if query else "")
-        resp = self._connection().request(method, target, headers, body or (), resend=resend, sent=sent)
+        resp = self._connection().request(method, target, headers, body or (), resend=resend, sent=sent,
+                                          timeout=timeout)
         self.last_server_timing = resp.headers.get("server-timing", "")
         if resp.status >= 400:
             raise from_answer(resp.status, resp.body, resp.headers.get("retry-after"))

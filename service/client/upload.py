@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from service.client.errors import SplitkeyError, UploadError
+from service.client.retry import backoff
 from service.wire.rules import Limits
 
 #: Bytes of k and v per chunk when the caller names no chunk size. Measured on 2 cores
@@ -33,9 +34,6 @@ RETRY_STATUSES = frozenset({429, 503, 504})
 TRANSPORT_ERRORS: tuple[type[Exception], ...] = (ConnectionError, TimeoutError, http.client.HTTPException)
 #: What ends one attempt of a chunk: an error answer or a failed connection.
 ATTEMPT_ERRORS: tuple[type[Exception], ...] = (SplitkeyError, *TRANSPORT_ERRORS)
-#: Wait before the second attempt of a chunk; doubled for each further one, up to MAX_BACKOFF_S.
-BACKOFF_S = 0.25
-MAX_BACKOFF_S = 4.0
 
 #: ``progress(done_keys, total_keys)``, called after each committed chunk.
 Progress = Callable[[int, int], object]
@@ -88,15 +86,15 @@ def retry_delay(error: BaseException, attempt: int) -> float | None:
     first), or None when the chunk must not be sent again.
 
     A lost connection is retried at once the first time (a keep-alive connection the
-    server closed while idle), then with backoff; 429 waits at least its ``Retry-After``.
+    server closed while idle), then with backoff (``service.client.retry.backoff``, as a
+    query's); 429 waits at least its ``Retry-After``.
     """
-    backoff = min(MAX_BACKOFF_S, BACKOFF_S * 2 ** attempt)
     if isinstance(error, SplitkeyError):
         if error.status not in RETRY_STATUSES:
             return None
-        return max(backoff, error.retry_after or 0.0)
+        return max(backoff(attempt), error.retry_after or 0.0)
     if isinstance(error, TRANSPORT_ERRORS):
-        return 0.0 if attempt == 0 else backoff
+        return 0.0 if attempt == 0 else backoff(attempt)
     return None
 
 

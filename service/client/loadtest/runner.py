@@ -227,7 +227,7 @@ def _send_points(workload: Workload, config: SweepConfig, runs: list[tuple[str, 
                  rng: np.random.Generator, stream: TextIO, stop: threading.Event) -> None:
     """Each arrival point after its warm-up, appended to ``runs`` as it finishes."""
     def make_client() -> Client:
-        return Client(config.url, api_key=config.api_key)
+        return Client(config.url, api_key=config.api_key, retries=0)  # each answer counted as it came: none resent
 
     index = 0
     for arrival, load in config.points():
