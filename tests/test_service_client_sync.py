@@ -202,6 +202,9 @@ def test_sync_client_keeps_its_positional_parameters_and_refuses_bad_retries_and
     for retries in (-1, 1.5, True, "2", None):
         with pytest.raises(ValueError, match=re.escape(f"retries must be an int >= 0, got {retries!r}")):
             Client("http://127.0.0.1:9", retries=retries)
+    for timeout in (0, -1.0, math.nan):
+        with pytest.raises(ValueError, match=re.escape(f"timeout must be > 0 seconds, got {timeout!r}")):
+            Client("http://127.0.0.1:9", timeout=timeout)
     for deadline in (0, -1.0, math.nan, "1", True):
         for call in ("attention", "attention_batch"):
             with pytest.raises(ValueError, match=re.escape(f"deadline must be > 0 seconds, got {deadline!r}")):

@@ -78,6 +78,8 @@ class Client:
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url must be http(s)://HOST[:PORT], got {url!r}")
         self.retries = check_retries(retries)
+        if not timeout > 0:  # NaN too: a socket timeout that never ends, or ends at once
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         self.url = url
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
