@@ -236,6 +236,22 @@ def test_a_damaged_record_is_skipped_with_a_warning_and_its_shards_still_load(tm
     assert "record of context c" in warning and "record.json" in warning
 
 
+def test_a_restart_leaves_a_damaged_record_as_it_was_and_names_it_again_at_the_next(tmp_path, caplog):
+    """Until 2026-12-05 a restart wrote the record it held for the context, ``{}``, over the damaged file:
+    what was left of it was gone, and the next start loaded ``{}`` without a warning."""
+    two_contexts(tmp_path)
+    path = tmp_path / "c" / "record.json"
+    path.write_text('{"version": 2, "id": "c", "shards": [{"ind')  # cut short
+    good = (tmp_path / "e" / "record.json").read_bytes()
+    for _ in range(2):
+        caplog.clear()
+        restarted(tmp_path)
+        assert path.read_text() == '{"version": 2, "id": "c", "shards": [{"ind'
+        assert (tmp_path / "e" / "record.json").read_bytes() == good
+        [warning] = persist_warnings(caplog)
+        assert "record of context c" in warning
+
+
 def test_a_stray_folder_named_like_a_temporary_is_left_alone_and_the_store_loads(tmp_path, caplog):
     ek, ev = two_contexts(tmp_path)
     (tmp_path / "e" / "0" / "stray.tmp").mkdir()

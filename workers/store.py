@@ -149,7 +149,9 @@ class ShardStore:
             threading.Thread(target=_prefault_ahead, args=(kv,), name="splitkey-prefault", daemon=True).start()
         with self._index:
             self._shards[key] = kv
-        self._remember(context_id, context)  # not a commit: the write may still be undone
+        # Not a commit: the write may still be undone. A restore writes nothing: the record it read is on disk
+        # already, and one it could not read (damaged, or none) must stay as it is, not become ``{}``.
+        self._remember(context_id, context, persist=persist)
         return self.info(context_id, index)
 
     def append(self, write: ShardWrite, k: Any, v: Any, *, committed: int) -> ShardInfo:
@@ -219,14 +221,15 @@ class ShardStore:
                     self._committed[context_id] = version
             self._remember(context_id, record)
 
-    def _remember(self, context_id: str, record: dict) -> None:
-        """Keep ``record`` for a directory rebuild (``held``) if its version is the newest seen."""
+    def _remember(self, context_id: str, record: dict, persist: bool = True) -> None:
+        """Keep ``record`` for a directory rebuild (``held``) if its version is the newest seen (and, with
+        ``persist``, on disk)."""
         with self._index:
             old = self._info.get(context_id)
             newest = old is None or record.get("version", 0) >= old.get("version", 0)
             if newest:
                 self._info[context_id] = dict(record)
-        if newest and self.files is not None:
+        if newest and persist and self.files is not None:
             self.files.save_record(context_id, dict(record))
 
     def check_committed(self, context_id: str, version: int) -> None:
