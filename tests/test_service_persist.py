@@ -175,7 +175,7 @@ def shards_held(c) -> int:
 
 def test_a_context_whose_record_no_holder_can_read_is_released_from_memory_and_its_files_kept(tmp_path):
     """Its shards loaded (another holder's record might have named them) but no record did: it cannot be
-    served, listed or deleted, and until 2026-12-05 its shards held their memory until the next restart.
+    served, listed or deleted, and until 2026-12-04 its shards held their memory for as long as the workers ran.
     They are released at start, with one warning naming the context, its folders and why, and again from
     a worker that replaces a dead one (it loads the same folder); nothing on disk changes."""
     k, v, q = draw(4, 400, 2)

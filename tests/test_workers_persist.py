@@ -237,7 +237,7 @@ def test_a_damaged_record_is_skipped_with_a_warning_and_its_shards_still_load(tm
 
 
 def test_a_restart_leaves_a_damaged_record_as_it_was_and_names_it_again_at_the_next(tmp_path, caplog):
-    """Until 2026-12-05 a restart wrote the record it held for the context, ``{}``, over the damaged file:
+    """Until 2026-12-04 a restart wrote the record it held for the context, ``{}``, over the damaged file:
     what was left of it was gone, and the next start loaded ``{}`` without a warning."""
     two_contexts(tmp_path)
     path = tmp_path / "c" / "record.json"

@@ -351,7 +351,7 @@ def _check_segment(path: Path, t: dict[str, np.ndarray], declared: str | None, n
 
 def _load_record(ctx_dir: Path) -> tuple[dict | None, str]:
     """The context's record kept here, or None and why: none stored, a damaged one (a warning names it), or an
-    empty one (``{}``: what a restart wrote over a damaged one until 2026-12-05)."""
+    empty one (``{}``: what a restart wrote over a damaged one until 2026-12-04)."""
     path = ctx_dir / RECORD
     if not path.exists():
         return None, f"there is no {path}"
