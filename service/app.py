@@ -27,6 +27,7 @@ from service.cluster.connect import connect, disconnect, start_reaper
 from service.cluster.orchestrator import Orchestrator
 from service.cluster.pool import WorkerPool
 from service.contexts.directory import Directory
+from service.contexts.orphans import Orphans
 from service.contexts.repair import Repairer
 from service.contexts.service import ContextService
 from service.drain import Drain
@@ -94,8 +95,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         detached = settings.ray_address is not None
         pool = await WorkerPool.start(settings, detached=detached)
         try:
-            healer = _serve(state, pool, await Directory.connect(settings, [s.name for s in pool.slots],
-                                                                 detached=detached))
+            directory = await Directory.connect(settings, [s.name for s in pool.slots], detached=detached)
+            orphans = Orphans(pool, directory)
+            await orphans.sweep()  # before ready: contexts no holder has a record of leave the workers' memory
+            healer = _serve(state, pool, directory, orphans)
             try:
                 yield
             finally:
@@ -122,12 +125,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 HEALER_STOP_S = 10.0
 
 
-def _serve(state: AppState, pool: WorkerPool, directory: Directory) -> asyncio.Task:
+def _serve(state: AppState, pool: WorkerPool, directory: Directory, orphans: Orphans) -> asyncio.Task:
     """The services over ``pool`` set as ``state.runtime``; the repairer's task."""
     settings = state.settings
     context_service = ContextService(settings, pool, directory)
     orchestrator = Orchestrator(pool, fanin=settings.merge_fanin, remote_merge_bytes=settings.remote_merge_bytes)
-    repair = Repairer(pool, directory, context_service)
+    repair = Repairer(pool, directory, context_service, orphans)
     attention_service = AttentionService(settings, pool, orchestrator, context_service)
     state.runtime = Runtime(pool=pool, attention=attention_service, contexts=context_service, repair=repair,
                             batch=BatchService(settings, pool, attention_service, context_service))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from reference import assert_close_to_reference
 from server import Server
+from test_service_contexts_repair import shard_worker_pids
 from test_workers_persist import flip_data_byte
 
 from service.client import Client, SplitkeyError, UploadError
@@ -159,5 +160,102 @@ def test_a_flipped_byte_on_disk_is_never_served_and_the_other_contexts_come_back
             assert (err.value.status, err.value.code) == (503, "context_lost")
             got, got_lse = c.attention(q, contexts=[kept["id"]])
             assert got.tobytes() == out.tobytes() and got_lse.tobytes() == lse.tobytes()
+    finally:
+        srv.stop()
+
+
+def files_of(store, ctx) -> dict:
+    """Every file of context ``ctx`` in the store, by path, with its bytes."""
+    return {str(p.relative_to(store)): p.read_bytes() for p in sorted(store.glob(f"*/{ctx}/**/*")) if p.is_file()}
+
+
+def shards_held(c) -> int:
+    return sum(w["shards"] for w in c.cluster()["workers"])
+
+
+def test_a_context_whose_record_no_holder_can_read_is_released_from_memory_and_its_files_kept(tmp_path):
+    """Its shards loaded (another holder's record might have named them) but no record did: it cannot be
+    served, listed or deleted, and until 2026-12-04 its shards held their memory for as long as the workers ran.
+    They are released at start, with one warning naming the context, its folders and why, and again from
+    a worker that replaces a dead one (it loads the same folder); nothing on disk changes."""
+    k, v, q = draw(4, 400, 2)
+    store = tmp_path / "store"
+    srv = serve(tmp_path / "a", store)
+    try:
+        with Client(srv.url) as c:
+            orphan = c.create_context(k, v, shards=2)["id"]
+            kept = c.create_context(k[:200], v[:200], replicas=2)["id"]
+            out, lse = c.attention(q, contexts=[kept])
+    finally:
+        srv.stop()
+    records = sorted(store.glob(f"*/{orphan}/record.json"))
+    assert len(records) == 2, records  # one per holder: the two shards are on the two workers
+    records[0].unlink()  # gone on one holder,
+    records[1].write_text('{"version": 3, "id": "' + orphan + '", "sha')  # cut short on the other
+    on_disk = files_of(store, orphan)
+    srv = serve(tmp_path / "b", store)
+    try:
+        with Client(srv.url) as c:
+            assert [d["id"] for d in c.list_contexts()] == [kept]
+            assert shards_held(c) == 2  # kept's two replicas only: the orphan's shards are not held
+            for call in (lambda: c.attention(q, contexts=[orphan]), lambda: c.get_context(orphan),
+                         lambda: c.delete_context(orphan)):
+                with pytest.raises(SplitkeyError) as err:
+                    call()
+                assert (err.value.status, err.value.code) == (404, "context_not_found")
+            got, got_lse = c.attention(q, contexts=[kept])
+            assert got.tobytes() == out.tobytes() and got_lse.tobytes() == lse.tobytes()
+            [warning] = [line for line in srv.log().splitlines() if orphan in line]
+            assert "is not served: no holder has a readable record of it" in warning
+            assert f"there is no {records[0]}" in warning and f"{records[1]} must be readable JSON" in warning
+            assert all(str(p.parent) in warning for p in records)  # its folders, to put a record back or remove
+
+            os.kill(shard_worker_pids(srv.proc.pid)[0], signal.SIGKILL)  # its replacement loads its folder
+            deadline = time.monotonic() + 90
+            while len([line for line in srv.log().splitlines() if orphan in line]) < 2:
+                assert time.monotonic() < deadline, c.cluster()
+                time.sleep(0.5)
+            while c.get_context(kept)["state"] != "ready":  # the repair loop rebuilds kept's replica there
+                assert time.monotonic() < deadline, c.get_context(kept)
+                time.sleep(0.5)
+            assert c.cluster()["repair"]["workers_replaced"] == 1
+            assert shards_held(c) == 2
+            c.delete_context(kept)
+            assert shards_held(c) == 0 and c.cluster()["bytes_held"] == 0  # no memory held for anything
+    finally:
+        srv.stop()
+    # Left as they were, the damaged record too: with its record back it loads again (test_workers_persist).
+    assert files_of(store, orphan) == on_disk
+
+
+def test_a_record_damaged_on_one_holder_is_read_from_another_and_every_replica_served(tmp_path):
+    k, v, q = draw(5, 300, 2)
+    store = tmp_path / "store"
+    srv = serve(tmp_path / "a", store)
+    try:
+        with Client(srv.url) as c:
+            ctx = c.create_context(k[:200], v[:200], replicas=2)["id"]
+    finally:
+        srv.stop()
+    records = sorted(store.glob(f"*/{ctx}/record.json"))
+    assert len(records) == 2, records
+    records[0].write_text("{not json")
+    srv = serve(tmp_path / "b", store)
+    try:
+        with Client(srv.url) as c:
+            [d] = c.list_contexts()
+            assert (d["id"], d["length"], d["state"], d["live_replicas"]) == (ctx, 200, "ready", [2])
+            held = [w["shards"] for w in c.cluster()["workers"]]
+            assert held == [1, 1], held  # the replica whose record is damaged is kept, and counted
+            out, lse = c.attention(q, contexts=[ctx])
+            assert_close_to_reference(out, lse, q, k[:200], v[:200])
+            c.append(ctx, k[200:], v[200:])  # its holders are told the record again: the damaged one is replaced
+            out, lse = c.attention(q, contexts=[ctx])
+            assert_close_to_reference(out, lse, q, k, v)
+            assert records[0].read_bytes() == records[1].read_bytes()
+            c.delete_context(ctx)
+            assert c.list_contexts() == [] and shards_held(c) == 0
+            assert not list(store.glob(f"*/{ctx}"))  # gone from both holders' folders
+        assert "not served" not in srv.log()
     finally:
         srv.stop()

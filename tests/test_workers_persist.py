@@ -236,6 +236,71 @@ def test_a_damaged_record_is_skipped_with_a_warning_and_its_shards_still_load(tm
     assert "record of context c" in warning and "record.json" in warning
 
 
+def test_a_restart_leaves_a_damaged_record_as_it_was_and_names_it_again_at_the_next(tmp_path, caplog):
+    """Until 2026-12-04 a restart wrote the record it held for the context, ``{}``, over the damaged file:
+    what was left of it was gone, and the next start loaded ``{}`` without a warning."""
+    two_contexts(tmp_path)
+    path = tmp_path / "c" / "record.json"
+    path.write_text('{"version": 2, "id": "c", "shards": [{"ind')  # cut short
+    good = (tmp_path / "e" / "record.json").read_bytes()
+    for _ in range(2):
+        caplog.clear()
+        restarted(tmp_path)
+        assert path.read_text() == '{"version": 2, "id": "c", "shards": [{"ind'
+        assert (tmp_path / "e" / "record.json").read_bytes() == good
+        [warning] = persist_warnings(caplog)
+        assert "record of context c" in warning
+
+
+def store_files(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("damage, why", [(lambda p: p.unlink(), "there is no"),
+                                         (lambda p: p.write_text("{not json"), "must be readable JSON"),
+                                         (lambda p: p.write_text("{}"), "holds an empty record")])
+def test_an_unrecorded_context_is_released_from_memory_and_its_files_left_as_they_are(tmp_path, caplog, damage, why):
+    ek, ev = two_contexts(tmp_path)
+    damage(tmp_path / "c" / "record.json")
+    before = store_files(tmp_path)
+    again = restarted(tmp_path)
+    held_e = again.used - again.info("c", 0).nbytes
+    caplog.clear()
+    [released] = again.release_unrecorded(["c", "e", "x"])  # e has its record here, x is not held: both kept
+    assert (released.context_id, released.shards, released.keys, released.path) == ("c", [0], 30, str(tmp_path / "c"))
+    assert released.nbytes > 0 and why in released.why
+    assert again.used == held_e and [(i.context_id, i.length) for i in again.held()] == [("e", 10)]
+    [warning] = persist_warnings(caplog)
+    assert "context c" in warning and str(tmp_path / "c") in warning and why in warning
+    assert store_files(tmp_path) == before  # nothing on disk changed: a record put back brings it back
+    assert sorted((i.context_id, i.length) for i in restarted(tmp_path).held()) == [("c", 30), ("e", 10)]
+
+
+def test_a_context_told_its_record_since_the_restart_is_not_released(tmp_path):
+    two_contexts(tmp_path)
+    (tmp_path / "c" / "record.json").unlink()
+    again = restarted(tmp_path)
+    again.note_context("c", {"version": 3, "id": "c", "shards": [{"index": 0, "length": 30, "workers": ["w"]}]})
+    assert again.release_unrecorded(["c"]) == []
+    assert again.info("c", 0).length == 30
+
+
+def test_shards_with_a_record_here_load_before_those_without_within_the_budget(tmp_path, caplog):
+    """A context without a record here may be one no holder has a record of: it must not take the budget
+    from one that has (contexts load in id order, and "a" comes first)."""
+    st = ShardStore(10**8, files=ShardFiles(tmp_path))
+    k, v = kv(100, np.float32)
+    for ctx in ("a", "b"):
+        st.create(ShardWrite(ctx, 0, "float32", 100, np.arange(100)), k, v, context={"version": 1, "id": ctx})
+    (tmp_path / "a" / "record.json").unlink()
+    one = st.info("a", 0).nbytes
+    small = ShardStore(one + one // 2, files=ShardFiles(tmp_path))
+    assert small.restore() == 1
+    assert [i.context_id for i in small.held()] == ["b"]
+    [warning] = persist_warnings(caplog)
+    assert "shard 0 of context a" in warning and "budget" in warning
+
+
 def test_a_stray_folder_named_like_a_temporary_is_left_alone_and_the_store_loads(tmp_path, caplog):
     ek, ev = two_contexts(tmp_path)
     (tmp_path / "e" / "0" / "stray.tmp").mkdir()

@@ -327,3 +327,8 @@ class ShardWorker:
 
     def held(self) -> list[dict]:
         return [info.to_dict() for info in self.store.held()]
+
+    def release_unrecorded(self, context_ids: list[str]) -> list[dict]:
+        """Free the named contexts' shards this worker holds no record of, their files left on disk
+        (``ShardStore.release_unrecorded``)."""
+        return [r.to_dict() for r in self.store.release_unrecorded(context_ids)]

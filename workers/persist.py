@@ -21,7 +21,10 @@ name, dtype, shape and bytes, :func:`_digest`). Loading checks every segment it 
 against its digest and against ``shard.json`` (dtype, dims, a length that matches its
 name): a shard whose files fail a check is not loaded, with one warning naming it and
 the file, and the rest of the store is (docs/RELIABILITY.md, "A damaged store"). A
-record that is not a readable JSON object of the expected shape is skipped the same way.
+record that is not a readable JSON object of the expected shape is skipped the same way
+(why each context has no record here is kept in :attr:`ShardFiles.unrecorded`: whether another
+holder has one is the directory's to say, and a context no holder has one of is released
+from memory, its files left as they are: ``ShardStore.release_unrecorded``).
 Segments written before digests were stored load unverified (one info line per load).
 """
 
@@ -146,6 +149,8 @@ class ShardFiles:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        #: context_id -> why the last :meth:`load` found no record of it here (none, damaged, empty).
+        self.unrecorded: dict[str, str] = {}
 
     def _shard_dir(self, context_id: str, index: int) -> Path:
         return self.root / context_id / str(index)
@@ -217,13 +222,16 @@ class ShardFiles:
         """
         shards: list[LoadedShard] = []
         records: dict[str, dict] = {}
+        self.unrecorded = {}
         for ctx_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
             shard_dirs = sorted(p for p in ctx_dir.iterdir() if p.is_dir() and p.name.isdigit())
             for folder in (ctx_dir, *shard_dirs):
                 _remove_temporaries(folder)
-            record = _load_record(ctx_dir)
-            if record is not None:
+            record, why = _load_record(ctx_dir)
+            if record:
                 records[ctx_dir.name] = record
+            else:
+                self.unrecorded[ctx_dir.name] = why
             for shard_dir in shard_dirs:
                 try:
                     loaded = self._load_shard(ctx_dir.name, int(shard_dir.name), shard_dir)
@@ -341,16 +349,18 @@ def _check_segment(path: Path, t: dict[str, np.ndarray], declared: str | None, n
                       f"got k {list(k)}, v {list(v)}, k_pos {list(k_pos)}")
 
 
-def _load_record(ctx_dir: Path) -> dict | None:
-    """The context's record kept here, or None: none stored, or a damaged one (a warning names it)."""
+def _load_record(ctx_dir: Path) -> tuple[dict | None, str]:
+    """The context's record kept here, or None and why: none stored, a damaged one (a warning names it), or an
+    empty one (``{}``: what a restart wrote over a damaged one until 2026-12-04)."""
     path = ctx_dir / RECORD
     if not path.exists():
-        return None
+        return None, f"there is no {path}"
     try:
-        return _check_record(path, _read_json(path))
+        record = _check_record(path, _read_json(path))
     except Damaged as exc:
         log.warning("persisted record of context %s not loaded, it is damaged: %s", ctx_dir.name, exc)
-        return None
+        return None, str(exc)
+    return (record, "") if record else (None, f"{path} holds an empty record")
 
 
 def _check_record(path: Path, record: Any) -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -92,6 +93,21 @@ class ShardInfo:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Released:
+    """The shards of one context :meth:`ShardStore.release_unrecorded` freed from memory."""
+
+    context_id: str
+    shards: list[int]  #: their indexes
+    keys: int
+    nbytes: int
+    path: str | None  #: the context's folder on disk, left as it is (None: a store without one)
+    why: str  #: why this store has no record of the context
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 class ShardStore:
     def __init__(self, budget_bytes: int, xp: Any = np, files: ShardFiles | None = None) -> None:
         self.budget = budget_bytes
@@ -149,7 +165,9 @@ class ShardStore:
             threading.Thread(target=_prefault_ahead, args=(kv,), name="splitkey-prefault", daemon=True).start()
         with self._index:
             self._shards[key] = kv
-        self._remember(context_id, context)  # not a commit: the write may still be undone
+        # Not a commit: the write may still be undone. A restore writes nothing: the record it read is on disk
+        # already, and one it could not read (damaged, or none) must stay as it is, not become ``{}``.
+        self._remember(context_id, context, persist=persist)
         return self.info(context_id, index)
 
     def append(self, write: ShardWrite, k: Any, v: Any, *, committed: int) -> ShardInfo:
@@ -201,6 +219,36 @@ class ShardStore:
                 self.files.drop(context_id, index)
             return len(keys)
 
+    def release_unrecorded(self, context_ids: Sequence[str]) -> list[Released]:
+        """Free from memory the shards of each named context this store holds no record of; their files stay
+        on disk as they are. Returns what was released, one per context.
+
+        For a context whose record no holder could read at a restart (``service.contexts.orphans``): it
+        cannot be served (the committed length of each shard, and which shards it has, are the record's to
+        say), listed or deleted, so its memory would be held for nothing. A context this store has been
+        told a record of since (a create, a note) is kept.
+        """
+        released = []
+        with self._writing, self._index:
+            for context_id in dict.fromkeys(context_ids):
+                keys = sorted(key for key in self._shards if key[0] == context_id)
+                if not keys or self._info.get(context_id):
+                    continue
+                kvs = [self._shards.pop(key) for key in keys]
+                self._info.pop(context_id, None)
+                self._committed.pop(context_id, None)
+                files = self.files
+                why = "no record was given" if files is None else files.unrecorded.get(context_id, "none is here")
+                released.append(Released(context_id, [i for _, i in keys], sum(kv.n_k for kv in kvs),
+                                         sum(kv.nbytes for kv in kvs),
+                                         None if files is None else str(files.root / context_id), why))
+        for r in released:
+            log.warning("context %s: no holder has a readable record of it, so it cannot be served: its shards %s "
+                        "(%d keys, %d bytes) are released from memory, their files left on disk as they are in "
+                        "%s; its record here: %s", r.context_id, ", ".join(map(str, r.shards)), r.keys, r.nbytes,
+                        r.path, r.why)
+        return released
+
     def note_context(self, context_id: str, record: dict) -> None:
         """Remember the context's committed record (kept if its version is the newest seen); from now on
         reads of older versions are refused (:meth:`check_committed`).
@@ -219,14 +267,15 @@ class ShardStore:
                     self._committed[context_id] = version
             self._remember(context_id, record)
 
-    def _remember(self, context_id: str, record: dict) -> None:
-        """Keep ``record`` for a directory rebuild (``held``) if its version is the newest seen."""
+    def _remember(self, context_id: str, record: dict, persist: bool = True) -> None:
+        """Keep ``record`` for a directory rebuild (``held``) if its version is the newest seen (and, with
+        ``persist``, on disk)."""
         with self._index:
             old = self._info.get(context_id)
             newest = old is None or record.get("version", 0) >= old.get("version", 0)
             if newest:
                 self._info[context_id] = dict(record)
-        if newest and self.files is not None:
+        if newest and persist and self.files is not None:
             self.files.save_record(context_id, dict(record))
 
     def check_committed(self, context_id: str, version: int) -> None:
@@ -292,7 +341,9 @@ class ShardStore:
             return 0
         shards, records = self.files.load()
         loaded = 0
-        for s in shards:
+        # Shards whose context has a record here first: one without may be of a context no holder has a record
+        # of (released once the directory says so), and must not take the budget from the others.
+        for s in sorted(shards, key=lambda s: s.context_id not in records):
             write = ShardWrite(s.context_id, s.index, s.dtype, s.max_capacity, s.k_pos, reserve=s.reserve)
             try:
                 with self._writing:

@@ -554,6 +554,11 @@ class WorkerPool:
         """What the worker holds: ``[{"context_id", "index", "length", ...}]`` (``ShardWorker.held``)."""
         return self._call(index, lambda h: h.held.remote())
 
+    def release_unrecorded(self, index: int, context_ids: Sequence[str]) -> Awaitable[Any]:
+        """Free the named contexts' shards the worker holds no record of, files left on disk: what it released,
+        ``[{"context_id", "shards", "keys", "nbytes", "path", "why"}]`` (``ShardWorker.release_unrecorded``)."""
+        return self._call(index, lambda h: h.release_unrecorded.remote(list(context_ids)))
+
 
     async def compute_many(self, index: int, items: Sequence[ResidentQuery]) -> list[Any]:
         """Every item's states over the resident shards it names on this worker, in one call: per item,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from service.cluster.pool import WorkerPool
 from service.contexts.directory import Directory
+from service.contexts.orphans import Orphans
 from service.contexts.records import ContextRecord, ShardEntry
 from service.contexts.service import ContextService, reserve_of
 from service.errors import ContextNotFound, WorkersUnavailable, internals
@@ -59,8 +60,10 @@ def shown(exc: BaseException) -> str:
 
 
 class Repairer:
-    def __init__(self, pool: WorkerPool, directory: Directory, contexts: ContextService) -> None:
+    def __init__(self, pool: WorkerPool, directory: Directory, contexts: ContextService,
+                 orphans: Orphans | None = None) -> None:
         self.pool, self.directory, self.contexts = pool, directory, contexts
+        self.orphans = orphans or Orphans(pool, directory)
         self.stats = RepairStats()
 
     async def run_forever(self, interval_s: float) -> None:
@@ -97,6 +100,9 @@ class Repairer:
                                 "so it is replaced in a later round", slot.name)
         if gone:
             await self.pool.refresh(timeout_s=PING_TIMEOUT_S)
+        # A replacement loads the dead worker's --persist-dir folder: a context there that no holder has a
+        # record of leaves its memory again (service.contexts.orphans; workers seen before are not asked).
+        await self.orphans.sweep()
         records = await self.directory.all()
         await self._count(records)
         for record in records:
