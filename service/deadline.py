@@ -1,4 +1,4 @@
-"""The deadline of the request this task serves, for the work it sends to the workers (docs/SERVICE.md, "Deadline").
+"""The deadline of the request this task serves, for the work it sends to the workers (docs/SERVICE.md, "Deadlines").
 
 ``service.routes.common.with_deadline`` starts it where the request's 504 timer starts;
 ``service.cluster.pool`` sends each call to a worker the seconds left of it

@@ -1,6 +1,6 @@
 """The request deadline reaches the workers: work whose request was answered 504 is not computed
 afterwards, so an overloaded worker does not spend its time on answers nobody waits for
-(docs/SERVICE.md, "Deadline")."""
+(docs/SERVICE.md, "Deadlines")."""
 
 from __future__ import annotations
 

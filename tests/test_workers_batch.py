@@ -295,7 +295,8 @@ def test_work_whose_budget_ran_out_while_the_worker_was_busy_is_not_computed_and
         return w._run(jobs)
 
     w.compute = Batcher(held_run, joins=_share_a_shard, expired=Expired)
-    late, left, forever = ShardQuery(q_pos, opts, budget_s=0.2), ShardQuery(q_pos, opts, 3600.0), ShardQuery(q_pos, opts)
+    forever = ShardQuery(q_pos, opts)  # no deadline
+    late, left = forever.with_budget(0.2), forever.with_budget(3600.0)
     with ThreadPoolExecutor(6) as pool:
         first = pool.submit(w.partial_resident, qs[0], forever, reads, 2)
         assert held.wait(10)

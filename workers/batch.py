@@ -21,7 +21,7 @@ A job may carry a deadline (``time.monotonic()``; the shard worker sets it from 
 budget its request had left when the call arrived). A job whose deadline has passed
 when the compute thread takes a batch (or ``run_here`` would run it) is not run: it
 leaves the queue and its future gets ``expired(message)``, so a worker under overload
-spends no time on answers nobody waits for (docs/SERVICE.md, "Deadline"). The check is
+spends no time on answers nobody waits for (docs/SERVICE.md, "Deadlines"). The check is
 one comparison per job, against one clock reading per batch.
 """
 

@@ -51,7 +51,7 @@ class ShardQuery:
 
     ``budget_s``: the seconds the request had left of its deadline when the front end sent
     this call; the worker starts its own clock on arrival and does not start the work once
-    they are spent (docs/SERVICE.md, "Deadline"). Relative, so no two nodes' clocks are ever
+    they are spent (docs/SERVICE.md, "Deadlines"). Relative, so no two nodes' clocks are ever
     compared. None: no deadline (internal calls), the work always runs.
     """
 
