@@ -32,4 +32,7 @@ def running(seconds: float) -> Iterator[None]:
 def budget() -> float | None:
     """The seconds left of the current request's deadline (0 once it passed); None outside a request."""
     at = _at.get()
-    return None if at is None else max(0.0, at - time.monotonic())
+    if at is None:
+        return None
+    left = at - time.monotonic()
+    return left if left > 0.0 else 0.0

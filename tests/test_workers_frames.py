@@ -69,6 +69,15 @@ def test_the_query_frame_carries_every_attention_option():
                                                                         "alibi_slopes"]
 
 
+def test_with_budget_keeps_every_other_field_of_the_query():
+    # ShardQuery.with_budget builds the copy field by field, and the frames carry each field: a new
+    # field must be added to both.
+    assert [f.name for f in dataclasses.fields(ShardQuery)] == ["q_pos", "options", "budget_s"]
+    query = ShardQuery(np.array([3]), AttentionOptions(causal=True), 1.0)
+    got = query.with_budget(0.5)
+    assert (got.q_pos, got.options, got.budget_s, query.budget_s) == (query.q_pos, query.options, 0.5, 1.0)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_state_frame_round_trips_bitwise_with_minus_inf_rows(rng, dtype):
     m = rng.standard_normal((2, 3)).astype(dtype)
