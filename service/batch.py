@@ -17,8 +17,10 @@ them all, and the per-call costs are paid once per batch:
 Items the grouped path does not take (inline keys, contexts holding no keys) and
 items whose grouped read failed (a worker gone, a shard missing, a stale cached
 record) run through the single-request path (``AttentionService.attention``),
-which retries on other replicas and re-reads the directory. An item's failure is
-its own answer; the others are unaffected.
+which retries on other replicas and re-reads the directory, except an item a worker
+did not start because the request's deadline had passed: it is answered 504 (the
+request itself is past its deadline). An item's failure is its own answer; the others
+are unaffected.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from service.attention import (
     union_positions,
     widened_q,
 )
-from service.cluster.orchestrator import LOCAL_MERGE_INLINE_BYTES
+from service.cluster.orchestrator import LOCAL_MERGE_INLINE_BYTES, late
 from service.cluster.pool import WorkerPool
 from service.contexts.records import ContextRecord
 from service.contexts.service import ContextService, Resolved
@@ -51,6 +53,7 @@ from service.settings import ServiceSettings
 from service.wire.batch import Answer, Item, ItemError
 from service.wire.request import AttentionRequest
 from workers.dtypes import accumulation_dtype
+from workers.store import Expired
 from workers.tasks import ResidentQuery, ShardQuery, ShardRead, carry
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,7 @@ class Planned:
     states: list[State | None] = field(default_factory=list)
     q: Any = None  #: the item's q in its accumulation dtype (service.attention.widened_q)
     failed: bool = False
+    late: ServiceError | None = None  #: its answer when a worker did not start it in time (not retried)
 
 
 class BatchService:
@@ -99,11 +103,14 @@ class BatchService:
         await self._compute(planned)
         t2 = time.perf_counter()
         timings.add("compute", t2 - t1)
-        retry = [p for p in planned if p.failed]
+        retry = [p for p in planned if p.failed and p.late is None]
         for p in retry:  # a cached record may be why: the single path reads the directory
             if p.cached:
                 self.contexts.forget(p.req.contexts)
-        done = [p for p in planned if not p.failed]
+        done = [p for p in planned if not p.failed and p.late is None]
+        for p in planned:
+            if p.late is not None:
+                answers[p.index] = ItemError.of(p.index, p.late)
         nbytes = sum(st.nbytes for p in done for st in p.states if st is not None)
         merged = (await asyncio.to_thread(self._merge, done) if nbytes > LOCAL_MERGE_INLINE_BYTES
                   else self._merge(done))
@@ -202,6 +209,9 @@ class BatchService:
         for w, result in zip(workers, results):
             for k, (p, js) in enumerate(calls[w]):
                 got = result[k] if isinstance(result, list) else result
+                if isinstance(got, Expired):
+                    p.late = late(self.pool.slots[w].name)
+                    continue
                 if isinstance(got, BaseException):
                     p.failed = True
                     continue

@@ -231,3 +231,37 @@ def test_a_shard_the_worker_does_not_hold_raises_shard_missing_as_over_ray(ray_c
         assert channel_calls(pool) == 1
 
     pool_call(ray_cluster, rng, True, act)
+
+
+@pytest.mark.parametrize("channel", [True, False], ids=["channel", "ray"])
+def test_work_sent_with_no_time_left_is_not_computed_and_the_request_gets_deadline_exceeded(ray_cluster, rng,
+                                                                                            channel):
+    """Calls sent once the request's deadline passed (budget 0) are refused by the worker, over the channel
+    and over Ray alike (inline shards, resident queries, batch items); the orchestrator answers 504."""
+    from service import deadline
+    from service.cluster.orchestrator import Job, Orchestrator
+    from service.cluster.pool import InlineWork
+    from service.errors import DeadlineExceeded
+    from service.metrics import Timings
+    from workers.store import Expired
+    from workers.tasks import ResidentQuery
+
+    async def act(pool, q, query, work, want) -> None:
+        k, v = keys(rng)
+        orch = Orchestrator(pool, fanin=2, remote_merge_bytes=2**30)
+        with deadline.running(0.0):  # the request's time is out when its calls are sent
+            with pytest.raises(Expired):
+                await pool.compute(0, q, query, work, keep_state=False, state_nbytes=1024)
+            with pytest.raises(Expired):
+                await pool.compute(0, q, query, InlineWork(k, v, np.arange(N_K)), keep_state=False)
+            with pytest.raises(DeadlineExceeded, match="got past it before worker splitkey-worker-0 could start"):
+                await orch.run(q, query, [Job(work, (0,), "shard 0 of ctx")], Timings(), 1024)
+            assert isinstance((await pool.compute_many(0, [ResidentQuery(carry(q), query, work.reads)]))[0], Expired)
+        with deadline.running(60.0):
+            _, st = await pool.compute(0, q, query, work, keep_state=False, state_nbytes=1024)
+        assert same(st, want)
+        info = await pool.slots[0].handle.ping.remote()
+        assert info["expired"] == 4 and info["batches"] == 2  # computed: want (before act) and the last query
+        assert info["channel_calls"] == (4 if channel else 0)
+
+    pool_call(ray_cluster, rng, channel, act)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -145,6 +146,38 @@ def test_max_rows_must_be_positive():
         Batcher(lambda p: p, max_rows=0)
 
 
+class Late(Exception):
+    pass
+
+
+def test_jobs_whose_deadline_passed_before_the_compute_thread_took_them_are_not_run_and_fail_expired():
+    gate = Gate()
+    b = Batcher(gate.run, expired=Late)
+    b.submit("first", key="a")
+    assert gate.started.wait(10)
+    past, later = time.monotonic(), time.monotonic() + 3600  # past: out by the time the thread takes it
+    futures = {p: b.submit(p, key=k, deadline=d) for p, k, d in [
+        ("late a", "a", past), ("a1", "a", later), ("late x", None, past), ("late b", "b", past),
+        ("a2", "a", math.inf), ("late a again", "a", past)]}
+    queued(b, 6)
+    gate.open.set()
+    assert futures["a1"].result(10) == "done a1" and futures["a2"].result(10) == "done a2"
+    for p in ("late a", "late x", "late b", "late a again"):
+        with pytest.raises(Late, match="deadline passed .* before this work could start: not computed"):
+            futures[p].result(10)
+    assert gate.batches == [["first"], ["a1", "a2"]]  # the late ones never reached run()
+    assert b.expired == 4 and b.batches == 2
+
+
+def test_run_here_does_not_run_a_job_whose_deadline_passed_on_its_way():
+    ran = []
+    b = Batcher(lambda payloads: ran.extend(payloads) or [f"done {p}" for p in payloads], expired=Late)
+    done = b.run_here("late", deadline=time.monotonic())
+    assert done is not None and isinstance(done.exception(), Late)
+    assert b.run_here("in time", deadline=time.monotonic() + 3600).result() == "done in time"
+    assert ran == ["in time"] and b.expired == 1 and b.batches == 1
+
+
 # -- through a shard worker -------------------------------------------------------------------
 
 def worker_with_context(rng, n_k=3000, dtype=np.float32):
@@ -237,3 +270,60 @@ def test_queries_over_contexts_that_share_a_prefix_share_the_prefix_pass(rng):
         k, v, k_pos = (np.concatenate([parts[c][i] for c in ask]) for i in range(3))
         out, lse = finalize(state)
         assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=np.array([2600]), k_pos=k_pos)
+
+
+def test_work_whose_budget_ran_out_while_the_worker_was_busy_is_not_computed_and_the_rest_is_exact(rng):
+    """Queries (resident, inline, and a batch's items) wait behind a held first query; those sent with
+    0.2 s left are not computed once it ends, those with time left (or no deadline) are, exactly."""
+    from workers.store import Expired
+    from workers.tasks import ResidentQuery
+
+    w, k, v = worker_with_context(rng)
+    reads = (ShardRead("ctx", 0, 3000),)
+    opts = AttentionOptions(causal=True)
+    qs = [rng.standard_normal((1, 8, 32)).astype(np.float32) for _ in range(4)]
+    q_pos = np.array([2999])
+    alone = [w.partial_resident(q, ShardQuery(q_pos, opts), reads, 2)[1] for q in qs]
+    held, release = threading.Event(), threading.Event()
+    computed: list[list] = []  # the q of every job each batch computed
+
+    def held_run(jobs):
+        computed.append([j.q for j in jobs])
+        if not held.is_set():
+            held.set()
+            assert release.wait(30)
+        return w._run(jobs)
+
+    w.compute = Batcher(held_run, joins=_share_a_shard, expired=Expired)
+    forever = ShardQuery(q_pos, opts)  # no deadline
+    late, left = forever.with_budget(0.2), forever.with_budget(3600.0)
+    with ThreadPoolExecutor(6) as pool:
+        first = pool.submit(w.partial_resident, qs[0], forever, reads, 2)
+        assert held.wait(10)
+        waiting = {
+            "late": pool.submit(w.partial_resident, qs[1], late, reads, 2),
+            "left": pool.submit(w.partial_resident, qs[2], left, reads, 2),
+            "inline late": pool.submit(w.partial, qs[1], k[:100], v[:100], late, np.arange(100)),
+            "many": pool.submit(w.partial_resident_many, [ResidentQuery(qs[1], late, reads),
+                                                          ResidentQuery(qs[3], left, reads)]),
+            "none": pool.submit(w.partial_resident, qs[3], forever, reads, 2),
+        }
+        queued(w.compute, 6)
+        time.sleep(0.3)  # the late ones' 0.2 s run out while the first query holds the compute thread
+        release.set()
+        first.result(60)
+        for name in ("late", "inline late"):
+            with pytest.raises(Expired, match="deadline passed"):
+                waiting[name].result(60)
+        late_item, (item_status, item_states) = waiting["many"].result(60)
+        results = [waiting["left"].result(60), waiting["none"].result(60)]
+    assert isinstance(late_item, Expired)
+    assert w.compute.expired == 3 and w.ping()["expired"] == 3
+    # One pass computed the three in time (the batch's live item among them); q 1 (the late ones) never ran.
+    assert [sorted(id(q) for q in batch) for batch in computed[1:]] == [sorted([id(qs[2]), id(qs[3]), id(qs[3])])]
+    assert item_status.batch == 3 and len(item_states) == 1
+    for state, q, solo in ((results[0][1], qs[2], alone[2]), (results[1][1], qs[3], alone[3]),
+                           (item_states[0], qs[3], alone[3])):
+        assert state.m.tobytes() == solo.m.tobytes() and state.acc.tobytes() == solo.acc.tobytes()
+        out, lse = finalize(state)
+        assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=q_pos)

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from workers import channel, frames
-from workers.actor import ShardWorker
+from workers.actor import ShardWorker, _share_a_shard
+from workers.batch import Batcher
 from workers.config import WorkerConfig
 from workers.options import AttentionOptions
-from workers.tasks import ShardQuery, ShardRead, ShardWrite
+from workers.store import Expired
+from workers.tasks import ResidentQuery, ShardQuery, ShardRead, ShardWrite
 
 N_K, H_KV, H_Q, D = 300, 2, 4, 16
 
@@ -103,6 +106,45 @@ def test_replies_name_their_requests_and_a_bad_one_fails_alone(worker, rng):
             continue
         want = worker.partial_resident(q, sq, reads, 2)[1]
         assert frames.parse_state(header, arrays)[1].acc.tobytes() == want.acc.tobytes()
+
+
+def test_queries_and_batch_items_whose_budget_ran_out_while_the_worker_was_busy_answer_expired(worker, rng):
+    """Over the channel, behind a query that holds the compute thread: a resident query and a batch
+    item sent with 0.2 s left are answered Expired, not computed; the item with time left is exact."""
+    (q0, sq, reads), (q1, _, _), (q2, _, _) = query(rng), query(rng), query(rng)
+    want = worker.partial_resident_many([ResidentQuery(q2, sq, reads)])[0][1][0]
+    held, release = threading.Event(), threading.Event()
+    computed = []
+
+    def held_run(jobs):
+        computed.append(len(jobs))
+        if not held.is_set():
+            held.set()
+            assert release.wait(30)
+        return worker._run(jobs)
+
+    worker.compute = Batcher(held_run, joins=_share_a_shard, expired=Expired)
+    late, left = sq.with_budget(0.2), sq.with_budget(3600.0)
+    first = threading.Thread(target=worker.partial_resident, args=(q0, sq, reads, 2))  # holds the compute thread
+    first.start()
+    assert held.wait(10)
+    with connect(worker) as s:
+        receive(s)
+        send(s, frames.query_frame(1, q1, late, reads, 2))
+        send(s, frames.many_frame(2, [ResidentQuery(q1, late, reads), ResidentQuery(q2, left, reads)]))
+        deadline = time.monotonic() + 10
+        while len(worker.compute._queue) < 3:  # the late query and the batch's two items
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        time.sleep(0.3)  # 0.2 s run out while the first query holds the thread
+        release.set()
+        replies = dict((h["id"], (h, a)) for h, a in (receive(s) for _ in range(2)))
+    first.join(30)
+    assert replies[1][0]["op"] == "error" and replies[1][0]["kind"] == "Expired"
+    expired, (status, states) = frames.parse_many_reply(*replies[2])
+    assert isinstance(expired, frames.RemoteError) and expired.kind == "Expired"
+    assert status.batch == 1 and states[0].acc.tobytes() == want.acc.tobytes()
+    assert computed == [1, 1] and worker.ping()["expired"] == 2
 
 
 def test_a_wrong_token_is_closed_without_an_answer_and_the_worker_goes_on(worker, rng):

@@ -69,6 +69,15 @@ def test_the_query_frame_carries_every_attention_option():
                                                                         "alibi_slopes"]
 
 
+def test_with_budget_keeps_every_other_field_of_the_query():
+    # ShardQuery.with_budget builds the copy field by field, and the frames carry each field: a new
+    # field must be added to both.
+    assert [f.name for f in dataclasses.fields(ShardQuery)] == ["q_pos", "options", "budget_s"]
+    query = ShardQuery(np.array([3]), AttentionOptions(causal=True), 1.0)
+    got = query.with_budget(0.5)
+    assert (got.q_pos, got.options, got.budget_s, query.budget_s) == (query.q_pos, query.options, 0.5, 1.0)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_state_frame_round_trips_bitwise_with_minus_inf_rows(rng, dtype):
     m = rng.standard_normal((2, 3)).astype(dtype)
@@ -147,6 +156,42 @@ def test_parse_query_refuses_a_malformed_request_naming_what_it_needs(rng, broke
                                                   (ShardRead("c", 0, 5, 1),), 2))
     with pytest.raises(ValueError):
         frames.parse_query(*broken(header, arrays))
+
+
+@pytest.mark.parametrize("budget", [None, 0.0, 0.1234567890123, 7, 86400.5])
+def test_a_query_s_budget_round_trips_in_its_frame_and_in_a_many_frame(rng, budget):
+    from workers.tasks import ResidentQuery
+
+    q = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    query = ShardQuery(np.array([3, 4]), AttentionOptions(), budget_s=budget)
+    reads = (ShardRead("c", 0, 5, 1),)
+    _, got, _, _ = frames.parse_query(*roundtrip(frames.query_frame(1, q, query, reads, 2)))
+    many = frames.parse_many(*roundtrip(frames.many_frame(2, [ResidentQuery(q, query, reads),
+                                                             ResidentQuery(q, query.with_budget(None), reads)])))
+    assert got.budget_s == budget and many[0].query.budget_s == budget and many[1].query.budget_s is None
+    assert budget is None or type(got.budget_s) is float
+
+
+def test_a_query_frame_without_a_budget_has_no_deadline(rng):
+    q = rng.standard_normal((1, 4, 8)).astype(np.float32)
+    header, arrays = roundtrip(frames.query_frame(1, q, ShardQuery(np.array([3]), AttentionOptions(), 1.0),
+                                                  (ShardRead("c", 0, 5, 1),), 2))
+    del header["budget"]  # a front end of an earlier release
+    assert frames.parse_query(header, arrays)[1].budget_s is None
+
+
+@pytest.mark.parametrize("budget", [-1.0, -1e-9, float("nan"), float("inf"), "1.0", True, [1.0], {"s": 1}])
+def test_a_budget_that_is_not_null_or_a_finite_number_of_seconds_is_a_frame_error(rng, budget):
+    q = rng.standard_normal((1, 4, 8)).astype(np.float32)
+    header, arrays = roundtrip(frames.query_frame(1, q, ShardQuery(np.array([3]), AttentionOptions()),
+                                                  (ShardRead("c", 0, 5, 1),), 2))
+    bad = {**header, "budget": budget}
+    with pytest.raises(frames.FrameError, match="budget must be null or a finite number of seconds >= 0"):
+        frames.parse_query(bad, arrays)
+    with pytest.raises(frames.FrameError, match="budget must be"):  # as the JSON a peer sent (NaN included)
+        frames.parse_query(frames.decode(json.dumps(bad).encode(), b"".join(a.tobytes() for a in arrays))[0], arrays)
+    with pytest.raises(frames.FrameError, match="budget must be"):
+        frames.parse_many({"id": 1, "op": "many", "items": [bad]}, arrays)
 
 
 def test_many_frame_round_trips_items_of_different_shapes_options_and_dtypes(rng):

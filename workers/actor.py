@@ -8,7 +8,9 @@ only caller of its methods. Configuration arrives through the constructor as a
 
 Each call runs in a thread of its own. Computations go through one compute thread
 (``workers.batch``): queries over the same resident shards that wait together are
-served in one pass over the keys. Context writes run in their calling thread, next
+served in one pass over the keys; a query whose request's time (``ShardQuery.budget_s``,
+counted from the call's arrival) runs out before that thread takes it is not computed
+(``workers.store.Expired``). Context writes run in their calling thread, next
 to the computations (the store lets readers read while a writer writes), so a long
 upload does not hold up queries.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import secrets
 import time
@@ -42,7 +45,7 @@ from workers.fused import available as fused_available
 from workers.fused import warm
 from workers.options import CpuKernels
 from workers.persist import ShardFiles
-from workers.store import ShardStore
+from workers.store import Expired, ShardStore
 from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, arrive, carry
 
 
@@ -71,6 +74,12 @@ def _node_address() -> str:
     except ImportError:
         pass
     return "127.0.0.1"
+
+
+def _deadline(budget_s: float | None) -> float:
+    """The ``time.monotonic()`` after which a call that arrives now with ``budget_s`` seconds left is not
+    started (``workers.batch``); inf without a budget. Relative: the front end's clock never matters."""
+    return math.inf if budget_s is None else time.monotonic() + budget_s
 
 
 def _run_each(calls: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -132,7 +141,7 @@ class ShardWorker:
             # Compile (or load from numba's disk cache) before the first request, not on it.
             self.warm_s = warm(threads=config.kernel.threads)
         self.compute = Batcher(self._run, max_rows=config.batch_rows, name=f"{name}-compute",
-                               joins=_share_a_shard)
+                               joins=_share_a_shard, expired=Expired)
         # Context writes run one at a time on a thread of their own, below the queries (docs/CONTEXTS.md).
         self.writes = Batcher(_run_each, max_rows=1, name=f"{name}-writes", nice=WRITE_NICE)
         #: The direct channel for resident queries (``workers.channel``); None when the config says no.
@@ -165,6 +174,7 @@ class ShardWorker:
             "calls": self.calls,
             "channel_calls": self.channel_calls,
             "batches": self.compute.batches,
+            "expired": self.compute.expired,
             "config": settings_of(self.config),
             "cpu_kernels": self._cpu_kernels(),
         }
@@ -186,9 +196,10 @@ class ShardWorker:
     # state in the object store until the merge tree needs it.
     def partial(self, q: Any, k: Any, v: Any, query: ShardQuery, k_pos: Any) -> tuple[ComputeStatus, State]:
         """The state of ``q`` over one inline shard ``k, v`` at positions ``k_pos``."""
+        deadline = _deadline(query.budget_s)
         self.calls += 1
         job = InlineJob(arrive(q), arrive(k), arrive(v), query, k_pos)
-        result: tuple[ComputeStatus, State] = self.compute.call(job)
+        result: tuple[ComputeStatus, State] = self.compute.call(job, deadline=deadline)
         return result
 
     def partial_resident(self, q: Any, query: ShardQuery, reads: tuple[ShardRead, ...],
@@ -205,11 +216,13 @@ class ShardWorker:
     def _submit_resident(self, q: Any, query: ShardQuery, reads: Sequence[ShardRead], fanin: int | None,
                          here: bool = False) -> Future:
         """One resident query to the compute thread (fanin None: a state per read, unmerged); its future.
-        ``here``: run it in this thread instead when the worker is idle (``Batcher.run_here``)."""
+        ``here``: run it in this thread instead when the worker is idle (``Batcher.run_here``). Called as
+        the query arrives: its budget's clock starts here."""
+        deadline = _deadline(query.budget_s)
         job = ResidentJob(q, query, tuple(reads), fanin)
         rows = int(q.shape[0]) * int(q.shape[1])
-        done = self.compute.run_here(job, key=job.key(), rows=rows) if here else None
-        return done if done is not None else self.compute.submit(job, key=job.key(), rows=rows)
+        done = self.compute.run_here(job, key=job.key(), rows=rows, deadline=deadline) if here else None
+        return done if done is not None else self.compute.submit(job, key=job.key(), rows=rows, deadline=deadline)
 
     def _channel_submit(self, header: dict, arrays: list[Any], alone: bool = False) -> Future:
         """A request from the direct channel, queued as the Ray method queues it; the future of its reply.

@@ -16,12 +16,21 @@ A caller that would only hand a job over and sleep until its answer may instead
 caller's thread at once, saving the compute thread's wake-up. One batch still runs
 at a time either way (``_running``), and what arrives meanwhile queues and batches
 as before.
+
+A job may carry a deadline (``time.monotonic()``; the shard worker sets it from the
+budget its request had left when the call arrived). A job whose deadline has passed
+when the compute thread takes a batch (or ``run_here`` would run it) is not run: it
+leaves the queue and its future gets ``expired(message)``, so a worker under overload
+spends no time on answers nobody waits for (docs/SERVICE.md, "Deadlines"). The check is
+one comparison per job, against one clock reading per batch.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
@@ -40,40 +49,51 @@ class Pending:
     payload: Any
     key: Hashable | None  #: jobs with equal keys may run together; None: always alone
     rows: int  #: rows it adds to a batch
+    deadline: float = math.inf  #: ``time.monotonic()`` from which it is not started (inf: never expires)
     future: Future = field(default_factory=Future)
 
 
 class Batcher:
     """A FIFO of jobs served by one thread, equal-key jobs batched (module doc).
 
-    ``run(payloads)`` computes one batch and returns one result per payload, in order.
+    ``run(payloads)`` computes one batch and returns one result per payload, in order;
+    ``expired(message)`` is the exception of a job whose deadline passed before it started
+    (the shard worker's is ``workers.store.Expired``).
     """
 
     def __init__(self, run: Callable[[Sequence[Any]], Sequence[Any]], *, max_rows: int = MAX_BATCH_ROWS,
                  name: str = "splitkey-compute", nice: int = 0,
-                 joins: Callable[[Any, Any], bool] | None = None) -> None:
+                 joins: Callable[[Any, Any], bool] | None = None,
+                 expired: Callable[[str], BaseException] = TimeoutError) -> None:
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self._run = run
         self._max_rows = max_rows
         self._nice = nice
         self._joins = joins
+        self._expired = expired
         self._queue: deque[Pending] = deque()
+        #: Jobs ``_take`` found past their deadline, failed once the lock is released (compute thread only).
+        self._dropped: deque[Pending] = deque()
         self._ready = threading.Condition()
         self._running = False  #: a batch runs (on the compute thread, or a job in run_here's caller)
         self.batches = 0  #: batches run so far (for tests and metrics)
+        self.expired = 0  #: jobs not run because their deadline had passed (for tests and metrics)
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, payload: Any, key: Hashable | None = None, rows: int = 1) -> Future:
-        """Queue a job; its future holds its result, or the exception its batch raised."""
-        job = Pending(payload, key, rows)
+    def submit(self, payload: Any, key: Hashable | None = None, rows: int = 1,
+               deadline: float = math.inf) -> Future:
+        """Queue a job; its future holds its result, or the exception its batch raised (``expired``'s
+        when ``deadline`` passes before it starts)."""
+        job = Pending(payload, key, rows, deadline)
         with self._ready:
             self._queue.append(job)
             self._ready.notify()
         return job.future
 
-    def run_here(self, payload: Any, key: Hashable | None = None, rows: int = 1) -> Future | None:
+    def run_here(self, payload: Any, key: Hashable | None = None, rows: int = 1,
+                 deadline: float = math.inf) -> Future | None:
         """Run the job in the calling thread when no batch runs and none waits: its future, done.
         None when the worker is busy: nothing was run or queued (the caller submits it).
 
@@ -83,9 +103,17 @@ class Batcher:
         with self._ready:
             if self._queue or self._running:
                 return None
-            self._running = True
-            self.batches += 1
-        job = Pending(payload, key, rows)
+            now = time.monotonic()
+            late = deadline <= now  # its time ran out on the way here: not run
+            if late:
+                self.expired += 1
+            else:
+                self._running = True
+                self.batches += 1
+        job = Pending(payload, key, rows, deadline)
+        if late:
+            job.future.set_exception(self._late(job, now))
+            return job.future
         try:
             self._finish([job])
         finally:
@@ -95,19 +123,32 @@ class Batcher:
                     self._ready.notify()
         return job.future
 
-    def call(self, payload: Any, key: Hashable | None = None, rows: int = 1) -> Any:
+    def call(self, payload: Any, key: Hashable | None = None, rows: int = 1, deadline: float = math.inf) -> Any:
         """Queue a job and wait for its result (what a Ray actor method's thread does)."""
-        return self.submit(payload, key, rows).result()
+        return self.submit(payload, key, rows, deadline).result()
 
-    def _take(self) -> list[Pending]:
-        """The oldest job and, when it has a key, the waiting jobs with that key, within the row bound."""
-        first = self._queue.popleft()
+    def _take(self, now: float) -> list[Pending]:
+        """The oldest job whose deadline is after ``now`` and, when it has a key, the waiting jobs with that
+        key, within the row bound; empty when none is left. Jobs past their deadline that it meets (ahead
+        of the oldest, or anywhere in the queue once it scans for batch mates) go to ``_dropped``, unrun."""
+        first = None
+        while first is None and self._queue:
+            job = self._queue.popleft()
+            if job.deadline > now:
+                first = job
+            else:
+                self._dropped.append(job)
+        if first is None:
+            return []
         batch = [first]
         if first.key is None:
             return batch
         rows = first.rows
         for job in list(self._queue):
-            if job.key == first.key and rows + job.rows <= self._max_rows and (
+            if job.deadline <= now:
+                self._queue.remove(job)
+                self._dropped.append(job)
+            elif job.key == first.key and rows + job.rows <= self._max_rows and (
                     self._joins is None or self._joins(first.payload, job.payload)):
                 self._queue.remove(job)
                 batch.append(job)
@@ -121,14 +162,26 @@ class Batcher:
             with self._ready:
                 while not self._queue or self._running:
                     self._ready.wait()
-                batch = self._take()
-                self._running = True
-                self.batches += 1
+                now = time.monotonic()
+                batch = self._take(now)
+                self.expired += len(self._dropped)
+                if batch:
+                    self._running = True
+                    self.batches += 1
+            while self._dropped:  # outside the lock: a future's callbacks may send its answer
+                job = self._dropped.popleft()
+                job.future.set_exception(self._late(job, now))
+            if not batch:
+                continue
             try:
                 self._finish(batch)
             finally:
                 with self._ready:
                     self._running = False
+
+    def _late(self, job: Pending, now: float) -> BaseException:
+        return self._expired(f"the request's deadline passed {now - job.deadline:.3f} s before this work could "
+                             f"start: not computed")
 
     def _finish(self, batch: list[Pending]) -> None:
         try:

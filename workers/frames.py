@@ -11,8 +11,9 @@ and a shape, and the body must hold exactly the bytes the shapes name. Both size
 bounded (:data:`MAX_HEADER_BYTES`, :data:`MAX_BODY_BYTES`) before anything is allocated.
 
 Ops: ``hello`` (the first frame of a connection: the worker's token), ``resident`` (what
-``ShardWorker.partial_resident`` takes: ``q``, its positions and options, the shard reads
-and the merge fan-in), ``many`` (what ``ShardWorker.partial_resident_many`` takes: a batch's
+``ShardWorker.partial_resident`` takes: ``q``, its positions and options, the seconds left
+of its request's deadline (``budget``, null for none), the shard reads and the merge
+fan-in), ``many`` (what ``ShardWorker.partial_resident_many`` takes: a batch's
 queries on one worker) and their replies: ``state`` (a ``ComputeStatus`` and the state's
 ``m, l, acc``), ``many`` (per item its status and states, or its error) or ``error`` (the
 exception's type name and message).
@@ -131,6 +132,7 @@ def _query_parts(q: Any, query: ShardQuery, reads: Sequence[ShardRead]) -> tuple
     opts = query.options
     arrays = [q]
     header: dict[str, Any] = {
+        "budget": query.budget_s,
         "reads": [[r.context_id, r.index, r.length, r.version] for r in reads],
         "options": {"scale": opts.scale, "causal": opts.causal,
                     "window": None if opts.window is None else list(opts.window), "softcap": opts.softcap,
@@ -162,7 +164,11 @@ def _parse_query_parts(header: Mapping[str, Any], it: Iterator[np.ndarray]) -> t
             from None
     if q.ndim != 3 or q_pos.ndim != 1 or q_pos.shape[0] != q.shape[0] or q_pos.dtype != np.int64:
         raise FrameError(f"q must be [n_q, h_q, d] with int64 q_pos [n_q], got {q.shape} and {q_pos.shape}")
-    return q, ShardQuery(q_pos=q_pos, options=options), reads
+    budget = header.get("budget")  # absent (a front end of an older release): no deadline
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not 0 <= budget < math.inf):
+        raise FrameError(f"budget must be null or a finite number of seconds >= 0, got {budget!r:.40}")
+    return q, ShardQuery(q_pos=q_pos, options=options, budget_s=None if budget is None else float(budget)), reads
 
 
 def query_frame(call_id: int, q: Any, query: ShardQuery, reads: Sequence[ShardRead],

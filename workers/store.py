@@ -75,6 +75,12 @@ class RecordStale(Exception):
     """
 
 
+class Expired(Exception):
+    """A job whose request's deadline passed before the worker's compute thread could start it: not
+    computed (its budget, ``workers.tasks.ShardQuery.budget_s``, was spent waiting; docs/SERVICE.md,
+    "Deadlines"). The front end answers it 504 ``deadline_exceeded``."""
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """What a worker reports about one shard it holds."""

@@ -47,10 +47,22 @@ def arrive(x: Any) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class ShardQuery:
-    """The query side of one request, the same for every shard it scatters to."""
+    """The query side of one request, the same for every shard it scatters to.
+
+    ``budget_s``: the seconds the request had left of its deadline when the front end sent
+    this call; the worker starts its own clock on arrival and does not start the work once
+    they are spent (docs/SERVICE.md, "Deadlines"). Relative, so no two nodes' clocks are ever
+    compared. None: no deadline (internal calls), the work always runs.
+    """
 
     q_pos: Any  # [n_q] int64 numpy array: absolute positions of the queries
     options: AttentionOptions
+    budget_s: float | None = None
+
+    def with_budget(self, budget_s: float | None) -> ShardQuery:
+        """This query with ``budget_s`` seconds left (set by the front end as it sends each call). Built
+        field by field, a third of ``dataclasses.replace``'s cost: a new field must be passed on here."""
+        return ShardQuery(self.q_pos, self.options, budget_s)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ or replica computed each state and whenever it finished.
 
 Failure rules: a job whose worker dies is retried on another candidate; a job
 with no candidate left fails the request (``ContextLost`` for a resident shard,
-``WorkersUnavailable`` for an inline one); the merge never runs with a state
-missing.
+``WorkersUnavailable`` for an inline one); a job the worker did not start because the
+request's deadline had passed (``Expired``) fails it with ``DeadlineExceeded`` (504), never
+retried; the merge never runs with a state missing.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import ray
 
 from merge import State, finalize, merge_all, tree_levels
 from service.cluster.pool import InlineWork, ResidentWork, WorkerPool
-from service.errors import ContextLost, WorkersUnavailable
+from service.errors import ContextLost, DeadlineExceeded, WorkersUnavailable
 from service.metrics import Timings
-from workers.store import ShardMissing
+from workers.store import Expired, ShardMissing
 from workers.tasks import ShardQuery
 
 #: States up to this size (all shards together) merge on the event loop; larger ones in a thread.
@@ -52,6 +53,13 @@ def inline_shard_count(n_k: int, workers: int, requested: int | None, min_shard_
     but never shards smaller than ``min_shard_keys``, and at least one."""
     want = requested or workers
     return max(1, min(want, n_k // min_shard_keys))
+
+
+def late(worker: str) -> DeadlineExceeded:
+    """What a client sees of work ``worker`` did not start because the request's deadline had passed
+    (``workers.store.Expired``): 504, as the front end's own timer answers."""
+    return DeadlineExceeded(f"the request must finish within its deadline, got past it before worker {worker} "
+                            f"could start its work")
 
 
 class Orchestrator:
@@ -110,6 +118,8 @@ class Orchestrator:
             except ShardMissing as exc:
                 reasons.append(f"{self.pool.slots[idx].name}: {exc.args[0] if exc.args else exc}")
                 continue
+            except Expired:
+                raise late(self.pool.slots[idx].name) from None
             return idx, state
 
     async def _merge_remote(self, refs: list[Any], workers: list[int]) -> State:

@@ -30,6 +30,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from merge import State
+from service import deadline
 from service.cluster.channel import MAX_CALL_BYTES, ChannelClosed, WorkerChannel
 from service.errors import WorkersUnavailable
 from service.settings import ServiceSettings
@@ -37,7 +38,7 @@ from workers.actor import ShardWorker
 from workers.config import WorkerConfig, settings_of
 from workers.options import CpuKernels, KernelOptions
 from workers.frames import RemoteError
-from workers.store import RecordStale, ShardMissing
+from workers.store import Expired, RecordStale, ShardMissing
 from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, carry
 
 _T = TypeVar("_T")
@@ -60,7 +61,8 @@ CHANNEL_RETRY_S = 30.0
 #: reports counts at once): with the repair loop's 5 s pings every ``heal_interval_s``, 15 s or more.
 MISSED_PINGS = 3
 #: Worker exceptions a channel reply may carry that the front end handles as it does from a Ray call.
-DOMAIN_ERRORS: dict[str, type[Exception]] = {"ShardMissing": ShardMissing, "RecordStale": RecordStale}
+DOMAIN_ERRORS: dict[str, type[Exception]] = {"ShardMissing": ShardMissing, "RecordStale": RecordStale,
+                                              "Expired": Expired}
 
 
 @dataclass
@@ -427,8 +429,12 @@ class WorkerPool:
         A resident query whose state comes back here (``state_nbytes`` bytes) goes over the
         worker's direct channel when it has one and the query fits it; through Ray otherwise,
         and whenever the channel breaks before the answer (the query is read-only: running it
-        again is safe).
+        again is safe). Within a request the query carries the seconds left of its deadline
+        (``service.deadline``); work the worker could not start in time raises ``Expired``.
         """
+        left = deadline.budget()
+        if left is not None:
+            query = query.with_budget(left)
         if isinstance(work, ResidentWork) and not keep_state and self._channel_fits(q, query, state_nbytes):
             reads, fanin = work.reads, work.fanin
             answer = await self._via_channel(
@@ -566,7 +572,11 @@ class WorkerPool:
 
         Over the worker's direct channel when it has one and the items fit it (their queries and,
         counted at the queries' size per read, their states), through Ray otherwise or when the
-        channel breaks first."""
+        channel breaks first. Within a request each item carries the seconds left of its deadline; an item
+        the worker could not start in time is answered ``Expired``."""
+        left = deadline.budget()
+        if left is not None:
+            items = [ResidentQuery(item.q, item.query.with_budget(left), item.reads) for item in items]
         sent = sum(_nbytes(item.q) * (1 + 2 * len(item.reads)) for item in items)
 
         async def send(channel: WorkerChannel) -> list[Any] | None:

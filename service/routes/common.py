@@ -11,6 +11,7 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 from fastapi import Request, Response
 
+from service import deadline
 from service.admission import TICKET, Ticket
 from service.errors import DeadlineExceeded, RequestTimeout, UnsupportedMediaType, WorkersUnavailable
 from service.metrics import Timings
@@ -109,10 +110,14 @@ async def with_deadline(work: Awaitable[T], seconds: float) -> T:
     """Run a read (a query) within the request deadline (504 past it).
 
     In the request's own task (``asyncio.timeout``), not a task of its own as ``asyncio.wait_for``
-    makes on Python 3.11: one task and one turn of the event loop less per query."""
+    makes on Python 3.11: one task and one turn of the event loop less per query. The calls it
+    sends the workers carry the seconds left of the same deadline (``service.deadline``), so a
+    worker does not start work this request has given up on; ``work`` is a coroutine, run in this
+    task's context."""
     try:
-        async with asyncio.timeout(seconds):
-            return await work
+        with deadline.running(seconds):
+            async with asyncio.timeout(seconds):
+                return await work
     except TimeoutError:
         raise DeadlineExceeded(f"the request must finish within {seconds} s, got longer") from None
 
