@@ -46,6 +46,10 @@ _T = TypeVar("_T")
 log = logging.getLogger(__name__)
 
 WORKER_PREFIX = "splitkey-worker-"
+#: What a call made through :meth:`WorkerPool._call` raises when the worker is gone (WorkersUnavailable)
+#: or its method failed (Ray's error around the worker's exception): for callers outside this
+#: package, which do not import Ray (tests/test_dependencies.py).
+CALL_ERRORS: tuple[type[Exception], ...] = (WorkersUnavailable, ray.exceptions.RayError)
 #: Seconds a new worker has to answer its first ping (its constructor runs first: imports, and
 #: loading its --persist-dir store).
 START_PING_S = 60.0

@@ -29,11 +29,8 @@ import asyncio
 import logging
 from typing import Any
 
-import ray
-
-from service.cluster.pool import Slot, WorkerPool
+from service.cluster.pool import CALL_ERRORS, Slot, WorkerPool
 from service.contexts.directory import Directory
-from service.errors import WorkersUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +66,7 @@ class Orphans:
             try:
                 for r in await self.pool.release_unrecorded(s.index, ids) if ids else []:
                     released.setdefault(r["context_id"], []).append((s, r))
-            except (WorkersUnavailable, ray.exceptions.RayError) as exc:
+            except CALL_ERRORS as exc:
                 log.warning("worker %s: contexts without a record not released: %s", s.name, exc)
                 continue
             self.swept.add(s.incarnation)
@@ -81,7 +78,7 @@ class Orphans:
         try:
             held: list[dict] = await self.pool.held(slot.index)
             return held
-        except (WorkersUnavailable, ray.exceptions.RayError) as exc:  # tried again at the next sweep
+        except CALL_ERRORS as exc:  # tried again at the next sweep
             log.warning("worker %s did not say what it holds: %s", slot.name, exc)
             return None
 
