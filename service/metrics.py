@@ -106,6 +106,9 @@ class Metrics:
                                 "client read it too slowly (slow_answer).", ["reason"], registry=r)
         self.workers = Gauge("splitkey_workers", "Shard workers by state.", ["state"], registry=r)
         self.worker_bytes = Gauge("splitkey_worker_bytes_held", "Resident context bytes per worker.", ["worker"], registry=r)
+        self.worker_expired = Gauge("splitkey_worker_expired_jobs", "Jobs each worker skipped since it started "
+                                    "because their request's deadline had passed (as of its last ping).", ["worker"],
+                                    registry=r)
         self.contexts = Gauge("splitkey_contexts", "Resident contexts in the directory.", registry=r)
         self.shards = Gauge("splitkey_context_shards", "Context shards below their replica count (under_replicated) "
                             "or with no live replica (lost).", ["state"], registry=r)

@@ -5,8 +5,11 @@ afterwards, so an overloaded worker does not spend its time on answers nobody wa
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
+
+import httpx
 
 import numpy as np
 import pytest
@@ -14,8 +17,11 @@ from reference import assert_close_to_reference
 from server import Server
 
 from service import deadline
-from service.client import Client, SplitkeyError
-from service.routes.common import with_deadline
+from service.client import AsyncClient, Client, SplitkeyError
+from service.client.retry import timeout_text
+from service.errors import DeadlineExceeded, InvalidOption
+from service.routes.common import query_deadline, with_deadline
+from service.wire.rules import timeout_header
 
 TIMEOUT_S = 0.5
 
@@ -114,5 +120,105 @@ def test_queries_answered_504_while_the_worker_was_busy_are_not_computed_afterwa
             for (out, lse), q in zip(c.attention_batch([{"q": q, "contexts": [ctx]} for q in qs]), qs):
                 assert_close_to_reference(out, lse, q, k, v)
             assert counts(c)["batches"] > after["batches"] and counts(c)["expired"] == after["expired"]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("0.25", 0.25), ("2", 2.0), ("1e-3", 0.001), ("120.000", 120.0)])
+def test_a_timeout_header_is_read_as_seconds(text, seconds):
+    assert timeout_header(text) == seconds
+    assert timeout_header(None) is None  # no header: the server's --request-timeout alone
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "0.000", "inf", "nan", "1e999", " 1", "1s", "", "0x10", "1_0", "+1"])
+def test_a_timeout_header_that_is_not_seconds_above_zero_is_refused_naming_it(text):
+    with pytest.raises(InvalidOption, match=rf"X-Request-Timeout must be a number of seconds > 0, got \"{re.escape(text)}\""):
+        timeout_header(text)
+
+
+def test_the_clients_send_the_time_left_rounded_up_to_whole_milliseconds_and_at_least_one():
+    for left, text in ((0.25, "0.250"), (0.2501, "0.251"), (1e-6, "0.001"), (-0.5, "0.001"), (30.0, "30.000")):
+        assert timeout_text(left) == text
+        assert timeout_header(text) >= max(left, 1e-3)  # what the server reads: never before the client
+
+
+def test_the_header_shortens_the_server_deadline_never_lengthens_it_and_counts_from_the_request_start():
+    now = time.perf_counter()
+    assert query_deadline(120.0, None, now) == 120.0
+    assert 0.4 < query_deadline(120.0, 0.5, now) <= 0.5
+    assert query_deadline(0.3, 10.0, now) == 0.3
+    assert 0.5 < query_deadline(120.0, 2.0, now - 1.0) <= 1.0  # a second already spent reading the body
+    with pytest.raises(DeadlineExceeded, match="X-Request-Timeout of 0.5 s"):
+        query_deadline(120.0, 0.5, now - 1.0)
+
+
+@pytest.mark.ray
+def test_a_clients_deadline_reaches_the_workers_so_what_it_gave_up_on_is_not_computed(tmp_path):
+    """The server's own deadline is long (the default); each client sends the time left of its call's
+    deadline as X-Request-Timeout. Queries queued behind a large one end with the client's
+    TimeoutError (or, sent raw, the server's 504 at the header's time), and the worker skips them."""
+    srv = Server(tmp_path, args=("--workers", "1")).start()
+    try:
+        rng = np.random.default_rng(12)
+        k = rng.standard_normal((512, 2, 64)).astype(np.float32)
+        v = rng.standard_normal((512, 2, 64)).astype(np.float32)
+        q = rng.standard_normal((1, 8, 64)).astype(np.float32)
+        with Client(srv.url) as c:
+            ctx = c.create_context(k, v)["id"]
+            out, lse = c.attention(q, contexts=[ctx], deadline=30.0)  # the header sent, time to spare
+            assert_close_to_reference(out, lse, q, k, v)
+            raw = {"q": q.tolist(), "contexts": [ctx]}
+            bad = httpx.post(srv.url + "/v1/attention", json=raw, headers={"X-Request-Timeout": "soon"}, timeout=30)
+            assert bad.status_code == 422 and bad.json()["code"] == "invalid_option"
+            assert "X-Request-Timeout" in bad.json()["detail"] and '"soon"' in bad.json()["detail"]
+            before = counts(c)
+            big_q = rng.standard_normal((1024, 16, 64)).astype(np.float32)
+            big_k = rng.standard_normal((30000, 2, 64)).astype(np.float32)
+            answers: list[tuple] = []
+
+            def send(kind: str) -> None:
+                try:
+                    if kind == "busy":  # no deadline: answered whatever it takes
+                        with Client(srv.url) as own:
+                            own.attention(big_q, big_k, big_k)
+                    elif kind == "sync":
+                        with Client(srv.url) as own:
+                            own.attention(q, contexts=[ctx], deadline=0.5)
+                    elif kind == "batch":
+                        with Client(srv.url) as own:
+                            own.attention_batch([{"q": q, "contexts": [ctx]}] * 2, deadline=0.5)
+                    elif kind == "async":
+                        async def one() -> None:
+                            async with AsyncClient(srv.url) as own:
+                                await own.attention(q, contexts=[ctx], deadline=0.5)
+                        asyncio.run(one())
+                    else:
+                        r = httpx.post(srv.url + "/v1/attention", json=raw, headers={"X-Request-Timeout": "0.5"},
+                                       timeout=60)
+                        answers.append((kind, r.status_code, r.json().get("code")))
+                        return
+                    answers.append((kind, 200))
+                except TimeoutError:
+                    answers.append((kind, "TimeoutError"))
+
+            busy = threading.Thread(target=send, args=("busy",))
+            busy.start()
+            wait_for(c, "batches", before["batches"] + 1)  # the large query runs on the compute thread
+            queued = [threading.Thread(target=send, args=(kind,)) for kind in ("sync", "batch", "async", "raw")]
+            for t in queued:
+                t.start()
+            for t in (*queued, busy):
+                t.join(60)
+            assert sorted(answers, key=str) == sorted(
+                [("busy", 200), ("sync", "TimeoutError"), ("batch", "TimeoutError"), ("async", "TimeoutError"),
+                 ("raw", 504, "deadline_exceeded")], key=str), answers
+            # Five jobs (the sync, async and raw queries, the batch's two items): skipped, not computed.
+            after = wait_for(c, "expired", before["expired"] + 5)
+            assert after["expired"] == before["expired"] + 5 and after["batches"] == before["batches"] + 1
+            name = c.cluster()["workers"][0]["name"]  # /metrics shows what /v1/cluster's ping just read
+            metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+            assert f'splitkey_worker_expired_jobs{{worker="{name}"}} {float(after["expired"])}' in metrics
+            out, lse = c.attention(q, contexts=[ctx], deadline=30.0)
+            assert_close_to_reference(out, lse, q, k, v)
     finally:
         srv.stop()

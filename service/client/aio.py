@@ -38,7 +38,15 @@ from service.client.aio_http import HttpPool, TransportError
 from service.client.batch import BatchAnswer, decode_batch, encode_batch
 from service.client.errors import SplitkeyError, UploadError, from_answer
 from service.client.sync import BINARY, CREATE, _arrays, _chunks, _keys, _query
-from service.client.retry import backoff, check_deadline, check_retries, deadline_passed, query_delay
+from service.client.retry import (
+    answered_past,
+    backoff,
+    check_deadline,
+    check_retries,
+    deadline_passed,
+    query_delay,
+    timeout_text,
+)
 from service.client.upload import (
     Progress,
     Upload,
@@ -47,7 +55,7 @@ from service.client.upload import (
     plan_chunks,
     retry_delay,
 )
-from service.wire.rules import DEFAULT_LIMITS, Limits
+from service.wire.rules import DEFAULT_LIMITS, TIMEOUT_HEADER, Limits
 from service.wire.safetensors import decode_safetensors, encode_safetensors
 
 __all__ = ["AsyncClient", "SplitkeyError", "TransportError", "UploadError"]
@@ -113,9 +121,12 @@ class AsyncClient:
             async with timer:
                 attempt = 0
                 while True:
+                    left = None if seconds is None else cast(float, timer.when()) - loop.time()
                     try:
-                        return await self._request("POST", path, query, body)
+                        return await self._request("POST", path, query, body, time_left=left)
                     except ATTEMPT_ERRORS as exc:
+                        if seconds is not None and answered_past(exc, cast(float, timer.when()) - loop.time()):
+                            raise deadline_passed(seconds) from exc  # the server's 504 for the time left we sent
                         delay = query_delay(exc, attempt, self.retries)
                         if delay is None:
                             raise
@@ -251,12 +262,16 @@ class AsyncClient:
 
     # -- transport ---------------------------------------------------------------
     async def _request(self, method: str, path: str, query: str = "",
-                       body: list[bytes | memoryview] | None = None, *, resend: bool = True) -> bytes:
+                       body: list[bytes | memoryview] | None = None, *, resend: bool = True,
+                       time_left: float | None = None) -> bytes:
         """The answer's body; an error answer raises :class:`SplitkeyError`, no answer within ``timeout``
-        :class:`TimeoutError`, a failed connection :class:`TransportError`."""
+        :class:`TimeoutError`, a failed connection :class:`TransportError`. ``time_left``: the seconds
+        left of the call's deadline, sent as ``X-Request-Timeout`` (None: not sent)."""
         headers = dict(self._headers)
         if body is not None:
             headers["Content-Type"] = BINARY
+        if time_left is not None:
+            headers[TIMEOUT_HEADER] = timeout_text(time_left)
         target = urllib.parse.quote(self.base + path, safe="/") + (f"?{query}" if query else "")
         async with asyncio.timeout(self.timeout):  # in this task (wait_for would start one per request)
             resp = await self._pool.request(method, target, headers, body or (), resend=resend)

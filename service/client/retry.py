@@ -13,6 +13,7 @@ same backoff.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from service.client.errors import SplitkeyError
@@ -47,6 +48,25 @@ def query_delay(error: BaseException, attempt: int, retries: int) -> float | Non
             return None
         return max(backoff(attempt), error.retry_after or 0.0)
     return 0.0 if attempt == 0 else backoff(attempt)
+
+
+def timeout_text(seconds: float) -> str:
+    """``seconds`` left of a call's deadline as its ``X-Request-Timeout`` header (``service.wire.rules.TIMEOUT_HEADER``): the server's
+    deadline for the query is then at most that (docs/API.md section 6.6, "Deadline"). Whole
+    milliseconds rounded up, at least one (the header must be > 0): the server never gives up
+    before the client does."""
+    return f"{max(math.ceil(seconds * 1000), 1) / 1000:.3f}"
+
+
+def answered_past(error: BaseException, left: float) -> bool:
+    """Whether ``error`` is the server's 504 for a query whose ``X-Request-Timeout`` ran out, the
+    call's deadline with it (``left``: its seconds left now): the call then ends with the
+    deadline's :class:`TimeoutError`, as when the client's own timer fires first. A 504 that came
+    while the call had time left is the server's own ``--request-timeout``, raised as it is.
+
+    The server counts the header from when the request reached it, after the client's clock
+    started, so its 504 for the header comes when the client's time is out too."""
+    return isinstance(error, SplitkeyError) and error.status == 504 and left <= 0
 
 
 def check_retries(retries: object) -> int:

@@ -30,7 +30,14 @@ from service.client.batch import BatchAnswer, decode_batch, encode_batch
 from service.client.errors import SplitkeyError, UploadError, from_answer
 from service.client.http1 import Connection
 from service.client.pipeline import Chunk, SendChunk, send_pipelined
-from service.client.retry import check_deadline, check_retries, deadline_passed, query_delay
+from service.client.retry import (
+    answered_past,
+    check_deadline,
+    check_retries,
+    deadline_passed,
+    query_delay,
+    timeout_text,
+)
 from service.client.upload import (
     ATTEMPT_ERRORS,
     TRANSPORT_ERRORS,
@@ -41,7 +48,7 @@ from service.client.upload import (
     plan_chunks,
     retry_delay,
 )
-from service.wire.rules import DEFAULT_LIMITS, Limits
+from service.wire.rules import DEFAULT_LIMITS, TIMEOUT_HEADER, Limits
 from service.wire.safetensors import decode_safetensors, encode_safetensors
 
 __all__ = ["BINARY", "Client", "SplitkeyError", "UploadError"]
@@ -127,9 +134,10 @@ class Client:
         """POST a query, sent again after 429/503/a lost connection up to ``retries`` times, within ``deadline``
         (``service.client.retry``: the policy ``AsyncClient`` follows too).
 
-        Each attempt's socket timeout is the time left (at most ``timeout``), and no wait before
-        a resend is begun that would end at or past the deadline: the deadline's
-        :class:`TimeoutError` is raised at once instead, from the error that asked for the wait.
+        Each attempt's socket timeout is the time left (at most ``timeout``), which is also sent
+        as ``X-Request-Timeout`` so that the server gives up then too. No wait before a resend is
+        begun that would end at or past the deadline: the deadline's :class:`TimeoutError` is
+        raised at once instead, from the error that asked for the wait.
         """
         seconds = check_deadline(deadline)
         start = time.monotonic()
@@ -143,10 +151,13 @@ class Client:
                 if left < (self.timeout or math.inf):
                     timeout = left
             try:
-                return self._request("POST", path, query, body=body, timeout=timeout)
+                return self._request("POST", path, query, body=body, timeout=timeout,
+                                     time_left=None if seconds is None else left)
             except ATTEMPT_ERRORS as exc:
                 if seconds is not None and timeout is not None and isinstance(exc, TimeoutError):
                     raise deadline_passed(seconds) from exc  # the socket waited out the time left
+                if seconds is not None and answered_past(exc, start + seconds - time.monotonic()):
+                    raise deadline_passed(seconds) from exc  # the server's 504 for the time left we sent
                 delay = query_delay(exc, attempt, self.retries)
                 if delay is None:
                     raise
@@ -355,11 +366,13 @@ class Client:
 
     def _request(self, method: str, path: str, query: str = "", tensors: Mapping[str, Any] | None = None, *,
                  resend: bool = True, sent: Callable[[], None] | None = None,
-                 body: list[bytes | memoryview] | None = None, timeout: float | None = None) -> bytes:
+                 body: list[bytes | memoryview] | None = None, timeout: float | None = None,
+                 time_left: float | None = None) -> bytes:
         """The answer's body; an error answer raises :class:`SplitkeyError`.
 
         The request body is the safetensors of ``tensors``, or ``body`` (buffers of one) as it is.
-        ``timeout``: this request's socket timeout (None: the client's ``timeout``).
+        ``timeout``: this request's socket timeout (None: the client's ``timeout``). ``time_left``:
+        the seconds left of the call's deadline, sent as ``X-Request-Timeout`` (None: not sent).
 
         ``resend``: send once more on a fresh connection when the kept one turns out closed
         (the server closed it while idle); a lost connection otherwise raises (what
@@ -374,6 +387,8 @@ class Client:
             body = encode_safetensors(arrays)
         if body is not None:
             headers["Content-Type"] = BINARY
+        if time_left is not None:
+            headers[TIMEOUT_HEADER] = timeout_text(time_left)
         target = urllib.parse.quote(self.base + path, safe="/") + (f"?{query}" if query else "")
         resp = self._connection().request(method, target, headers, body or (), resend=resend, sent=sent,
                                           timeout=timeout)

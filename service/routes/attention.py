@@ -11,9 +11,11 @@ from service.metrics import Timings
 from service.routes.common import (
     app_state,
     body_limit,
+    client_timeout,
     decode_body,
     encode_result,
     off_loop,
+    query_deadline,
     read_body,
     runtime,
     with_deadline,
@@ -62,10 +64,12 @@ async def attention(request: Request) -> Response:
     t0 = time.perf_counter()
     timings = Timings()
     fmt = request_format(request.headers.get("content-type"))
+    client = client_timeout(request)
     body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
     req = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
     timings.add("parse", time.perf_counter() - t0)
-    out, lse = await with_deadline(rt.attention.attention(req, timings), state.settings.request_timeout_s)
+    seconds = query_deadline(state.settings.request_timeout_s, client, t0)
+    out, lse = await with_deadline(rt.attention.attention(req, timings), seconds)
     response = encode_result(request, fmt, out, lse, timings)
     timings.add("total", time.perf_counter() - t0)
     response.headers["Server-Timing"] = timings.header()

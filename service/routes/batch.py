@@ -11,7 +11,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.errors import error_responses
 from service.metrics import Timings
-from service.routes.common import app_state, body_limit, off_loop, read_body, runtime, with_deadline
+from service.routes.common import (
+    app_state,
+    body_limit,
+    client_timeout,
+    off_loop,
+    query_deadline,
+    read_body,
+    runtime,
+    with_deadline,
+)
 from service.wire.batch import (
     Item,
     ItemError,
@@ -83,10 +92,12 @@ async def attention_batch(request: Request) -> Response:
     t0 = time.perf_counter()
     timings = Timings()
     fmt = request_format(request.headers.get("content-type"))
+    client = client_timeout(request)
     body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
     items = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
     timings.add("parse", time.perf_counter() - t0)
-    answers = await with_deadline(rt.batch.run(items, timings), state.settings.request_timeout_s)
+    seconds = query_deadline(state.settings.request_timeout_s, client, t0)
+    answers = await with_deadline(rt.batch.run(items, timings), seconds)
     t1 = time.perf_counter()
     resp_fmt = response_format(request.headers.get("accept"), fmt)
     content = encode_json_batch(answers) if resp_fmt == "json" else to_bytes(encode_binary_batch(answers))

@@ -20,7 +20,7 @@ from service.wire.body import declared_length, paced, read_into_buffer
 from service.wire.json_codec import decode_json_request, encode_json_result
 from service.wire.negotiation import Format, content_type, response_format
 from service.wire.request import Decoded
-from service.wire.rules import BodyKind, Limits, refuse_query
+from service.wire.rules import TIMEOUT_HEADER, BodyKind, Limits, refuse_query, timeout_header
 from service.wire.safetensors import decode_binary_request, encode_safetensors, to_bytes
 
 T = TypeVar("T")
@@ -104,6 +104,26 @@ def encode_result(request: Request, fmt: Format, out: np.ndarray, lse: np.ndarra
         content = to_bytes(encode_safetensors({"out": out, "lse": lse}))
     timings.add("encode", time.perf_counter() - t0)
     return Response(content=content, media_type=content_type(resp_fmt))  # the caller adds Server-Timing, with total
+
+
+def client_timeout(request: Request) -> float | None:
+    """The seconds the client's ``X-Request-Timeout`` header gives its query (None: none), checked
+    before the body is read (422 naming the header)."""
+    return timeout_header(request.headers.get(TIMEOUT_HEADER))
+
+
+def query_deadline(limit: float, client: float | None, started: float) -> float:
+    """Seconds from now the query may still run: ``limit`` (``--request-timeout``), shortened, never
+    lengthened, by the client's ``X-Request-Timeout`` (``client``), which counts from ``started``
+    (``time.perf_counter()`` when the route began: the client's clock ran while its body arrived).
+    A client whose time ran out before the work begins gets 504 at once."""
+    if client is None:
+        return limit
+    left = client - (time.perf_counter() - started)
+    if left <= 0:
+        raise DeadlineExceeded(f"the request must finish within its {TIMEOUT_HEADER} of {client:g} s, "
+                               "got longer before its work began")
+    return min(limit, left)
 
 
 async def with_deadline(work: Awaitable[T], seconds: float) -> T:

@@ -15,7 +15,15 @@ from fastapi.responses import JSONResponse
 
 from service.errors import error_responses
 from service.metrics import Timings
-from service.routes.common import app_state, off_loop, read_body, runtime, with_deadline
+from service.routes.common import (
+    app_state,
+    client_timeout,
+    off_loop,
+    query_deadline,
+    read_body,
+    runtime,
+    with_deadline,
+)
 from service.routes.ops import workers_ready
 from service.wire.kserve import (
     MODEL_NAME,
@@ -102,10 +110,11 @@ async def infer(request: Request) -> Response:
     def check_header(body_len: int) -> None:  # refuse a bad header before reading the body
         header_length(declared_header, body_len)
 
+    client = client_timeout(request)
     body = await read_body(request, limit, ROUTE, before_read=check_header)
     parsed, req = await off_loop(len(body), _decode, body, header_length(declared_header, len(body)), state.limits)
     timings.add("parse", time.perf_counter() - t0)
-    deadline = state.settings.request_timeout_s
+    deadline = query_deadline(state.settings.request_timeout_s, client, t0)
     if parsed.timeout_s is not None:
         deadline = min(deadline, parsed.timeout_s)
     out, lse = await with_deadline(rt.attention.attention(req, timings), deadline)

@@ -44,6 +44,7 @@ async def metrics(request: Request) -> Response:
         state.metrics.workers.labels(state="dead").set(rt.pool.size - alive)
         for s in rt.pool.slots:
             state.metrics.worker_bytes.labels(worker=s.name).set(s.held.get("bytes_held", 0))
+            state.metrics.worker_expired.labels(worker=s.name).set(s.held.get("expired", 0))
         state.metrics.contexts.set(await rt.contexts.count())
         stats = rt.repair.stats
         state.metrics.shards.labels(state="under_replicated").set(stats.under_replicated_shards)

@@ -277,6 +277,23 @@ _COUNT = re.compile(r"[1-9][0-9]{0,9}")
 _KEYS = re.compile(r"0|[1-9][0-9]{0,18}")
 
 
+#: The request header by which a client shortens a query's deadline (docs/API.md section 6.6, "Deadline").
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+def timeout_header(text: str | None) -> float | None:
+    """The seconds an ``X-Request-Timeout`` header gives (None: no header), or 422 naming it.
+
+    JSON-number text, finite and > 0: ``0.25``, ``2``, ``1e-3``; no ``inf``, ``nan`` or units.
+    """
+    if text is None:
+        return None
+    seconds = float(text) if _NUMBER.fullmatch(text) else math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidOption(f"{TIMEOUT_HEADER} must be a number of seconds > 0, got {show(text)}")
+    return seconds
+
+
 def query_value(name: str, text: str) -> Any:
     """One option's query text as its JSON value (``window=128,`` -> ``[128, None]``), or 422."""
     if name in ("scale", "softcap"):
