@@ -14,8 +14,10 @@ from contextlib import asynccontextmanager
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute
 
@@ -31,7 +33,14 @@ from service.contexts.orphans import Orphans
 from service.contexts.repair import Repairer
 from service.contexts.service import ContextService
 from service.drain import Drain
-from service.errors import InvalidOption, ServiceError, WorkersUnavailable, render
+from service.errors import (
+    InvalidOption,
+    MethodNotAllowed,
+    RouteNotFound,
+    ServiceError,
+    WorkersUnavailable,
+    render,
+)
 from service.hot_routes import Handler, HotRoutes
 from service.metrics import Metrics
 from service.middleware import FRONTEND, ServiceMiddleware
@@ -39,6 +48,7 @@ from service.routes import attention, batch, contexts, kserve, ops
 from service.runtime import AppState, Runtime
 from service.settings import ServiceSettings
 from service.wire.body import ClientClosed
+from service.wire.rules import show
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +192,19 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
                  request.url.path)
         return Response(status_code=CLIENT_CLOSED)
 
+    async def _no_route(request: Request, exc: StarletteHTTPException) -> Response:
+        # The router's own answers, for a path or a method no route takes: in the service's words,
+        # with a code, as every other error (docs/API.md section 7).
+        path = show(request.url.path)
+        if exc.status_code == 404:
+            return _respond(RouteNotFound(f"path must be one of the service's routes (docs/API.md section 6.1), "
+                                          f"got {path}"), request)
+        if exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            return _respond(MethodNotAllowed(f"method must be one of {allow} for {path}, got {show(request.method)}",
+                                             allow), request)
+        return await http_exception_handler(request, exc)
+
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         first = exc.errors()[0] if exc.errors() else {"loc": ["body"], "msg": "invalid"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path"))
@@ -194,6 +217,7 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
         ClientDisconnect: _client_closed,
         ClientClosed: _client_closed,
         RequestValidationError: _validation,
+        StarletteHTTPException: _no_route,
     }
     for exc_class, handler in handlers.items():
         app.add_exception_handler(exc_class, handler)

@@ -69,6 +69,17 @@ class ContextNotFound(ServiceError):
     """An unknown context id."""
 
 
+class RouteNotFound(ServiceError):
+    """A path the service has no route for."""
+
+
+class MethodNotAllowed(ServiceError):
+    """A method the path's route does not take; ``Allow`` names the ones it does."""
+
+    def __init__(self, detail: str, allow: str) -> None:
+        super().__init__(detail, {"Allow": allow})
+
+
 class LengthMismatch(ServiceError):
     """An append names a context length (``after``) other than the context's committed length."""
 
@@ -144,6 +155,8 @@ ERRORS: Mapping[type[ServiceError], ErrorKind] = {
     InvalidBody: ErrorKind("invalid_body", 400),
     Unauthorized: ErrorKind("unauthorized", 401),
     ContextNotFound: ErrorKind("context_not_found", 404),
+    RouteNotFound: ErrorKind("route_not_found", 404),
+    MethodNotAllowed: ErrorKind("method_not_allowed", 405),
     RequestTimeout: ErrorKind("request_timeout", 408),
     LengthMismatch: ErrorKind("length_mismatch", 409),
     BodyTooLarge: ErrorKind("body_too_large", 413),

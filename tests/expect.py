@@ -15,7 +15,8 @@ from workers.options import AttentionOptions
 #: The error codes and statuses docs/API.md section 7 promises (written out here, not
 #: read from the code, so that a wrong entry in service.errors.ERRORS fails the tests).
 CONTRACT_STATUS = {
-    "invalid_body": 400, "unauthorized": 401, "context_not_found": 404, "request_timeout": 408,
+    "invalid_body": 400, "unauthorized": 401, "context_not_found": 404, "route_not_found": 404,
+    "method_not_allowed": 405, "request_timeout": 408,
     "length_mismatch": 409, "body_too_large": 413,
     "unsupported_media_type": 415, "header_too_large": 431, "invalid_tensor": 422, "invalid_option": 422, "overloaded": 429,
     "internal_error": 500, "workers_unavailable": 503, "context_lost": 503, "shutting_down": 503, "deadline_exceeded": 504,

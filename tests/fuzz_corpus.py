@@ -41,8 +41,6 @@ CONTEXTS = "/v1/contexts"
 INFER = "/v2/models/attention/infer"
 OCTET = {"Content-Type": "application/octet-stream"}
 JSON = {"Content-Type": "application/json"}
-#: The bodies the framework writes for a path or method that does not exist (docs/API.md section 7).
-FRAMEWORK_ERRORS = {404: {"detail": "Not Found"}, 405: {"detail": "Method Not Allowed"}}
 #: Statuses at or above 500 the contract documents for a client's request, by path prefix: a context
 #: write that does not fit a worker's memory budget is 507 ``insufficient_capacity`` (docs/API.md
 #: section 7), e.g. a create with a huge ``expected_length``. Nothing else may be 5xx.
@@ -56,9 +54,8 @@ def answer_problem(path: str, status: int, content_type: str | None, body: bytes
 
     Any status below 400 is a success here. A 4xx (and a documented 5xx) must be
     ``application/json`` holding ``{"detail": str, "code": str}`` with the code's own status
-    from the contract's table (tests/expect.py), plus ``"error" == detail`` on the KServe routes;
-    or the framework's ``{"detail": "Not Found"}`` / ``{"detail": "Method Not Allowed"}`` for a
-    path or method that does not exist.
+    from the contract's table (tests/expect.py), plus ``"error" == detail`` on the KServe routes,
+    a path or method that does not exist included.
     """
     if status < 400:
         return None
@@ -73,9 +70,7 @@ def answer_problem(path: str, status: int, content_type: str | None, body: bytes
         return f"status {status}: the error body is not JSON"
     if not isinstance(doc, dict) or not isinstance(doc.get("detail"), str):
         return f"status {status}: the error body must be an object with a string detail, got {doc!r:.200}"
-    if "code" not in doc:
-        if FRAMEWORK_ERRORS.get(status) == doc:
-            return None
+    if "code" not in doc:  # a path or method that does not exist too (route_not_found, method_not_allowed)
         return f"status {status}: the error body has no code: {doc!r:.200}"
     code = doc["code"]
     if CONTRACT_STATUS.get(code) != status:

@@ -64,6 +64,13 @@ def test_every_error_path_answers_in_the_services_words_with_a_request_id(tmp_pa
         checked(httpx.post(url + "/v1/attention", headers={**auth, "Content-Type": "application/json"},
                            content=b"{not json"), 400, "invalid_body")
         checked(httpx.get(url + "/v1/contexts/ctx_nope", headers=auth), 404, "context_not_found")
+        doc = checked(httpx.get(url + "/v1/attentio", headers=auth), 404, "route_not_found")
+        assert doc["detail"] == "path must be one of the service's routes (docs/API.md section 6.1), got \"/v1/attentio\""
+        wrong = httpx.put(url + "/v1/attention", headers=auth)
+        doc = checked(wrong, 405, "method_not_allowed")
+        assert wrong.headers["allow"] == "POST" and doc["detail"] == (
+            'method must be one of POST for "/v1/attention", got "PUT"')
+        checked(httpx.get(url + "/v2/nope"), 401, "unauthorized")  # an unknown path still asks for the key first
         checked(httpx.post(url + f"/v1/contexts/{ctx['id']}/append", params={"after": 7},
                            headers={**auth, "Content-Type": "application/octet-stream"},
                            content=to_bytes(encode_safetensors({"k": k[:4], "v": k[:4]}))), 409, "length_mismatch")

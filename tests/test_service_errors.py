@@ -8,14 +8,29 @@ import pytest
 from expect import CONTRACT_STATUS
 
 from service import errors, request_id
-from service.errors import ERRORS, Overloaded, ServiceError, Unauthorized, error_body, error_responses, render
+from service.errors import (
+    ERRORS,
+    MethodNotAllowed,
+    Overloaded,
+    ServiceError,
+    Unauthorized,
+    error_body,
+    error_responses,
+    render,
+)
 
 
 @pytest.mark.parametrize("cls", list(ERRORS), ids=lambda c: c.__name__)
 def test_each_error_carries_the_contract_code_and_status(cls):
-    err = cls("x must be y, got z") if cls not in (Unauthorized, Overloaded) else (
-        cls() if cls is Unauthorized else cls("busy", 1))
+    made = {Unauthorized: lambda: cls(), Overloaded: lambda: cls("busy", 1),
+            MethodNotAllowed: lambda: cls("method must be POST, got PUT", "POST")}
+    err = made.get(cls, lambda: cls("x must be y, got z"))()
     assert err.status == CONTRACT_STATUS[err.code]
+
+
+def test_method_not_allowed_names_the_methods_the_route_takes():
+    assert MethodNotAllowed("method must be one of GET, DELETE, got PUT", "GET, DELETE").headers == {
+        "Allow": "GET, DELETE"}
 
 
 def test_the_table_covers_every_code_of_the_contract_and_every_error_class():

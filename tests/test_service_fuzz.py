@@ -395,8 +395,8 @@ def answers_with_success_or_a_json_error(ctx: CheckContext, response: Response, 
 
 #: The checks the fuzzing runs. The requirement is "no 5xx, every 4xx a JSON error of the contract";
 #: schemathesis' own response checks assume more than this API promises, so they are left out:
-#: status_code_conformance and response_schema_conformance would fail the framework's 404/405
-#: bodies, which carry ``detail`` only (docs/API.md section 7), and a 422 of any route that has
+#: status_code_conformance and response_schema_conformance would fail the 404 and 405 answers for a
+#: path or method no route takes (no operation documents them), and a 422 of any route that has
 #: a path parameter (FastAPI documents its own validation-error schema there); positive_data_acceptance
 #: would fail every body that fits the JSON schema but not the tensor rules (shapes that fit
 #: together), which no JSON schema can express. Kept: negative_data_rejection (a body the schema
