@@ -193,6 +193,19 @@ def test_the_timeout_parameter_shortens_the_deadline(tc, rng):
     assert info.value.status() == "504" and "must finish within" in info.value.message()
 
 
+def test_the_timeout_header_shortens_the_deadline_too_and_a_bad_one_is_refused_naming_it(tc, rng):
+    q, k, v = inputs(rng, n_k=2000)
+    with pytest.raises(InferenceServerException) as info:
+        tc.infer("attention", infer_inputs(q=q, k=k, v=v), headers={"X-Request-Timeout": "1e-6"})
+    assert info.value.status() == "504" and "X-Request-Timeout" in info.value.message()
+    with pytest.raises(InferenceServerException) as info:
+        tc.infer("attention", infer_inputs(q=q, k=k, v=v), headers={"X-Request-Timeout": "-1"})
+    assert info.value.status() == "422" and 'X-Request-Timeout must be a number of seconds > 0, got "-1"' in (
+        info.value.message())
+    out, lse = run(tc, {"q": q, "k": k, "v": v})  # and with time enough, the answer
+    assert_close_to_reference(out, lse, q, k, v)
+
+
 # -- errors ----------------------------------------------------------------------------------
 
 def triton_error(tc, tensors, parameters=None, **kwargs) -> InferenceServerException:
