@@ -40,12 +40,18 @@ def hold(seconds: float) -> tuple[str, float]:
     return "hold", seconds
 
 
+def trickle(gap_s: float) -> tuple[str, float]:
+    """A script step: the answer's head at once, then its body one byte every ``gap_s`` seconds."""
+    return "trickle", gap_s
+
+
 class Stub(http.server.ThreadingHTTPServer):
     """Answers each POST with the next step of ``script``, then as a query is answered (``OUT``,
-    ``LSE`` per item); ``posts`` has each POST's arrival (``time.monotonic()``) and path. Test-only."""
+    ``LSE`` per item); ``posts`` has each POST's arrival (``time.monotonic()``) and path, ``timeouts``
+    its ``X-Request-Timeout`` header (None without one). Test-only."""
 
     def __init__(self, script) -> None:
-        self.script, self.posts = list(script), []
+        self.script, self.posts, self.timeouts = list(script), [], []
         self.ending = threading.Event()
         super().__init__(("127.0.0.1", 0), _Handler)
         self.daemon_threads = True
@@ -78,6 +84,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         path = self.path.split("?")[0]
         self.server.posts.append((time.monotonic(), path))
+        self.server.timeouts.append(self.headers.get("X-Request-Timeout"))
         step = self.server.script.pop(0) if self.server.script else None
         if step == DROP:
             self.close_connection = True
@@ -86,6 +93,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if isinstance(step, tuple) and step[0] == "hold":
             if self.server.ending.wait(step[1]):
                 return
+        elif isinstance(step, tuple) and step[0] == "trickle":
+            pass
         elif step is not None:
             status, headers = step
             data = json.dumps({"detail": "scripted", "code": "x"}).encode()
@@ -96,6 +105,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
+        if isinstance(step, tuple) and step[0] == "trickle":
+            self.wfile.flush()
+            for i in range(len(data)):
+                if self.server.ending.wait(step[1]):
+                    return
+                self.wfile.write(data[i:i + 1])
+                self.wfile.flush()
+            return
         self.wfile.write(data)
 
 
@@ -193,6 +210,26 @@ def test_sync_client_deadline_cuts_an_attempt_the_server_is_slow_to_answer():
         assert np.array_equal(query(c, "attention"), OUT)  # the cut connection is replaced
     assert 0.5 <= elapsed < 1.5
     assert isinstance(info.value.__cause__, TimeoutError) and len(stub.posts) == 2
+
+
+def test_sync_client_deadline_bounds_an_answer_that_trickles_in_not_each_read_of_it():
+    # Each byte comes well within any one read's wait; the whole body would take about 20 s.
+    with Stub([trickle(0.05)]) as stub, Client(stub.url, retries=0) as c:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="deadline of 0.8 s"):
+            c.attention(Q, Q, Q, deadline=0.8)
+        elapsed = time.monotonic() - t0
+        assert np.array_equal(query(c, "attention"), OUT)  # the cut connection is replaced
+    assert 0.8 <= elapsed < 1.6
+
+
+def test_sync_client_tells_the_server_the_time_left_of_its_deadline_and_nothing_without_one():
+    with Stub([UNAVAILABLE]) as stub, Client(stub.url) as c:
+        assert np.array_equal(query(c, "attention", deadline=5.0), OUT)  # a 503, then the answer
+        assert np.array_equal(query(c, "batch"), OUT)
+    first, second, none = stub.timeouts
+    assert 4.5 < float(first) <= 5.0 and float(second) < float(first) - 0.2  # the backoff's 0.25 s spent
+    assert none is None
 
 
 def test_sync_client_keeps_its_positional_parameters_and_refuses_bad_retries_and_deadlines_naming_them():

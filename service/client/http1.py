@@ -15,15 +15,21 @@ classify them as before: ``RemoteDisconnected`` when the server closed the conne
 before answering, ``IncompleteRead`` for a body cut short, ``BadStatusLine`` or
 ``LineTooLong`` for an answer that is not HTTP/1.x, OS errors (``ConnectionRefusedError``,
 ``ConnectionResetError``, ``BrokenPipeError``, ``TimeoutError``) as they come.
+
+A request's ``timeout`` bounds the whole request, not each socket operation: every read
+from the socket waits only for what is left of it (:class:`_Reads`), so an answer that
+trickles in byte by byte still ends with ``TimeoutError`` on time.
 :func:`request_head` and :func:`parse_head` are shared with the asyncio transport
 (``service.client.aio_http``).
 """
 
 from __future__ import annotations
 
+import io
 import select
 import socket
 import ssl
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from http.client import BadStatusLine, IncompleteRead, LineTooLong, RemoteDisconnected
@@ -81,8 +87,8 @@ class Connection:
         self.host, self.port, self.timeout = host, port, timeout
         self._tls = ssl.create_default_context() if https else None
         self._sock: socket.socket | None = None
+        self._raw: _Reads | None = None
         self._reader: BinaryIO | None = None
-        self._sock_timeout = timeout  #: the socket's timeout now
 
     def request(self, method: str, target: str, headers: Mapping[str, str], body: Sequence[bytes | memoryview] = (),
                 *, resend: bool = True, sent: Callable[[], None] | None = None,
@@ -92,7 +98,8 @@ class Connection:
         ``resend``: send once more on a fresh connection when a kept one turns out closed by the
         server (idle too long) before any byte of the answer; otherwise that raises.
         ``sent()`` is called once the body is out, before the answer is read.
-        ``timeout``: this request's socket timeout, connecting included (None: the connection's).
+        ``timeout``: the seconds this request may take, connecting, sending and reading its whole
+        answer included (None: the connection's ``timeout``, which bounds each of them alone).
         """
         size = sum(memoryview(b).nbytes for b in body)
         head = request_head(method, target, f"{self.host}:{self.port}", headers, size)
@@ -114,6 +121,9 @@ class Connection:
             except BaseException:
                 self.close()  # in no known state: the next request starts a fresh one
                 raise
+            finally:
+                if self._raw is not None:
+                    self._raw.until = None
             if not keep:
                 self.close()
             return answer
@@ -122,26 +132,28 @@ class Connection:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
-            self._reader = None
+            self._reader = self._raw = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
 
     def _open(self, timeout: float | None = None) -> tuple[socket.socket, BinaryIO]:
-        """The connection (a new one if there is none, or the server closed it), its socket timeout
-        ``timeout`` (None: the connection's)."""
+        """The connection (a new one if there is none, or the server closed it), ready for a request
+        that may take ``timeout`` seconds in all (None: the connection's timeout for each operation)."""
+        until = None if timeout is None else time.monotonic() + timeout
         wait = self.timeout if timeout is None else timeout
         if self._sock is not None and _closed_by_peer(self._sock):
             self.close()  # the server closed it while idle (keep-alive timeout): a new one, nothing resent
-        if self._sock is None or self._reader is None:
+        if self._sock is None or self._raw is None or self._reader is None:
             sock = socket.create_connection((self.host, self.port), wait)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
                 sock = self._tls.wrap_socket(sock, server_hostname=self.host)
-            self._sock, self._reader = sock, cast(BinaryIO, sock.makefile("rb", buffering=READ_BUFFER_BYTES))
-        elif self._sock_timeout != wait:  # a kept connection last used with another timeout
-            self._sock.settimeout(wait)
-        self._sock_timeout = wait
+            self._raw = _Reads(sock)
+            self._sock, self._reader = sock, cast(BinaryIO, io.BufferedReader(self._raw, READ_BUFFER_BYTES))
+        # sendall's timeout bounds its whole send (Python >= 3.5); the reads after it take what is left.
+        self._sock.settimeout(wait if until is None else max(until - time.monotonic(), 1e-6))
+        self._raw.base, self._raw.until = self.timeout, until
         return self._sock, self._reader
 
     @staticmethod
@@ -174,6 +186,30 @@ class Connection:
         else:
             return Answer(status, headers, reader.read()), False  # the body ends with the connection
         return Answer(status, headers, body), keeps_alive(version, headers)
+
+
+class _Reads(io.RawIOBase):
+    """The socket's bytes for the connection's buffered reader. Each read waits at most the
+    connection's ``base`` timeout and, while a request with a timeout of its own is read
+    (``until``: its ``time.monotonic()`` end), only the time left of it: a slow answer cannot
+    outlast its request's timeout however its bytes are spread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self._sock = sock
+        self.base: float | None = None
+        self.until: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        if self.until is not None:
+            left = self.until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            self._sock.settimeout(left if self.base is None else min(left, self.base))
+        return self._sock.recv_into(buffer)
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:

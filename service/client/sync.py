@@ -134,7 +134,8 @@ class Client:
         """POST a query, sent again after 429/503/a lost connection up to ``retries`` times, within ``deadline``
         (``service.client.retry``: the policy ``AsyncClient`` follows too).
 
-        Each attempt's socket timeout is the time left (at most ``timeout``), which is also sent
+        Each attempt may take the time left (at most ``timeout`` per socket operation), all its
+        reads together (``service.client.http1``); the time left is also sent
         as ``X-Request-Timeout`` so that the server gives up then too. No wait before a resend is
         begun that would end at or past the deadline: the deadline's :class:`TimeoutError` is
         raised at once instead, from the error that asked for the wait.
