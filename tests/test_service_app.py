@@ -111,7 +111,7 @@ def test_requests_to_paths_without_a_route_share_one_metrics_label():
 def test_a_trailing_slash_is_a_404_with_a_body_not_a_redirect(path):
     app = create_app(ServiceSettings())
     r = request(app, "GET", path)
-    assert r.status_code == 404 and r.json()["detail"], r.text
+    assert r.status_code == 404 and r.json()["code"] == "route_not_found" and path in r.json()["detail"], r.text
 
 
 @pytest.mark.parametrize("path", ["/v2/models/attention/zzz", "/v2/models/other", "/v2/models/other/infer",

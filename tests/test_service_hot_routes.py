@@ -72,10 +72,11 @@ def test_a_hot_route_answers_what_fastapi_answers(path, body):
 
 def test_other_methods_and_paths_near_a_hot_route_go_to_fastapi():
     app = create_app(ServiceSettings())
-    assert send(app, "GET", "/v1/attention").status_code == 405
-    assert send(app, "PUT", "/v1/attention/batch").status_code == 405
+    for method, path in (("GET", "/v1/attention"), ("PUT", "/v1/attention/batch")):
+        r = send(app, method, path)
+        assert r.status_code == 405 and r.json()["code"] == "method_not_allowed" and r.headers["allow"] == "POST"
     r = send(app, "POST", "/v1/attention/", json={})
-    assert r.status_code == 404 and r.json()["detail"]  # FastAPI's answer (no slash redirect: create_app)
+    assert r.status_code == 404 and r.json()["code"] == "route_not_found"  # the router's (no slash redirect: create_app)
 
 
 def dispatch(endpoint, handlers=None) -> HotRoutes:
