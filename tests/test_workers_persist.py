@@ -385,3 +385,44 @@ def test_cutting_a_damaged_segment_fails_instead_of_writing_it_again_with_a_new_
     with pytest.raises(ValueError, match="sha256"):
         st.files.truncate("c", 0, 20)  # across the segment: it would be read and cut
     assert (tmp_path / "c" / "0" / "000000000000-000000000030.safetensors").exists()
+
+
+def _create(st, ctx_id, n=10):
+    k, v = kv(n, np.float32)
+    st.create(ShardWrite(ctx_id, 0, "float32", 64, np.arange(n)), k, v, context={"id": ctx_id, "version": 1})
+
+
+def test_a_tombstoned_context_is_removed_from_disk_at_load_and_never_loaded(tmp_path):
+    st = ShardStore(10**8, files=ShardFiles(tmp_path))
+    _create(st, "ctx_gone")
+    _create(st, "ctx_kept")
+    other = ShardFiles(tmp_path / "other")  # the tombstone written where the holder's folder was out of reach
+    other.tombstone("ctx_gone")
+    assert other.tombstones() == {"ctx_gone"}
+    ShardFiles(tmp_path).tombstone("ctx_gone")  # as a sweep does on the holder once it is back
+    assert not (tmp_path / "ctx_gone").exists()
+    back = restarted(tmp_path)
+    assert {(i.context_id, i.index) for i in back.held()} == {("ctx_kept", 0)}
+    assert back.tombstones() == ["ctx_gone"]
+
+
+def test_a_folder_of_a_tombstoned_context_found_at_load_is_removed(tmp_path):
+    st = ShardStore(10**8, files=ShardFiles(tmp_path))
+    _create(st, "ctx_gone")
+    (tmp_path / ".deleted").mkdir()
+    (tmp_path / ".deleted" / "ctx_gone").write_bytes(b"")  # the tombstone came first, the files stayed
+    back = restarted(tmp_path)
+    assert back.held() == [] and not (tmp_path / "ctx_gone").exists()
+
+
+def test_tombstone_names_that_are_not_context_ids_are_refused_and_never_used_as_paths(tmp_path, caplog):
+    files = ShardFiles(tmp_path / "w")
+    for bad in ("../w", "ctx_../../x", "", "ctx_a/b"):
+        with pytest.raises(ValueError, match="context_id must match"):
+            files.tombstone(bad)
+    _create(ShardStore(10**8, files=files), "ctx_kept")
+    (tmp_path / "w" / ".deleted").mkdir(exist_ok=True)
+    (tmp_path / "w" / ".deleted" / "..ctx_kept").write_bytes(b"")
+    assert files.tombstones() == set()
+    assert any("is not a tombstone" in m for m in persist_warnings(caplog))
+    assert {i.context_id for i in restarted(tmp_path / "w").held()} == {"ctx_kept"}

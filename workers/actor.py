@@ -338,6 +338,13 @@ class ShardWorker:
     def drop(self, context_id: str, index: int | None = None) -> int:
         return self.store.drop(context_id, index)
 
+    def delete(self, context_id: str) -> int:
+        """The context was deleted: tombstoned on disk, then dropped (``ShardStore.delete``)."""
+        return self.store.delete(context_id)
+
+    def tombstones(self) -> list[str]:
+        return self.store.tombstones()
+
     def held(self) -> list[dict]:
         return [info.to_dict() for info in self.store.held()]
 

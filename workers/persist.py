@@ -5,6 +5,7 @@ One worker's files, under ``root`` (``DIR/<worker name>``)::
     <context_id>/record.json                       the newest committed record noted here
     <context_id>/<index>/shard.json                dtype, capacity and growth limit of the shard
     <context_id>/<index>/<start>-<stop>.safetensors  keys [start, stop) of one write: k, v, k_pos
+    .deleted/<context_id>                          a tombstone: the context was deleted (empty file)
 
 Every write of keys (a create, an append) is one segment file, written to a temporary
 name, flushed to disk and renamed (and the folder flushed): a crash leaves either the
@@ -26,6 +27,14 @@ record that is not a readable JSON object of the expected shape is skipped the s
 holder has one is the directory's to say, and a context no holder has one of is released
 from memory, its files left as they are: ``ShardStore.release_unrecorded``).
 Segments written before digests were stored load unverified (one info line per load).
+
+A delete leaves a tombstone (:meth:`ShardFiles.tombstone`) on every live worker, durable before
+the delete answers, and removes the context's files; a folder of a tombstoned context found at
+a load (a holder that was dead at the delete, replaced or restarted) is removed, not loaded.
+The service also buries, on every worker, the contexts any worker has a tombstone of
+(``service.contexts.tombstones``). A tombstone is an empty file and ids are never reused, so
+they are kept. Names read from ``.deleted`` are used only if they are context ids
+(:data:`CONTEXT_ID`): no other name ever becomes a path.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import json
 import logging
 import os
 import shutil
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +64,17 @@ SHARD = "shard.json"
 TENSORS = ("k", "v", "k_pos")
 #: The segment metadata key of its digest (absent in segments written before digests were stored).
 DIGEST = "sha256"
+#: The folder of tombstones: a context id never starts with a dot, so no context folder is named so.
+TOMBS = ".deleted"
+#: What a context id is (``service.contexts.records.new_id``: ``ctx_`` and a url-safe token).
+CONTEXT_ID = re.compile(r"ctx_[A-Za-z0-9_-]{1,128}")
+
+
+def check_context_id(context_id: str) -> str:
+    """``context_id`` if it is one (:data:`CONTEXT_ID`), else raise ValueError (it would name a path)."""
+    if not isinstance(context_id, str) or not CONTEXT_ID.fullmatch(context_id):
+        raise ValueError(f"context_id must match {CONTEXT_ID.pattern}, got {str(context_id)[:80]!r}")
+    return context_id
 
 
 class Damaged(ValueError):
@@ -208,6 +229,26 @@ class ShardFiles:
                 not any(p.is_dir() for p in (self.root / context_id).iterdir()):
             shutil.rmtree(self.root / context_id)
 
+    def tombstone(self, context_id: str) -> None:
+        """Note on disk that the context was deleted (durable when this returns), then remove its files."""
+        folder = self.root / TOMBS
+        folder.mkdir(exist_ok=True)
+        _atomic_write(folder / check_context_id(context_id), lambda p: p.write_bytes(b""))
+        self.drop(context_id)
+
+    def tombstones(self) -> set[str]:
+        """The ids of the contexts deleted here; a name that is not a context id is skipped with a warning."""
+        folder = self.root / TOMBS
+        if not folder.is_dir():
+            return set()
+        found = set()
+        for path in folder.iterdir():
+            if CONTEXT_ID.fullmatch(path.name) and path.is_file():
+                found.add(path.name)
+            elif not path.name.endswith(TMP):
+                log.warning("%s is not a tombstone (a file named by a context id): skipped", path)
+        return found
+
     def save_record(self, context_id: str, record: dict) -> None:
         folder = self.root / context_id
         if folder.exists():  # a context this worker holds a shard of
@@ -223,7 +264,14 @@ class ShardFiles:
         shards: list[LoadedShard] = []
         records: dict[str, dict] = {}
         self.unrecorded = {}
-        for ctx_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+        if (self.root / TOMBS).is_dir():
+            _remove_temporaries(self.root / TOMBS)
+        deleted = self.tombstones()
+        for ctx_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and p.name != TOMBS):
+            if ctx_dir.name in deleted:  # deleted while this folder's worker was down: it goes now
+                log.info("context %s was deleted: its files in %s are removed, not loaded", ctx_dir.name, ctx_dir)
+                shutil.rmtree(ctx_dir)
+                continue
             shard_dirs = sorted(p for p in ctx_dir.iterdir() if p.is_dir() and p.name.isdigit())
             for folder in (ctx_dir, *shard_dirs):
                 _remove_temporaries(folder)

@@ -225,6 +225,17 @@ class ShardStore:
                 self.files.drop(context_id, index)
             return len(keys)
 
+    def delete(self, context_id: str) -> int:
+        """The context was deleted: its tombstone on disk (``workers.persist``), then every shard dropped from
+        memory and disk; returns the shards dropped."""
+        if self.files is not None:
+            self.files.tombstone(context_id)
+        return self.drop(context_id)
+
+    def tombstones(self) -> list[str]:
+        """The ids of the contexts deleted here (tombstones on disk; none without ``files``)."""
+        return sorted(self.files.tombstones()) if self.files is not None else []
+
     def release_unrecorded(self, context_ids: Sequence[str]) -> list[Released]:
         """Free from memory the shards of each named context this store holds no record of; their files stay
         on disk as they are. Returns what was released, one per context.

@@ -560,6 +560,14 @@ class WorkerPool:
     def drop(self, index: int, context_id: str, shard: int | None = None) -> Awaitable[Any]:
         return self._call(index, lambda h: h.drop.remote(context_id, shard))
 
+    def delete(self, index: int, context_id: str) -> Awaitable[Any]:
+        """Tombstone the deleted context on the worker, then drop its shards (``ShardWorker.delete``)."""
+        return self._call(index, lambda h: h.delete.remote(context_id))
+
+    def tombstones(self, index: int) -> Awaitable[Any]:
+        """The ids of the contexts the worker has a tombstone of (``ShardWorker.tombstones``)."""
+        return self._call(index, lambda h: h.tombstones.remote())
+
     def held(self, index: int) -> Awaitable[Any]:
         """What the worker holds: ``[{"context_id", "index", "length", ...}]`` (``ShardWorker.held``)."""
         return self._call(index, lambda h: h.held.remote())

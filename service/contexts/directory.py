@@ -42,11 +42,13 @@ class DirectoryActor:
     def _rebuild(self, worker_names: list[str], namespace: str) -> int:
         """Rebuild records from the workers' reports; returns how many workers answered."""
         reports: dict[str, list[dict[str, Any]]] = {}
+        deleted: set[str] = set()  # tombstoned by some worker (service.contexts.tombstones): not rebuilt
         answered = 0
         for name in worker_names:
             try:
                 handle = ray.get_actor(name, namespace=namespace)
                 held: list[dict[str, Any]] = ray.get(handle.held.remote(), timeout=30)
+                deleted.update(ray.get(handle.tombstones.remote(), timeout=30))
             except (ValueError, ray.exceptions.RayError) as exc:
                 log.warning("directory rebuild: %s did not answer: %s", name, exc)
                 continue
@@ -54,6 +56,8 @@ class DirectoryActor:
             for info in held:
                 reports.setdefault(info["context_id"], []).append({**info, "worker": name})
         for ctx_id, infos in reports.items():
+            if ctx_id in deleted:
+                continue
             # The newest version; at equal versions the fullest (an older front end sent partial
             # records with a create's first shards).
             newest = max((i["context"] for i in infos if i["context"]), default=None,

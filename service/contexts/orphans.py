@@ -21,6 +21,8 @@ Only shards of contexts the directory does not list, and that their worker holds
 record of, are released: a create always gives its holders the record, so nothing in
 flight is ever one of them. Nothing is released while the directory lacks the reports of
 some worker (its rebuild did not hear from all of them): the record may be there.
+Before that, each worker swept deletes the contexts some worker has a tombstone of
+(``service.contexts.tombstones``): a record of a deleted context is no reason to keep it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 from service.cluster.pool import CALL_ERRORS, Slot, WorkerPool
 from service.contexts.directory import Directory
+from service.contexts.tombstones import bury
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ class Orphans:
         slots = [s for s in self.pool.alive if s.incarnation and s.incarnation not in self.swept]
         if not slots:
             return 0
+        await bury(self.pool, slots)  # deleted while they were down (service.contexts.tombstones)
         rebuilt_from = int((await self.directory.ping()).get("rebuilt_from", 0))
         if rebuilt_from < self.pool.size:
             log.info("contexts without a record are not looked for: the directory was rebuilt from %d of the %d "

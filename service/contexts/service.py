@@ -359,7 +359,9 @@ class ContextService:
         self.cache.drop([ctx_id])
         if rec is None:
             raise ContextNotFound(f"id must name an existing context, got {ctx_id!r}")
-        await self._drop_everywhere(ctx_id)
+        # Tombstoned on every live worker before the answer: a holder down now removes it when it comes back
+        # (service.contexts.tombstones).
+        await asyncio.gather(*(self._quietly(self.pool.delete(s.index, ctx_id)) for s in self.pool.alive))
         return describe(rec)
 
     # -- the parts of an append ---------------------------------------------------

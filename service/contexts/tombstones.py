@@ -1,0 +1,54 @@
+"""Deleted contexts stay deleted: a holder that was dead at the delete must not bring one back.
+
+A delete tombstones the context on every live worker before it answers (``workers.persist``:
+``DIR/<worker>/.deleted/<id>``). A holder dead at that moment missed it: its replacement, or
+the same worker after a restart, loads the context's files from its folder, record and all.
+:func:`bury` runs in the orphan sweep (``service.contexts.orphans``), once per worker
+incarnation: each worker it sweeps deletes (tombstones, then drops from memory and disk)
+every context it holds that any live worker has a tombstone of. The directory's rebuild
+skips those contexts too (``service.contexts.directory``), so a restart never lists one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from service.cluster.pool import CALL_ERRORS, Slot, WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+async def known(pool: WorkerPool) -> set[str]:
+    """The ids every live worker that answers has a tombstone of."""
+    answers = await asyncio.gather(*(pool.tombstones(s.index) for s in pool.alive), return_exceptions=True)
+    ids: set[str] = set()
+    for slot, got in zip(pool.alive, answers):
+        if isinstance(got, BaseException):
+            if not isinstance(got, CALL_ERRORS):
+                raise got
+            log.warning("worker %s did not say which contexts were deleted: %s", slot.name, got)
+            continue
+        ids.update(got)
+    return ids
+
+
+async def bury(pool: WorkerPool, slots: Sequence[Slot]) -> int:
+    """Delete on each of ``slots`` the contexts it holds that some worker has a tombstone of; returns how
+    many (context, worker) pairs were deleted. A worker that does not answer is named in a warning."""
+    dead = await known(pool)
+    if not dead:
+        return 0
+    buried = 0
+    for slot in slots:
+        try:
+            held = {h["context_id"] for h in await pool.held(slot.index)}
+            for ctx_id in sorted(held & dead):
+                await pool.delete(slot.index, ctx_id)
+                log.warning("context %s was deleted while worker %s was down: its shards there are removed "
+                            "(memory and disk)", ctx_id, slot.name)
+                buried += 1
+        except CALL_ERRORS as exc:
+            log.warning("worker %s: deleted contexts not removed: %s", slot.name, exc)
+    return buried
