@@ -42,8 +42,9 @@ def test_a_context_deleted_while_a_holder_was_dead_stays_deleted_after_its_repla
             assert len(files_of(store, gone)) > 0
             pids = shard_worker_pids(srv.proc.pid)
             assert len(pids) == 2, pids
+            killed = psutil.Process(pids[0])  # before the kill: the pid may be reaped at once
             os.kill(pids[0], signal.SIGKILL)
-            psutil.Process(pids[0]).wait(timeout=30)
+            killed.wait(timeout=30)
             c.delete_context(gone)  # its folder on the dead worker is out of reach: the delete answers all the same
             with pytest.raises(SplitkeyError) as err:
                 c.get_context(gone)
