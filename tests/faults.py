@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import threading
+import urllib.parse
 from typing import Self
 
 import numpy as np
@@ -38,25 +39,56 @@ class WrongAnswers(http.server.ThreadingHTTPServer):
 
 
 class LostAnswers(WrongAnswers):
-    """A proxy that forwards every request to the service but drops the answers ``lose(method, path)``
-    picks: the service did the work, and the client sees its connection close with no answer."""
+    """A proxy that forwards every request to the service but drops the answers
+    ``lose(method, path, status)`` picks (``status``: the service's answer): the service did the
+    work, and the client sees its connection close with no answer. ``lose.hold(method, path)``,
+    where ``lose`` has it, is called with each request's body read, before it goes on."""
 
     def __init__(self, target_port: int, lose) -> None:
         super().__init__(target_port, lambda out, lse: (out, lse))
         self.lose = lose
 
 
-class LoseFirstAppend:
-    """A ``lose`` for :class:`LostAnswers`: drops the answer to the first ``POST .../append`` only,
-    and keeps every append's path in ``appends`` (so a test can count what the client sent)."""
+class LoseAppendAfter:
+    """A ``lose`` for :class:`LostAnswers`: drops the answer to the first ``POST .../append`` whose
+    ``after`` is ``after`` (chosen by its query, not by when it arrives: with several chunks in
+    flight another one may come first), and keeps each append's ``(after, status)`` in ``appends``
+    so that a test can count what the client sent and what the service answered.
 
-    def __init__(self) -> None:
-        self.appends: list[str] = []
+    With ``first``, the append of ``after`` goes on to the service only once an append of
+    ``first`` was answered: the order in which a pipelined upload's chunks reach the server is
+    the test's to choose.
+    """
 
-    def __call__(self, method: str, path: str) -> bool:
-        if method == "POST" and path.split("?")[0].endswith("/append"):
-            self.appends.append(path)
-            return len(self.appends) == 1
+    def __init__(self, after: int, first: int | None = None) -> None:
+        self.after, self.first = after, first
+        self.appends: list[tuple[int, int]] = []
+        self.lost = False
+        self.first_answered = threading.Event()
+
+    @staticmethod
+    def append_after(method: str, path: str) -> int | None:
+        """The ``after`` of an append request, None for any other request."""
+        url = urllib.parse.urlsplit(path)
+        if method != "POST" or not url.path.endswith("/append"):
+            return None
+        return int(urllib.parse.parse_qs(url.query)["after"][0])
+
+    def hold(self, method: str, path: str) -> None:
+        if self.first is not None and not self.lost and self.append_after(method, path) == self.after:
+            if not self.first_answered.wait(30):
+                raise TimeoutError(f"no append after={self.first} came within 30 s")
+
+    def __call__(self, method: str, path: str, status: int) -> bool:
+        after = self.append_after(method, path)
+        if after is None:
+            return False
+        self.appends.append((after, status))
+        if after == self.first:
+            self.first_answered.set()
+        if after == self.after and not self.lost:
+            self.lost = True
+            return True
         return False
 
 
@@ -68,13 +100,15 @@ class Forward(http.server.BaseHTTPRequestHandler):
 
     def forward(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        lose = getattr(self.server, "lose", None)
+        if hasattr(lose, "hold"):
+            lose.hold(self.command, self.path)
         conn = http.client.HTTPConnection("127.0.0.1", self.server.target_port, timeout=60)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
         conn.request(self.command, self.path, body=body or None, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
-        lose = getattr(self.server, "lose", None)
-        if lose is not None and lose(self.command, self.path):
+        if lose is not None and lose(self.command, self.path, resp.status):
             self.close_connection = True  # the answer never leaves: the client's connection closes
             conn.close()
             return

@@ -288,7 +288,7 @@ def test_sync_client_resends_a_query_whose_answer_the_live_server_sent_but_was_l
 
     lost: list[str] = []
 
-    def lose_first_query(method: str, path: str) -> bool:
+    def lose_first_query(method: str, path: str, status: int) -> bool:
         if method == "POST" and path.startswith("/v1/attention"):
             lost.append(path)
             return len(lost) == 1

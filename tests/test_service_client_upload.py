@@ -11,7 +11,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from faults import LoseFirstAppend, LostAnswers
+from faults import LoseAppendAfter, LostAnswers
 from reference import assert_close_to_reference
 from server import Server
 
@@ -313,19 +313,44 @@ def test_a_chunk_refused_with_429_is_sent_again_after_retry_after(small, small_c
 @pytest.mark.parametrize("pipeline", [1, 2])
 def test_a_chunk_whose_answer_was_lost_is_found_stored_and_counts_once(client, server, rng, pipeline):
     k, v = kv(rng, 400)
-    lose = LoseFirstAppend()  # the first append's answer (keys 100..200) never comes back
-    appends = lose.appends
+    lose = LoseAppendAfter(100)  # the answer to the append of keys 100..200 never comes back
 
     seen = []
     with LostAnswers(server.port, lose) as proxy, Client(proxy.url) as c:
         desc = c.create_context(k, v, chunk_keys=100, pipeline=pipeline, progress=lambda d, t: seen.append(d))
     assert desc["length"] == 400 and seen == [100, 200, 300, 400]
-    # One at a time, the lost chunk is sent again, refused (409) and found stored; two at a time, the
-    # chunk after it was stored meanwhile and the upload's end on the server counts both: never sent blind.
-    assert len(appends) == (4 if pipeline == 1 else 3), appends
+    if pipeline == 1:
+        # One at a time, the lost chunk is sent again, refused (409: its keys are there) and found stored.
+        assert lose.appends == [(100, 200), (100, 409), (200, 200), (300, 200)], lose.appends
+    else:
+        # Two at a time, the lost chunk is never sent again: the upload's end on the server says it
+        # is stored. A chunk is sent again only if the server refused it: the chunk after the lost
+        # one, when it reached the server first (409, its predecessor not yet stored; the next test).
+        afters = [after for after, _ in lose.appends]
+        refused = [after for after, status in lose.appends if status == 409]
+        assert afters.count(100) == 1 and refused in ([], [200]), lose.appends
+        assert sorted(afters) == sorted([100, 200, 300] + refused), lose.appends
     q = rng.standard_normal((2, 4, 16)).astype(np.float32)
     out, lse = client.attention(q, contexts=[desc["id"]])
     assert_close_to_reference(out, lse, q, k, v)  # every key once: the chunk stored twice would show
+    client.delete_context(desc["id"])
+
+
+@pytest.mark.ray
+def test_a_lost_chunk_overtaken_by_the_next_one_is_found_stored_and_only_the_refused_one_is_sent_again(
+        client, server, rng):
+    k, v = kv(rng, 400)
+    # Keys 200..300 reach the server before keys 100..200, whose answer is then lost.
+    lose = LoseAppendAfter(100, first=200)
+    with LostAnswers(server.port, lose) as proxy, Client(proxy.url) as c:
+        desc = c.create_context(k, v, chunk_keys=100, pipeline=2)
+    assert desc["length"] == 400
+    # 200..300 is refused (its predecessor is not there yet), 100..200 stored with its answer lost:
+    # the upload's end on the server says 100..200 is stored, and it goes on one at a time from 200.
+    assert lose.appends == [(200, 409), (100, 200), (200, 200), (300, 200)], lose.appends
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[desc["id"]])
+    assert_close_to_reference(out, lse, q, k, v)
     client.delete_context(desc["id"])
 
 
