@@ -426,3 +426,34 @@ def test_tombstone_names_that_are_not_context_ids_are_refused_and_never_used_as_
     assert files.tombstones() == set()
     assert any("is not a tombstone" in m for m in persist_warnings(caplog))
     assert {i.context_id for i in restarted(tmp_path / "w").held()} == {"ctx_kept"}
+
+
+def test_a_delete_whose_tombstone_cannot_be_written_still_frees_the_shards(tmp_path):
+    st = ShardStore(10**8, files=ShardFiles(tmp_path))
+    _create(st, "ctx_gone")
+    _create(st, "ctx_kept")
+    (tmp_path / ".deleted").write_bytes(b"")  # a file where the tombstones' folder goes: mkdir fails
+    with pytest.raises(OSError):
+        st.delete("ctx_gone")
+    assert {i.context_id for i in st.held()} == {"ctx_kept"}
+    assert not (tmp_path / "ctx_gone").exists() and (tmp_path / "ctx_kept").exists()
+
+
+def test_context_folders_are_one_path_component_whatever_the_caller_passes(tmp_path):
+    root = tmp_path / "w"
+    files = ShardFiles(root)
+    st = ShardStore(10**8, files=files)
+    _create(st, "ctx_kept")
+    (tmp_path / "outside").mkdir()
+    for bad in ("..", ".", "", "../outside", "ctx_a/b", ".deleted", "ctx_\x00"):
+        with pytest.raises(ValueError, match="context_id must match"):
+            files.drop(bad)
+        with pytest.raises(ValueError, match="context_id must match"):
+            files.drop(bad, 0)
+        with pytest.raises(ValueError, match="context_id must match"):
+            files.save_record(bad, {"id": bad})
+        with pytest.raises(ValueError, match="context_id must match"):
+            st.create(ShardWrite(bad, 0, "float32", 64, np.arange(3)), *kv(3, np.float32), context={})
+    assert {i.context_id for i in st.held()} == {"ctx_kept"}  # a refused create holds nothing
+    assert (tmp_path / "outside").is_dir() and root.is_dir()
+    assert {i.context_id for i in restarted(root).held()} == {"ctx_kept"}

@@ -68,6 +68,11 @@ DIGEST = "sha256"
 TOMBS = ".deleted"
 #: What a context id is (``service.contexts.records.new_id``: ``ctx_`` and a url-safe token).
 CONTEXT_ID = re.compile(r"ctx_[A-Za-z0-9_-]{1,128}")
+#: The names a context's folder may have: one path component, no dots (so never ``..`` nor
+#: :data:`TOMBS`), no separators. Every context id is one; the front end checks ids before any
+#: call reaches a worker, and this check keeps a worker's writes and removals inside its root
+#: whatever a caller passes.
+FOLDER_NAME = re.compile(r"[A-Za-z0-9_-]{1,160}")
 
 
 def check_context_id(context_id: str) -> str:
@@ -173,8 +178,15 @@ class ShardFiles:
         #: context_id -> why the last :meth:`load` found no record of it here (none, damaged, empty).
         self.unrecorded: dict[str, str] = {}
 
+    def _folder(self, context_id: str) -> Path:
+        """The folder of ``context_id``'s shards; ValueError when the id is not one path component
+        (:data:`FOLDER_NAME`)."""
+        if not isinstance(context_id, str) or not FOLDER_NAME.fullmatch(context_id):
+            raise ValueError(f"context_id must match {FOLDER_NAME.pattern}, got {str(context_id)[:80]!r}")
+        return self.root / context_id
+
     def _shard_dir(self, context_id: str, index: int) -> Path:
-        return self.root / context_id / str(index)
+        return self._folder(context_id) / str(index)
 
     # -- writes -------------------------------------------------------------------
     def create(self, context_id: str, index: int, dtype: str, reserve: int, max_capacity: int,
@@ -222,12 +234,12 @@ class ShardFiles:
         _fsync_dir(folder)
 
     def drop(self, context_id: str, index: int | None = None) -> None:
-        target = self.root / context_id if index is None else self._shard_dir(context_id, index)
+        folder = self._folder(context_id)
+        target = folder if index is None else self._shard_dir(context_id, index)
         if target.exists():
             shutil.rmtree(target)
-        if index is not None and (self.root / context_id).exists() and \
-                not any(p.is_dir() for p in (self.root / context_id).iterdir()):
-            shutil.rmtree(self.root / context_id)
+        if index is not None and folder.exists() and not any(p.is_dir() for p in folder.iterdir()):
+            shutil.rmtree(folder)
 
     def tombstone(self, context_id: str) -> None:
         """Note on disk that the context was deleted (durable when this returns), then remove its files."""
@@ -250,7 +262,7 @@ class ShardFiles:
         return found
 
     def save_record(self, context_id: str, record: dict) -> None:
-        folder = self.root / context_id
+        folder = self._folder(context_id)
         if folder.exists():  # a context this worker holds a shard of
             _atomic_write(folder / RECORD, lambda p: p.write_text(json.dumps(record)))
 

@@ -227,10 +227,19 @@ class ShardStore:
 
     def delete(self, context_id: str) -> int:
         """The context was deleted: its tombstone on disk (``workers.persist``), then every shard dropped from
-        memory and disk; returns the shards dropped."""
-        if self.files is not None:
-            self.files.tombstone(context_id)
-        return self.drop(context_id)
+        memory and disk; returns the shards dropped.
+
+        A tombstone that cannot be written (a full disk, a bad id) is raised, but only after the
+        shards are dropped all the same: the user deleted the context, and its memory must not
+        stay held until the next start. Without the tombstone this worker's files still go; what
+        a tombstone guards against is another worker's copy coming back (docs/CONTEXTS.md).
+        """
+        try:
+            if self.files is not None:
+                self.files.tombstone(context_id)
+        finally:
+            dropped = self.drop(context_id)
+        return dropped
 
     def tombstones(self) -> list[str]:
         """The ids of the contexts deleted here (tombstones on disk; none without ``files``)."""
