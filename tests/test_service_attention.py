@@ -12,6 +12,7 @@ from reference import assert_close_to_reference
 from server import read_response
 
 from service.client import Client, SplitkeyError
+from service.client.timing import parse_server_timing
 from service.wire.safetensors import decode_safetensors, encode_safetensors, to_bytes
 from workers import BFLOAT16
 
@@ -144,9 +145,10 @@ def test_server_timing_header_names_every_stage(server, rng):
     q, k, v = inputs(rng, n_k=100)
     r = httpx.post(server.url + "/v1/attention", content=to_bytes(encode_safetensors({"q": q, "k": k, "v": v})),
                    headers={"Content-Type": "application/octet-stream"}, timeout=60)
-    stages = {part.split(";")[0].strip() for part in r.headers["server-timing"].split(",")}
-    assert {"parse", "scatter", "compute", "merge", "encode", "total"} <= stages
+    stages = parse_server_timing(r.headers["server-timing"])
+    assert {"parse", "scatter", "compute", "worker", "merge", "encode", "total"} <= set(stages), stages
     assert "lookup" not in stages  # no contexts named: nothing to look up
+    assert 0 < stages["worker"] <= stages["compute"], stages  # the workers' own pass, within compute
 
 
 @pytest.mark.parametrize(

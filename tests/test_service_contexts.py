@@ -57,8 +57,9 @@ def test_a_context_query_times_its_record_lookup_apart_from_the_scatter(client, 
     for _ in range(2):  # the first reads the directory, the second the front end's record cache
         client.attention(q, contexts=[ctx["id"]])
         stages = parse_server_timing(client.last_server_timing)
-        assert {"parse", "lookup", "scatter", "compute", "merge", "encode"} <= set(stages), stages
+        assert {"parse", "lookup", "scatter", "compute", "worker", "merge", "encode"} <= set(stages), stages
         assert all(sec >= 0 for sec in stages.values()), stages
+        assert 0 < stages["worker"] <= stages["compute"], stages  # over the direct channel too
     client.delete_context(ctx["id"])
 
 

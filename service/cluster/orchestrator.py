@@ -28,7 +28,7 @@ from service.cluster.pool import InlineWork, ResidentWork, WorkerPool
 from service.errors import ContextLost, DeadlineExceeded, WorkersUnavailable
 from service.metrics import Timings
 from workers.store import Expired, ShardMissing
-from workers.tasks import ShardQuery
+from workers.tasks import ComputeStatus, ShardQuery
 
 #: States up to this size (all shards together) merge on the event loop; larger ones in a thread.
 LOCAL_MERGE_INLINE_BYTES = 2**20
@@ -84,10 +84,13 @@ class Orchestrator:
         results = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
         t1 = time.perf_counter()
         timings.add("compute", t1 - t0)
+        # Within compute: the longest pass a worker ran for these jobs (docs/SERVICE.md, step 4); the
+        # rest of compute is the calls' round trips and the jobs' waits in the workers' queues.
+        timings.add("worker", max(status.seconds for _, status, _ in results))
         if remote:
-            state = await self._merge_remote([ref for _, ref in results], [w for w, _ in results])
+            state = await self._merge_remote([ref for _, _, ref in results], [w for w, _, _ in results])
         else:
-            states = [st for _, st in results]
+            states = [st for _, _, st in results]
             if state_nbytes * len(states) > LOCAL_MERGE_INLINE_BYTES:
                 state = await asyncio.to_thread(merge_all, states, self.fanin)
             else:
@@ -97,8 +100,8 @@ class Orchestrator:
         return out, lse
 
     async def _run_job(self, q: Any, query: ShardQuery, job: Job, keep_state: bool,
-                       state_nbytes: int) -> tuple[int, Any]:
-        """Run one job, retrying on other candidates; returns ``(worker, state or its ObjectRef)``."""
+                       state_nbytes: int) -> tuple[int, ComputeStatus, Any]:
+        """Run one job, retrying on other candidates; returns ``(worker, its status, state or its ObjectRef)``."""
         tried: set[int] = set()
         reasons: list[str] = []
         while True:
@@ -110,8 +113,8 @@ class Orchestrator:
                     from None
             tried.add(idx)
             try:
-                _, state = await self.pool.compute(idx, q, query, job.work, keep_state=keep_state,
-                                                   state_nbytes=state_nbytes)
+                status, state = await self.pool.compute(idx, q, query, job.work, keep_state=keep_state,
+                                                        state_nbytes=state_nbytes)
             except WorkersUnavailable as exc:
                 reasons.append(exc.detail)
                 continue
@@ -120,7 +123,7 @@ class Orchestrator:
                 continue
             except Expired:
                 raise late(self.pool.slots[idx].name) from None
-            return idx, state
+            return idx, status, state
 
     async def _merge_remote(self, refs: list[Any], workers: list[int]) -> State:
         """Merge over the fixed tree with each node running on a worker.
