@@ -21,7 +21,7 @@ from service.client.sync import Client
 from service.client.upload import ATTEMPT_ERRORS
 
 #: Server-Timing stages reported per point (docs/SERVICE.md), in request order.
-STAGES = ("parse", "lookup", "scatter", "compute", "merge", "encode", "total")
+STAGES = ("parse", "lookup", "scatter", "compute", "worker", "merge", "encode", "total")
 
 
 @dataclass
