@@ -100,9 +100,11 @@ class BatchService:
         timings.add("scatter", time.perf_counter() - t0)
         t1 = time.perf_counter()
         alone = asyncio.gather(*(self._single(i, items[i]) for i in single))  # type: ignore[arg-type]
-        await self._compute(planned)
+        passes = await self._compute(planned)
         t2 = time.perf_counter()
         timings.add("compute", t2 - t1)
+        if passes:  # the grouped reads' longest pass on a worker (items sent alone are not timed here)
+            timings.add("worker", max(passes))
         retry = [p for p in planned if p.failed and p.late is None]
         for p in retry:  # a cached record may be why: the single path reads the directory
             if p.cached:
@@ -192,8 +194,9 @@ class BatchService:
                                    states=[None] * len(reads), q=q))
         return planned
 
-    async def _compute(self, planned: list[Planned]) -> None:
-        """Every planned read on one live replica, one call per worker; fills ``states`` or marks ``failed``."""
+    async def _compute(self, planned: list[Planned]) -> list[float]:
+        """Every planned read on one live replica, one call per worker; fills ``states`` or marks ``failed``.
+        Returns the seconds of the passes the workers ran for the items they answered."""
         load = {s.index: s.outstanding for s in self.pool.slots}
         calls: dict[int, list[tuple[Planned, list[int]]]] = {}
         for p in planned:
@@ -206,6 +209,7 @@ class BatchService:
                 calls.setdefault(w, []).append((p, js))
         workers = list(calls)
         results = await asyncio.gather(*(self._call(w, calls[w]) for w in workers), return_exceptions=True)
+        passes: list[float] = []
         for w, result in zip(workers, results):
             for k, (p, js) in enumerate(calls[w]):
                 got = result[k] if isinstance(result, list) else result
@@ -215,9 +219,11 @@ class BatchService:
                 if isinstance(got, BaseException):
                     p.failed = True
                     continue
-                _, states = got
+                status, states = got
+                passes.append(status.seconds)
                 for j, st in zip(js, states):
                     p.states[j] = st
+        return passes
 
     async def _call(self, worker: int, work: list[tuple[Planned, list[int]]]) -> list[Any]:
         items = [ResidentQuery(carry(p.q), p.query, tuple(p.reads[j][0] for j in js)) for p, js in work]

@@ -77,7 +77,8 @@ def test_batch_of_many_items_over_the_same_context_shares_the_workers(client, co
     for q, (out, lse) in zip(qs, answers):
         assert_close_to_reference(out, lse, q, k, v, causal=True)
     stages = parse_server_timing(client.last_server_timing)
-    assert {"lookup", "scatter", "compute", "merge"} <= set(stages), stages  # one lookup for the 64 items
+    assert {"lookup", "scatter", "compute", "worker", "merge"} <= set(stages), stages  # one lookup for the 64 items
+    assert 0 < stages["worker"] <= stages["compute"], stages  # the longest pass, within the calls that ran it
 
 
 def batch_item_counts(url):
