@@ -12,8 +12,9 @@ with the default settings. Per round (rounds alternate the servers, each started
 
 1. **in-process**: ``partial_attention_resident`` + ``finalize`` on the same keys in the
    resident layout, one kernel thread and BLAS at one thread (what one worker runs), median
-   of ``--calls``; for the single context (``--n-k``, 4096 keys: one shard, as a create of
-   that size makes) and for one small context (``--small-n-k``);
+   of ``--calls``; for the single context (``--n-k``, 4096 keys: with the default
+   ``--context-shard-keys`` of 2048 a create of that size cuts it in two shards, one on each worker),
+   for one of its shards (what each worker runs) and for one small context (``--small-n-k``);
 2. **single calls**: ``--calls`` sequential ``Client.attention(q, contexts=[id])`` (sync
    client, one keep-alive connection), the same with ``AsyncClient`` from one event loop, and
    over the KServe v2 gRPC channel with ``tritonclient.grpc`` (``--grpc-port``), and as one
@@ -35,7 +36,8 @@ with the default settings. Per round (rounds alternate the servers, each started
    (a shared scan). Every answer of the warm-up is checked against the in-process answer.
 
 Step 2 also runs against this tree's server with ``--worker-channel false`` (every query a
-Ray call: what the direct channel saves; not with ``--quick``). ``--baseline DIR`` runs
+Ray call: what the direct channel saves) and with ``--context-shard-keys`` ``--shard-keys-beside``
+(4096: the single context in one shard, on one worker, as before 2026-12-05); neither with ``--quick``. ``--baseline DIR`` runs
 step 2 with the server of another checkout (its ``service`` package,
 same Python) beside this one's, in the same rounds, so "before" and "after" share the machine's
 state. Targets (issue 17): single-call overhead <= 2 ms p50; per item <= 0.3 ms at 64 items.
@@ -70,13 +72,18 @@ from benchmarks import common
 from merge import finalize
 from service.client import AsyncClient, Client, SplitkeyError
 from service.client.timing import parse_server_timing
+from service.settings import ServiceSettings
 from service.wire.safetensors import encode_safetensors, to_bytes
 from workers import StreamingKV, partial_attention_resident
 from workers.options import AttentionOptions, KernelOptions
 
 HEADS = {"h_q": 32, "h_kv": 8, "d": 128}
+#: Workers of every server (``splitkey serve --workers``).
+WORKERS = 2
 #: The server of this tree with every worker call through Ray (no direct channel).
 RAY_ONLY = "this tree --worker-channel false, Client"
+#: The server of this tree with other context shards (``--shard-keys-beside``).
+SHARDS_BESIDE = "this tree --context-shard-keys {}, Client"
 
 
 def keys(n_k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -87,6 +94,13 @@ def keys(n_k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def query(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, HEADS["h_q"], HEADS["d"]), dtype=np.float32)
+
+
+def largest_shard(n_k: int, workers: int, shard_keys: int) -> int:
+    """Keys of the first (largest) shard a create of ``n_k`` keys makes on ``workers`` live workers
+    (``service.contexts.service.plan_shards`` with ``expected_length`` = ``n_k``, as the client sends)."""
+    shards = max(1, min(workers, -(-n_k // shard_keys)))
+    return min(n_k, max(-(-n_k // shards), shard_keys))
 
 
 def resident(k: np.ndarray, v: np.ndarray) -> Any:
@@ -148,6 +162,7 @@ def kernel_times(data: dict, calls: int, batches: Sequence[int] = ()) -> dict[st
     return {"single": inprocess(data["view"], data["q"], calls)[0],
             "small": inprocess(data["small_views"][0], data["q"], calls)[0],
             **({"layers": inprocess_layers(data["layer_views"], data["q"], calls)} if data["layer_views"] else {}),
+            "shard": inprocess(data["shard_view"], data["q"], calls)[0],
             "batches": {b: inprocess_batch(data["small_views"], data["q"], b, max(3, min(20, 2000 // b)))
                         for b in batches},
             "batches_2t": {b: inprocess_batch(data["small_views"], data["q"], b, max(3, min(20, 2000 // b)), 2)
@@ -335,7 +350,7 @@ def run_server(root: Path, workdir: Path, fn: Callable[[str, str | None], Any], 
                extra: Sequence[str] = ()) -> Any:
     port = common.free_port() if grpc else None
     args = (("--grpc-port", str(port)) if grpc else ()) + tuple(extra)
-    with common.splitkey_server(workdir, workers=2, cwd=root, args=args) as url:
+    with common.splitkey_server(workdir, workers=WORKERS, cwd=root, args=args) as url:
         return fn(url, f"127.0.0.1:{port}" if grpc else None)
 
 
@@ -446,6 +461,15 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
         if all(SMALL_RAW in r for r in own):
             rows.append(row(f"this tree, raw HTTP/1.1, over a {args.small_n_k}-key context",
                             [r[SMALL_RAW] for r in own], [round_kernel(r, "small") for r in own], True))
+    shard_keys = largest_shard(args.n_k, WORKERS, ServiceSettings().context_shard_keys)
+    default = result["single"]["this tree, Client"]
+    shard_note = [] if shard_keys == args.n_k else [
+        f"With the default `--context-shard-keys` ({ServiceSettings().context_shard_keys}) the {args.n_k}-key context "
+        f"is cut in shards of {shard_keys} keys, one per worker, computed in parallel: the in-process kernel over one "
+        f"shard (what each worker runs) took {common.ms(statistics.median(round_kernel(r, 'shard') for r in default))}, "
+        f"and `this tree, Client`'s p50 minus it is "
+        f"{common.ms(statistics.median(r['single']['p50'] - round_kernel(r, 'shard') for r in default))}: what the call "
+        "costs beyond the work of one worker.", ""]
     lines += ["#### Single calls (sequential; medians over the rounds)", "",
               f"p50 - kernel: the p50 minus the round's in-process kernel (measured before and after all its "
               f"calls). Beside it: the median over the calls of (call - the in-process kernel measured right "
@@ -453,7 +477,7 @@ def report(args: argparse.Namespace, result: dict[str, Any]) -> str:
               f"the yardstick is at most seconds older than the call, not minutes.", "",
               common.markdown_table(["server, client", "p50", "p99", "p50 - kernel", "beyond the kernel beside it",
                                      "Server-Timing medians"], rows),
-              ""]
+              "", *shard_note]
     if own:
         healthz = statistics.median(r["healthz"]["p50"] for r in own)
         lines += ["raw HTTP/1.1: the same request pre-encoded once, sent on a keep-alive socket and its answer "
@@ -508,6 +532,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=common.count, default=4,
                    help="contexts of --n-k keys called in turn, as an engine's layers call theirs (0: none)")
     p.add_argument("--batch", type=common.parse_keys, default=[1, 4, 16, 64, 256])
+    p.add_argument("--shard-keys-beside", type=common.count, default=4096,
+                   help="also a server with this --context-shard-keys, single calls only (0: not)")
     p.add_argument("--baseline", default=None, help="a checkout of another commit: its server too, step 2 only")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, few calls, small batches")
     p.add_argument("--out", default=None)
@@ -529,13 +555,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     small_views = [resident(*kv) for kv in small]
     layers = [keys(args.n_k, 50 + i) for i in range(args.layers)]
     layer_views = [resident(*kv) for kv in layers]
+    shard = largest_shard(args.n_k, WORKERS, ServiceSettings().context_shard_keys)
     data = {"single": (k, v), "view": view, "single_answer": inprocess(view, q, 3)[1], "q": q, "small": small,
+            "shard_view": resident(k[:shard], v[:shard]),
             "small_views": small_views, "small_answers": [inprocess(sv, q, 3)[1] for sv in small_views],
             "layers": layers, "layer_views": layer_views,
             "layer_answers": [inprocess(lv, q, 3)[1] for lv in layer_views]}
     servers: list[tuple[str, Path, bool, tuple[str, ...]]] = [("this tree, Client", ROOT, True, ())]
     if not args.quick:  # the same tree with every query a Ray call: what the direct channel saves
         servers.append((RAY_ONLY, ROOT, True, ("--worker-channel", "false")))
+    if not args.quick and args.shard_keys_beside and args.shard_keys_beside != ServiceSettings().context_shard_keys:
+        servers.append((SHARDS_BESIDE.format(args.shard_keys_beside), ROOT, False,
+                        ("--context-shard-keys", str(args.shard_keys_beside))))
     if args.baseline:
         servers.append(("baseline, Client", Path(args.baseline).resolve(), False, ()))
     result: dict[str, Any] = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -84,7 +84,10 @@ class ServiceSettings(BaseSettings):
     heal_interval_s: float = Field(2.0, gt=0, description="How often dead workers are looked for and replaced.")
 
     # Resident contexts
-    context_shard_keys: int = Field(4096, ge=1, description="Keys a context shard holds at least before a new one "
+    # 2048: a 4096-key context is cut over two workers, whose halves run in parallel (a decode call
+    # 1.2-2.7 ms faster at p50 on two workers than as one 4096-key shard: docs/BENCHMARKS.md, "Contexts
+    # over both workers"); much below it a call's fixed cost outweighs what a shorter kernel saves.
+    context_shard_keys: int = Field(2048, ge=1, description="Keys a context shard holds at least before a new one "
                                                             "opens; a create uses one shard per worker down to this size.")
     max_replicas: int = Field(8, ge=1, description="Most replicas a context may ask for.")
     record_cache: int = Field(4096, ge=0, description="Context records a front end keeps to resolve queries "
