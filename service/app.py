@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Match
 
 from service import request_id
 from service.admission import Admission
@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 #: What /metrics counts for a request whose client disconnected before its answer.
 CLIENT_CLOSED = 499
+#: The methods a 405's ``Allow`` may name, in the order it names them.
+HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 
 
 @asynccontextmanager
@@ -200,7 +202,12 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
             return _respond(RouteNotFound(f"path must be one of the service's routes (docs/API.md section 6.1), "
                                           f"got {path}"), request)
         if exc.status_code == 405:
-            allow = (exc.headers or {}).get("Allow", "")
+            # Starlette's Allow names the methods of the first route matching the path; several may
+            # (GET and DELETE of /v1/contexts/{id} are two routes): every method some route takes here.
+            methods = [m for m in HTTP_METHODS
+                       if any(route.matches({**request.scope, "method": m})[0] == Match.FULL
+                              for route in request.app.router.routes)]
+            allow = ", ".join(methods) or (exc.headers or {}).get("Allow", "")
             return _respond(MethodNotAllowed(f"method must be one of {allow} for {path}, got {show(request.method)}",
                                              allow), request)
         return await http_exception_handler(request, exc)

@@ -64,17 +64,20 @@ def widened_q(q: Any, acc_dtype: Any) -> Any:
 
 
 def checked_answer(out: Any, lse: Any) -> tuple[Any, Any]:
-    """``(out, lse)``, or 422 when they hold NaN: the scores overflowed the accumulation dtype.
+    """``(out, lse)``, or 422 when they hold NaN or ``out`` an infinity: the computation overflowed the
+    accumulation dtype.
 
     The kernels put ``q`` times ``scale`` (over ``softcap``) in the accumulation dtype; past its
-    range (float32: about 3.4e38) a score is infinite and the state NaN. That is refused with what
-    to change, never answered (docs/API.md section 4, "Overflow").
+    range (float32: about 3.4e38) a score is infinite and the state NaN. And ``acc`` sums up to
+    ``n_k`` weighted values: values near the range's edge (``|v| n_k`` past it) make it infinite,
+    and a later rescale by 0 NaN. ``out`` itself, a weighted mean of finite values, never is. Either
+    is refused with what to change, never answered (docs/API.md section 4, "Overflow").
     """
-    if np.isnan(out).any() or np.isnan(lse).any():
-        raise InvalidTensor(f"q, k and the options must give scores within the {out.dtype} range (about "
-                            f"{float(np.finfo(out.dtype).max):.1e}), got a score beyond it (scale / softcap x q.k "
-                            f"overflowed): use a smaller scale, a softcap of 0 or not tiny, smaller q or k, or float64 "
-                            f"tensors")
+    if np.isnan(out).any() or np.isnan(lse).any() or np.isinf(out).any():
+        raise InvalidTensor(f"q, k, v and the options must keep the computation within the {out.dtype} range "
+                            f"(about {float(np.finfo(out.dtype).max):.1e}), got an overflow: a score beyond it "
+                            f"(scale / softcap x q.k), or values v so large that their weighted sum passed it; use a "
+                            f"smaller scale, a softcap of 0 or not tiny, smaller q, k or v, or float64 tensors")
     return out, lse
 
 
@@ -83,17 +86,23 @@ def answer_elements(req: AttentionRequest, d_v: int) -> int:
     return req.n_q * req.h_q * d_v
 
 
-def check_answer_size(req: AttentionRequest, d_v: int, max_elements: int) -> None:
-    """413 when the answer ``out [n_q, h_q, d_v]`` would be over the element limit of any one tensor.
+def check_answer_size(req: AttentionRequest, d_v: int, max_elements: int, json_limit: int | None = None) -> None:
+    """413 when the answer ``out [n_q, h_q, d_v]`` would be over the element limit of any one tensor,
+    or, when it is to be written as JSON text, over ``json_limit`` (``Limits.max_json_answer_elements``).
 
     Each of ``q`` and ``v`` may be within the limit while their product is not (``q [16385, 1, 1]``
     over values ``[1, 1, 16384]``); the states the workers hold and send are as large, so this is
-    checked before any of them is allocated (docs/API.md section 8).
+    checked before any of them is allocated (docs/API.md section 8). A JSON answer is ~20 bytes of
+    text a number and takes ~1 us each to write: a 35 KB request could otherwise ask for gigabytes.
     """
     count = answer_elements(req, d_v)
     if count > max_elements:
         raise BodyTooLarge(f"q [n_q, h_q, d] = {[req.n_q, req.h_q, req.d]} over keys with d_v = {d_v} must give an "
                            f"answer out [n_q, h_q, d_v] of at most {max_elements} elements, got {count}")
+    if json_limit is not None and count > json_limit:
+        raise BodyTooLarge(f"q [n_q, h_q, d] = {[req.n_q, req.h_q, req.d]} over keys with d_v = {d_v} must give a JSON "
+                           f"answer out [n_q, h_q, d_v] of at most {json_limit} elements, got {count}: ask for "
+                           "application/octet-stream (Accept) to get it as safetensors")
 
 
 def settled(exc: RecordStale) -> WorkersUnavailable:
@@ -113,12 +122,14 @@ class AttentionService:
         #: The element limit of one tensor, which the answer's ``out`` is held to (check_answer_size).
         self.max_elements = settings.limits().max_elements
 
-    async def attention(self, req: AttentionRequest, timings: Timings) -> tuple[Any, Any]:
+    async def attention(self, req: AttentionRequest, timings: Timings,
+                        json_limit: int | None = None) -> tuple[Any, Any]:
         """``(out, lse)`` of the request; a query that read a stale cached record runs again from the directory
-        (its stages then add both runs' time)."""
+        (its stages then add both runs' time). ``json_limit``: the answer is to be written as JSON text,
+        whose ``out`` may hold at most that many elements (``check_answer_size``)."""
         resolved = await self.resolve(req, timings, fresh=False)
         try:
-            return await self._attention(req, resolved, timings)
+            return await self._attention(req, resolved, timings, json_limit)
         except RecordStale as exc:
             if resolved is None or not resolved.cached:
                 raise settled(exc) from exc
@@ -130,7 +141,7 @@ class AttentionService:
                 raise
         self.contexts.forget(req.contexts)
         try:
-            return await self._attention(req, await self.resolve(req, timings, fresh=True), timings)
+            return await self._attention(req, await self.resolve(req, timings, fresh=True), timings, json_limit)
         except RecordStale as exc:
             raise settled(exc) from exc
         except ContextLost:
@@ -150,12 +161,13 @@ class AttentionService:
         resolved.check(req)
         return resolved
 
-    async def _attention(self, req: AttentionRequest, resolved: Resolved | None, timings: Timings) -> tuple[Any, Any]:
+    async def _attention(self, req: AttentionRequest, resolved: Resolved | None, timings: Timings,
+                         json_limit: int | None) -> tuple[Any, Any]:
         # 1. The contexts were resolved (the lookup stage); the answer they make is within the limits.
         t0 = time.perf_counter()
         kv = req.kv
         d_v = kv.dims.d_v if kv is not None else resolved.dims.d_v if resolved is not None else 0
-        check_answer_size(req, d_v, self.max_elements)
+        check_answer_size(req, d_v, self.max_elements, json_limit)
         # 2. Positions over the union: inline keys continue after the contexts.
         q_pos, k_pos = union_positions(req, resolved.next_pos if resolved is not None else None)
         query = ShardQuery(q_pos=q_pos, options=req.options)

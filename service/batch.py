@@ -82,8 +82,9 @@ class BatchService:
         self.attention = attention
         self.contexts = contexts
 
-    async def run(self, items: Sequence[Item], timings: Timings) -> list[Answer]:
-        """Each item's ``(out, lse)`` or error, in order."""
+    async def run(self, items: Sequence[Item], timings: Timings, json_limit: int | None = None) -> list[Answer]:
+        """Each item's ``(out, lse)`` or error, in order. ``json_limit``: the answers are to be written as
+        JSON text, whose ``out`` tensors may hold at most that many elements in all (``_check_total``)."""
         answers: list[Answer | None] = [it if isinstance(it, ItemError) else None for it in items]
         grouped = [(i, it) for i, it in enumerate(items) if isinstance(it, AttentionRequest)
                    and it.contexts and it.kv is None]
@@ -96,7 +97,7 @@ class BatchService:
         sizes: dict[int, int] = {i: answer_elements(it, it.kv.dims.d_v) for i in single
                                  if isinstance(it := items[i], AttentionRequest) and it.kv is not None}
         planned = self._plan(grouped, found, answers, single, sizes)
-        self._check_total(sizes, answers)
+        self._check_total(sizes, answers, json_limit)
         timings.add("scatter", time.perf_counter() - t0)
         t1 = time.perf_counter()
         alone = asyncio.gather(*(self._single(i, items[i]) for i in single))  # type: ignore[arg-type]
@@ -155,14 +156,19 @@ class BatchService:
         except ServiceError as exc:
             return ItemError.of(index, exc)
 
-    def _check_total(self, sizes: dict[int, int], answers: list[Answer | None]) -> None:
+    def _check_total(self, sizes: dict[int, int], answers: list[Answer | None], json_limit: int | None) -> None:
         """413 for the whole batch when its answers would hold more ``out`` elements in all than one
-        tensor may (``sizes``: each item's; items refused, or over the limit alone, are their own
-        errors), before any work is sent."""
+        tensor may, or than a JSON answer may (``json_limit``) when they are to be written as JSON
+        (``sizes``: each item's; items refused, or over the tensor limit alone, are their own errors),
+        before any work is sent."""
         total = sum(n for i, n in sizes.items() if answers[i] is None and n <= self.attention.max_elements)
         if total > self.attention.max_elements:
             raise BodyTooLarge(f"items must give answers of at most {self.attention.max_elements} out elements in "
                                f"all (n_q x h_q x d_v summed over the items), got {total}: send them in several batches")
+        if json_limit is not None and total > json_limit:
+            raise BodyTooLarge(f"items must give JSON answers of at most {json_limit} out elements in all (n_q x h_q "
+                               f"x d_v summed over the items), got {total}: ask for application/octet-stream (Accept) "
+                               "to get them as safetensors, or send them in several batches")
 
     def _plan(self, grouped: list[tuple[int, AttentionRequest]], found: tuple[dict[str, ContextRecord], set[str]],
               answers: list[Answer | None], single: list[int], sizes: dict[int, int]) -> list[Planned]:

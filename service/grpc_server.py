@@ -29,7 +29,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from service import request_id
 from service.grpc_auth import KeyFirst
-from service.errors import ERRORS, Internal, ServiceError, ShuttingDown, internals
+from service.errors import ERRORS, Internal, RouteNotFound, ServiceError, ShuttingDown, internals
 from service.metrics import Timings
 from service.routes.common import off_loop, with_deadline
 from service.runtime import AppState
@@ -74,7 +74,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
         if not _served(request):
-            # Another model or version is not served: NOT_FOUND, as HTTP's 404 for its path.
+            # Another model or version is not served: NOT_FOUND, as HTTP's 404 for its path (route_not_found).
+            context.set_trailing_metadata((("splitkey-code", ERRORS[RouteNotFound].code),))
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"name must be {MODEL_NAME} and version empty or {MODEL_VERSION}, got "
                                 f"{request.name[:64]!r} version {request.version[:64]!r}")
@@ -101,7 +102,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             if not served(request.model_name, request.model_version):
                 code = 404
-                context.set_trailing_metadata((("x-request-id", rid),))
+                context.set_trailing_metadata((("x-request-id", rid), ("splitkey-code", ERRORS[RouteNotFound].code)))
                 await context.abort(grpc.StatusCode.NOT_FOUND, not_served(request.model_name, request.model_version))
             if state.drain.draining:
                 raise ShuttingDown("the service must be running to take work, got a request while it drains "
@@ -121,8 +122,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                     deadline = min(deadline, max(limit, 1e-3))
             out, lse = await with_deadline(rt.attention.attention(req, timings), deadline)
             t1 = time.perf_counter()
-            response = infer_response(service_pb2.ModelInferResponse, parsed.id, {"out": out, "lse": lse},
-                                      parsed.outputs)
+            response = await off_loop(out.nbytes + lse.nbytes, infer_response, service_pb2.ModelInferResponse,
+                                      parsed.id, {"out": out, "lse": lse}, parsed.outputs)
             timings.add("encode", time.perf_counter() - t1)
             timings.add("total", time.perf_counter() - t0)
             state.metrics.observe_stages(ROUTE, timings)

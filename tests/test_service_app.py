@@ -107,6 +107,21 @@ def test_requests_to_paths_without_a_route_share_one_metrics_label():
     assert 'route="/healthz"' in text and "made-up" not in text
 
 
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("PATCH", "/v1/contexts/ctx_a", "DELETE, GET"),  # two routes on one path: both named
+    ("PUT", "/v1/contexts", "GET, POST"),
+    ("DELETE", "/v1/contexts", "GET, POST"),
+    ("GET", "/v1/attention", "POST"),
+    ("HEAD", "/v1/contexts", "GET, POST"),  # no route takes HEAD: a 405 names what they take
+])
+def test_method_not_allowed_names_every_method_the_path_takes(method, path, allow):
+    app = create_app(ServiceSettings())
+    r = request(app, method, path)
+    assert r.status_code == 405 and r.headers["allow"] == allow, r.text
+    if method != "HEAD":  # a HEAD answer has no body
+        assert r.json()["code"] == "method_not_allowed" and f"method must be one of {allow} for" in r.json()["detail"]
+
+
 @pytest.mark.parametrize("path", ["/v1/contexts/", "/healthz/", "/v1/limits/"])
 def test_a_trailing_slash_is_a_404_with_a_body_not_a_redirect(path):
     app = create_app(ServiceSettings())

@@ -202,7 +202,7 @@ def test_scores_beyond_float32_are_refused_not_answered_nan(client, case):
     opts = {"tiny_softcap": dict(softcap=1e-39), "huge_scale": dict(scale=3.4e38), "huge_q_and_k": {}}[case]
     if case == "huge_q_and_k":
         q, k = q * np.float32(1e20), k * np.float32(1e20)
-    with pytest.raises(SplitkeyError, match="scores within the float32 range") as err:
+    with pytest.raises(SplitkeyError, match="within the float32 range") as err:
         client.attention(q, k, v, **opts)
     assert (err.value.status, err.value.code) == (422, "invalid_tensor")
     ctx = client.create_context(k, v)["id"]
@@ -213,6 +213,18 @@ def test_scores_beyond_float32_are_refused_not_answered_nan(client, case):
     np.testing.assert_allclose(out[0, 0], [1.5], rtol=1e-6)
     out, lse = client.attention(q.astype(np.float64), k, v, **opts)  # float64 holds these scores
     assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
+def test_values_whose_weighted_sum_passes_float32_are_refused_not_answered_inf(client):
+    # Equal scores over 4096 keys of v = 1e36: the exact out is 1e36, but the sum in acc is 4e39.
+    q = np.zeros((1, 1, 2), np.float32)
+    k = np.ones((4096, 1, 2), np.float32)
+    v = np.full((4096, 1, 1), 1e36, np.float32)
+    with pytest.raises(SplitkeyError, match="values v so large that their weighted sum passed it") as err:
+        client.attention(q, k, v)
+    assert (err.value.status, err.value.code) == (422, "invalid_tensor")
+    out, _ = client.attention(q.astype(np.float64), k, v)  # float64 holds the sum
+    np.testing.assert_allclose(out, np.full((1, 1, 1), 1e36), rtol=1e-6)
 
 
 def test_non_finite_alibi_slopes_over_a_context_are_422_not_a_worker_failure(client):

@@ -224,7 +224,7 @@ def test_limits_reports_the_settings_values(small, small_client):
     doc = httpx.get(small.url + "/v1/limits").json()
     assert doc == {"max_body_bytes": BODY, "max_json_body_bytes": BODY, "max_header_bytes": 2**20,
                    "max_elements": 2**28, "max_dims": 3, "max_contexts": 64, "max_context_id_chars": 128,
-                   "max_shards": 1024, "max_replicas": 3, "max_batch_items": 256}
+                   "max_shards": 1024, "max_replicas": 3, "max_batch_items": 256, "max_json_answer_elements": 2**21}
     assert small_client.limits() == Limits(max_body_bytes=BODY, max_json_body_bytes=BODY, max_replicas=3)
 
 

@@ -444,3 +444,12 @@ def test_next_pos_is_one_past_the_largest_position_stored_however_the_keys_came(
                               k_pos=np.array([-30, -29, -40, -35]))
     client.delete_context(created["id"])
     client.delete_context(empty["id"])
+
+
+def test_a_context_id_too_long_to_quote_whole_is_cut_visibly_in_the_404(server):
+    ctx_id = "b" * 100 + "c" * 29
+    r = httpx.get(f"{server.url}/v1/contexts/{ctx_id}")
+    assert r.status_code == 404 and r.json()["code"] == "context_not_found", r.text
+    assert r.json()["detail"] == f"id must name an existing context, got {'b' * 64!r}... (129 characters)"
+    r = httpx.get(f"{server.url}/v1/contexts/a$b")  # short: quoted whole
+    assert r.json()["detail"] == "id must name an existing context, got 'a$b'"

@@ -212,6 +212,24 @@ def test_grpc_error_names_its_contract_code_and_request_id_in_trailing_metadata(
     assert trailing["splitkey-code"] == "context_not_found" and trailing["x-request-id"] == "grpc-rid-1"
 
 
+def test_grpc_calls_for_a_model_not_served_name_route_not_found_as_http_does(grpc_server):
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    auth = (("authorization", f"Bearer {KEY}"),)
+    calls = [("ModelInfer", service_pb2.ModelInferRequest(model_name="other")),
+             ("ModelInfer", service_pb2.ModelInferRequest(model_name="attention", model_version="2")),
+             ("ModelMetadata", service_pb2.ModelMetadataRequest(name="attention", version="2")),
+             ("ModelMetadata", service_pb2.ModelMetadataRequest(name="other"))]
+    with grpc.insecure_channel(grpc_server.grpc) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for rpc, request in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                getattr(stub, rpc)(request, metadata=auth)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND, (rpc, request)
+            assert dict(info.value.trailing_metadata())["splitkey-code"] == "route_not_found", (rpc, request)
+
+
 def test_grpc_answers_larger_than_the_request_limit_are_sent(tmp_path, rng):
     """The send limit is the message's, not the request body's: a small q over long value rows."""
     srv = Server(tmp_path, args=("--workers", "1", "--max-body-bytes", str(2**20)), grpc=True)

@@ -14,8 +14,9 @@ from service.wire.batch import (
     decode_binary_batch,
     decode_json_batch,
     encode_binary_batch,
-    encode_json_batch,
+    json_batch,
 )
+from service.wire.json_text import dumps_json
 from service.wire.request import AttentionRequest
 from service.wire.rules import Limits
 from service.wire.safetensors import encode_safetensors, to_bytes
@@ -94,7 +95,7 @@ def test_answers_round_trip_through_the_client_and_json():
     got = decode_batch(to_bytes(encode_binary_batch(answers)), 2)
     assert np.array_equal(got[0][0], out) and np.array_equal(got[0][1], lse)
     assert isinstance(got[1], SplitkeyError) and (got[1].status, got[1].code) == (404, "context_not_found")
-    doc = json.loads(encode_json_batch(answers))
+    doc = json.loads(dumps_json(json_batch(answers)))
     assert doc["items"][0]["lse"] == [[1.0, None, 2.0, 3.0]]
     assert doc["items"][1] == {"error": {"status": 404, "code": "context_not_found", "detail": "items[1]: gone"}}
 

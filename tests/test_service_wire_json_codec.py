@@ -20,13 +20,19 @@ from service.wire.json_codec import (
     ContextAppendRequestModel,
     ContextCreateRequestModel,
     decode_json_request,
-    encode_json_result,
+    json_result,
 )
+from service.wire.json_text import dumps_json
 from service.wire.rules import ATTENTION, CONTEXT_APPEND, CONTEXT_CREATE, Limits
 
 Q = [[[1, 2.5], [0.5, -1]]]  # [1, 2, 2]
 K = [[[1, 0]], [[0, 1]], [[-1, 0.25]]]  # [3, 1, 2]
 V = [[[1, 2, 3]], [[4, 5, 6]], [[7, 8, 9]]]  # [3, 1, 3]
+
+
+def encode(out, lse):
+    """A result's JSON text, as the routes write it (``json_text``)."""
+    return dumps_json(json_result(out, lse))
 
 
 def body(**fields) -> bytes:
@@ -247,19 +253,19 @@ def test_random_bytes_as_json_only_ever_raise_service_errors(text):
 def test_results_round_trip_exactly_through_json(dtype, rng):
     out = rng.standard_normal((3, 4, 5)).astype(dtype)
     lse = rng.standard_normal((3, 4)).astype(dtype)
-    doc = json.loads(encode_json_result(out, lse))
+    doc = json.loads(encode(out, lse))
     assert np.array_equal(np.array(doc["out"], dtype), out) and np.array_equal(np.array(doc["lse"], dtype), lse)
 
 
 def test_a_fully_masked_row_has_lse_null():
     out = np.zeros((2, 1, 2), np.float32)
     lse = np.array([[-np.inf], [0.5]], np.float32)
-    assert json.loads(encode_json_result(out, lse)) == {"out": [[[0.0, 0.0]], [[0.0, 0.0]]], "lse": [[None], [0.5]]}
+    assert json.loads(encode(out, lse)) == {"out": [[[0.0, 0.0]], [[0.0, 0.0]]], "lse": [[None], [0.5]]}
 
 
 def test_other_non_finite_results_are_null_rather_than_invalid_json():
     out = np.array([[[np.nan, np.inf, 1.0]]])
-    text = encode_json_result(out, np.array([[np.inf]]))
+    text = encode(out, np.array([[np.inf]]))
     assert json.loads(text) == {"out": [[[None, None, 1.0]]], "lse": [[None]]}
 
 
@@ -270,7 +276,7 @@ def test_other_non_finite_results_are_null_rather_than_invalid_json():
 ])
 def test_encode_json_result_rejects_arrays_of_the_wrong_kind(out, lse, message):
     with pytest.raises(ValueError, match=message):
-        encode_json_result(out, lse)
+        encode(out, lse)
 
 
 # -- OpenAPI models --------------------------------------------------------------------------
@@ -303,6 +309,6 @@ def test_the_models_reject_what_the_decoder_rejects(fields):
 
 
 def test_the_result_model_reads_an_encoded_result():
-    text = encode_json_result(np.ones((1, 1, 2), np.float32), np.array([[-np.inf]], np.float32))
+    text = encode(np.ones((1, 1, 2), np.float32), np.array([[-np.inf]], np.float32))
     result = AttentionResult.model_validate_json(text)
     assert result.out == [[[1.0, 1.0]]] and result.lse == [[None]]

@@ -9,10 +9,12 @@ import pytest
 from expect import given_options
 from expect import raised as api_error
 
+from service.wire.json_text import dumps_json
 from service.wire.kserve import (
     RequestedOutput,
     decode_infer_request,
-    encode_infer_response,
+    infer_response,
+    response_body,
     header_length,
     model_metadata,
 )
@@ -226,10 +228,11 @@ def test_unparseable_header_and_unknown_keys_are_invalid_body():
 def test_json_response_writes_negative_infinity_as_null():
     out = np.ones((2, 1, 3), dtype=np.float32)
     lse = np.array([[-np.inf], [0.5]], dtype=np.float32)
-    buffers, n = encode_infer_response("r", {"out": out, "lse": lse},
-                                       (RequestedOutput("out", False), RequestedOutput("lse", False)))
-    assert n is None and len(buffers) == 1
-    doc = json.loads(buffers[0])
+    doc, raw = infer_response("r", {"out": out, "lse": lse},
+                              (RequestedOutput("out", False), RequestedOutput("lse", False)))
+    body, n = response_body(dumps_json(doc), raw)
+    assert n is None and not raw
+    doc = json.loads(body)
     assert doc["model_name"] == "attention" and doc["model_version"] == "1" and doc["id"] == "r"
     assert doc["outputs"][0] == {"name": "out", "datatype": "FP32", "shape": [2, 1, 3], "data": [1.0] * 6}
     assert doc["outputs"][1] == {"name": "lse", "datatype": "FP32", "shape": [2, 1], "data": [None, 0.5]}
@@ -238,9 +241,9 @@ def test_json_response_writes_negative_infinity_as_null():
 def test_binary_response_keeps_negative_infinity_and_orders_data_as_the_outputs():
     out = np.arange(6, dtype=np.float64).reshape(2, 1, 3)
     lse = np.array([[-np.inf], [0.5]])
-    buffers, n = encode_infer_response(None, {"out": out, "lse": lse},
-                                       (RequestedOutput("lse", True), RequestedOutput("out", True)))
-    body = b"".join(buffers)
+    doc, raw = infer_response(None, {"out": out, "lse": lse},
+                              (RequestedOutput("lse", True), RequestedOutput("out", True)))
+    body, n = response_body(dumps_json(doc), raw)
     doc = json.loads(body[:n])
     assert "id" not in doc
     assert [(o["name"], o["datatype"], o["parameters"]["binary_data_size"]) for o in doc["outputs"]] == \

@@ -32,7 +32,7 @@ def test_limits_must_be_positive_ints(bad):
 def test_limits_travel_as_json_and_come_back_the_same():
     limits = Limits(max_body_bytes=4096, max_replicas=3)
     doc = limits.to_json()
-    assert doc["max_body_bytes"] == 4096 and doc["max_elements"] == 2**28 and len(doc) == 10
+    assert doc["max_body_bytes"] == 4096 and doc["max_elements"] == 2**28 and len(doc) == 11
     assert Limits.from_json(doc) == limits
     # A newer server's extra limits are ignored; ones it does not send keep their defaults.
     assert Limits.from_json({"max_body_bytes": 4096, "max_new_thing": 1}) == Limits(max_body_bytes=4096)

@@ -13,6 +13,7 @@ from service.routes.common import (
     body_limit,
     client_timeout,
     decode_body,
+    answer_limit,
     encode_result,
     off_loop,
     query_deadline,
@@ -21,7 +22,7 @@ from service.routes.common import (
     with_deadline,
 )
 from service.wire.json_codec import AttentionRequestModel, AttentionResult
-from service.wire.negotiation import Format, request_format
+from service.wire.negotiation import Format, request_format, response_format
 from service.wire.request import AttentionRequest, attention_request
 from service.wire.rules import ATTENTION, Limits
 
@@ -64,13 +65,14 @@ async def attention(request: Request) -> Response:
     t0 = time.perf_counter()
     timings = Timings()
     fmt = request_format(request.headers.get("content-type"))
+    resp_fmt = response_format(request.headers.get("accept"), fmt)
     client = client_timeout(request)
     body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
     req = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
     timings.add("parse", time.perf_counter() - t0)
     seconds = query_deadline(state.settings.request_timeout_s, client, t0)
-    out, lse = await with_deadline(rt.attention.attention(req, timings), seconds)
-    response = encode_result(request, fmt, out, lse, timings)
+    out, lse = await with_deadline(rt.attention.attention(req, timings, answer_limit(state.limits, resp_fmt)), seconds)
+    response = await encode_result(resp_fmt, out, lse, timings)
     timings.add("total", time.perf_counter() - t0)
     response.headers["Server-Timing"] = timings.header()
     state.metrics.observe_stages(ROUTE, timings)

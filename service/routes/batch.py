@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from service.errors import error_responses
 from service.metrics import Timings
 from service.routes.common import (
+    answer_limit,
     app_state,
     body_limit,
     client_timeout,
@@ -27,8 +28,9 @@ from service.wire.batch import (
     decode_binary_batch,
     decode_json_batch,
     encode_binary_batch,
-    encode_json_batch,
+    json_batch,
 )
+from service.wire.json_text import write_json
 from service.wire.negotiation import Format, content_type, request_format, response_format
 from service.wire.rules import Limits, refuse_query
 from service.wire.safetensors import to_bytes
@@ -92,15 +94,19 @@ async def attention_batch(request: Request) -> Response:
     t0 = time.perf_counter()
     timings = Timings()
     fmt = request_format(request.headers.get("content-type"))
+    resp_fmt = response_format(request.headers.get("accept"), fmt)
     client = client_timeout(request)
     body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
     items = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
     timings.add("parse", time.perf_counter() - t0)
     seconds = query_deadline(state.settings.request_timeout_s, client, t0)
-    answers = await with_deadline(rt.batch.run(items, timings), seconds)
+    answers = await with_deadline(rt.batch.run(items, timings, answer_limit(state.limits, resp_fmt)), seconds)
     t1 = time.perf_counter()
-    resp_fmt = response_format(request.headers.get("accept"), fmt)
-    content = encode_json_batch(answers) if resp_fmt == "json" else to_bytes(encode_binary_batch(answers))
+    if resp_fmt == "json":  # on the loop in pieces (service.wire.json_text), as a single answer
+        content = await write_json(json_batch(answers))
+    else:
+        nbytes = sum(a.nbytes for answer in answers if not isinstance(answer, ItemError) for a in answer)
+        content = await off_loop(nbytes, lambda: to_bytes(encode_binary_batch(answers)))
     timings.add("encode", time.perf_counter() - t1)
     timings.add("total", time.perf_counter() - t0)
     state.metrics.observe_stages(ROUTE, timings)

@@ -17,8 +17,9 @@ from service.errors import DeadlineExceeded, RequestTimeout, UnsupportedMediaTyp
 from service.metrics import Timings
 from service.runtime import AppState, Runtime
 from service.wire.body import declared_length, paced, read_into_buffer
-from service.wire.json_codec import decode_json_request, encode_json_result
-from service.wire.negotiation import Format, content_type, response_format
+from service.wire.json_codec import decode_json_request, json_result
+from service.wire.json_text import write_json
+from service.wire.negotiation import Format, content_type
 from service.wire.request import Decoded
 from service.wire.rules import TIMEOUT_HEADER, BodyKind, Limits, refuse_query, timeout_header
 from service.wire.safetensors import decode_binary_request, encode_safetensors, to_bytes
@@ -88,20 +89,30 @@ def decode_body(fmt: Format, body: memoryview, query: Any, kind: BodyKind, limit
 
 
 async def off_loop(nbytes: int, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """``fn(*args)``: in a thread when it works over more than ``OFF_LOOP_BYTES``, else here."""
+    """``fn(*args)``: in a thread when it works over more than ``OFF_LOOP_BYTES``, else here.
+
+    For binary work (copies, checks of raw arrays); JSON text is parsed and written under the GIL,
+    where a thread would not free the loop (``service.wire.json_text``).
+    """
     if nbytes > OFF_LOOP_BYTES:
         return await asyncio.to_thread(fn, *args, **kwargs)
     return fn(*args, **kwargs)
 
 
-def encode_result(request: Request, fmt: Format, out: np.ndarray, lse: np.ndarray, timings: Timings) -> Response:
-    """``out`` and ``lse`` in the format ``Accept`` asks for (the request's by default)."""
+def answer_limit(limits: Limits, resp_fmt: Format) -> int | None:
+    """The ``out`` elements an answer in ``resp_fmt`` may hold, when lower than any tensor's (JSON text)."""
+    return limits.max_json_answer_elements if resp_fmt == "json" else None
+
+
+async def encode_result(resp_fmt: Format, out: np.ndarray, lse: np.ndarray, timings: Timings) -> Response:
+    """``out`` and ``lse`` in ``resp_fmt`` (``response_format`` of the request's ``Accept``): JSON written on
+    the loop in pieces (``json_text.write_json``: 2**21 numbers take about 1.5 s, other requests served
+    between the pieces), safetensors copied in a thread when large."""
     t0 = time.perf_counter()
-    resp_fmt = response_format(request.headers.get("accept"), fmt)
     if resp_fmt == "json":
-        content = encode_json_result(out, lse)
+        content = await write_json(json_result(out, lse))
     else:
-        content = to_bytes(encode_safetensors({"out": out, "lse": lse}))
+        content = await off_loop(out.nbytes + lse.nbytes, lambda: to_bytes(encode_safetensors({"out": out, "lse": lse})))
     timings.add("encode", time.perf_counter() - t0)
     return Response(content=content, media_type=content_type(resp_fmt))  # the caller adds Server-Timing, with total
 

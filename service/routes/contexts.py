@@ -29,9 +29,14 @@ def _body_doc(model: type[ContextWriteModel]) -> dict:
                                                 "description": "safetensors: k, v, optional k_pos"}}}}}
 
 
+#: Characters of an invalid context id that a 404's detail quotes.
+ID_SHOWN = 64
+
+
 def _check_id(state: AppState, ctx_id: str) -> str:
     if not is_context_id(ctx_id, state.limits):
-        raise ContextNotFound(f"id must name an existing context, got {ctx_id[:64]!r}")
+        cut = f"... ({len(ctx_id)} characters)" if len(ctx_id) > ID_SHOWN else ""  # a long id is cut, and says so
+        raise ContextNotFound(f"id must name an existing context, got {ctx_id[:ID_SHOWN]!r}{cut}")
     return ctx_id
 
 

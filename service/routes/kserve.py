@@ -25,14 +25,16 @@ from service.routes.common import (
     with_deadline,
 )
 from service.routes.ops import workers_ready
+from service.wire.json_text import write_json
 from service.wire.kserve import (
     MODEL_NAME,
     MODEL_VERSION,
     InferRequest,
     decode_infer_request,
-    encode_infer_response,
     header_length,
+    infer_response,
     model_metadata,
+    response_body,
 )
 from service.wire.request import AttentionRequest, attention_request
 from service.wire.rules import Limits
@@ -117,10 +119,12 @@ async def infer(request: Request) -> Response:
     deadline = query_deadline(state.settings.request_timeout_s, client, t0)
     if parsed.timeout_s is not None:
         deadline = min(deadline, parsed.timeout_s)
-    out, lse = await with_deadline(rt.attention.attention(req, timings), deadline)
+    out_json = any(o.name == "out" and not o.binary for o in parsed.outputs)
+    json_limit = state.limits.max_json_answer_elements if out_json else None
+    out, lse = await with_deadline(rt.attention.attention(req, timings, json_limit), deadline)
     t1 = time.perf_counter()
-    buffers, json_len = encode_infer_response(parsed.id, {"out": out, "lse": lse}, parsed.outputs)
-    content = b"".join(buffers)
+    doc, raw = infer_response(parsed.id, {"out": out, "lse": lse}, parsed.outputs)
+    content, json_len = response_body(await write_json(doc), raw)  # JSON outputs on the loop in pieces
     timings.add("encode", time.perf_counter() - t1)
     timings.add("total", time.perf_counter() - t0)
     headers = {"Server-Timing": timings.header()}

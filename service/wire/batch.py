@@ -42,7 +42,8 @@ from service.wire.rules import (
     sorted_names,
 )
 from service.wire.safetensors import TensorInfo, encode_safetensors, header_span, peek_safetensors_header
-from service.wire.values import array_to_json, from_bytes, load_json
+from service.wire.json_text import JsonArray
+from service.wire.values import from_bytes, load_json
 
 log = logging.getLogger(__name__)
 
@@ -198,11 +199,12 @@ def encode_binary_batch(answers: Sequence[Answer]) -> list[bytes | memoryview]:
     return encode_safetensors(tensors, {"items": json.dumps(status, separators=(",", ":"))})
 
 
-def encode_json_batch(answers: Sequence[Answer]) -> bytes:
+def json_batch(answers: Sequence[Answer]) -> dict[str, Any]:
+    """The document ``{"items": [...]}`` of a batch's answers (``json_text.write_json`` writes it)."""
     items: list[Mapping[str, Any]] = []
     for a in answers:
         if isinstance(a, ItemError):
             items.append({"error": a.to_json()})
         else:
-            items.append({"out": array_to_json("out", a[0]), "lse": array_to_json("lse", a[1])})
-    return json.dumps({"items": items}, separators=(",", ":"), allow_nan=False).encode()
+            items.append({"out": JsonArray("out", a[0]), "lse": JsonArray("lse", a[1])})
+    return {"items": items}

@@ -15,7 +15,6 @@ float32), positions are int64, ``alibi_slopes`` float64.
 
 from __future__ import annotations
 
-import json
 from itertools import chain
 from typing import Any, Literal
 
@@ -36,7 +35,8 @@ from service.wire.rules import (
     show,
     sorted_names,
 )
-from service.wire.values import array_to_json, load_json, numbers_to_array
+from service.wire.json_text import JsonArray
+from service.wire.values import load_json, numbers_to_array
 from workers.dtypes import DTYPES, FLOAT64
 
 #: What JSON integers become.
@@ -121,16 +121,16 @@ def decode_json_object(obj: dict, limits: Limits = DEFAULT_LIMITS, kind: BodyKin
     return Decoded(tensors, options)
 
 
-def encode_json_result(out: np.ndarray, lse: np.ndarray) -> bytes:
-    """``{"out": [[[...]]], "lse": [[...]]}``; an lse of -inf (fully masked row) is ``null``.
+def json_result(out: np.ndarray, lse: np.ndarray) -> dict[str, JsonArray]:
+    """The document ``{"out": [[[...]]], "lse": [[...]]}`` (``json_text.write_json`` writes it); an lse of
+    -inf (fully masked row) is ``null``.
 
     Any other non-finite value (possible only when inputs overflow float32/float64) is
     ``null`` too, since JSON has no infinities or NaN.
     """
     if out.ndim != 3 or lse.shape != out.shape[:2]:
         raise ValueError(f"out and lse must be [n_q, h_q, d_v] and [n_q, h_q], got {out.shape} and {lse.shape}")
-    doc = {"out": array_to_json("out", out), "lse": array_to_json("lse", lse)}
-    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+    return {"out": JsonArray("out", out), "lse": JsonArray("lse", lse)}
 
 
 # -- OpenAPI descriptions of the same bodies (documentation only; decode_json_request validates) --

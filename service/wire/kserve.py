@@ -18,9 +18,8 @@ well as the contract's ``detail`` and ``code`` (``service.errors.render``).
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -42,7 +41,8 @@ from service.wire.rules import (
     show,
     sorted_names,
 )
-from service.wire.values import KSERVE, array_bytes, array_to_json, from_bytes, load_json, numbers_to_array, wire_of
+from service.wire.json_text import JsonArray
+from service.wire.values import KSERVE, array_bytes, from_bytes, load_json, numbers_to_array, wire_of
 
 MODEL_NAME = "attention"
 MODEL_VERSION = "1"
@@ -300,12 +300,10 @@ def decode_infer_request(body: bytes | bytearray | memoryview, header_len: int |
 
 # -- the response ----------------------------------------------------------------------------
 
-def encode_infer_response(request_id: str | None, results: Mapping[str, np.ndarray],
-                          outputs: tuple[RequestedOutput, ...]) -> tuple[list[bytes | memoryview], int | None]:
-    """``(buffers, header length)`` of a response: JSON, then the binary outputs in order.
-
-    The header length is None when no output is binary (the whole body is JSON).
-    """
+def infer_response(request_id: str | None, results: Mapping[str, np.ndarray],
+                   outputs: tuple[RequestedOutput, ...]) -> tuple[dict[str, Any], list[memoryview]]:
+    """A response's JSON document (``json_text.write_json`` writes it) and its binary outputs in order:
+    the body is the document's text, then those bytes (:func:`response_body`)."""
     doc: dict[str, Any] = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION}
     if request_id is not None:
         doc["id"] = request_id
@@ -321,11 +319,16 @@ def encode_infer_response(request_id: str | None, results: Mapping[str, np.ndarr
             entry["parameters"] = {"binary_data_size": int(data.nbytes)}
             raw.append(data.data)
         else:
-            entry["data"] = array_to_json(o.name, a, flat=True)
+            entry["data"] = JsonArray(o.name, a, flat=True)
         entries.append(entry)
     doc["outputs"] = entries
-    header = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-    return [header, *raw], (len(header) if raw else None)
+    return doc, raw
+
+
+def response_body(header: bytes, raw: Sequence[memoryview]) -> tuple[bytes, int | None]:
+    """The body of a response whose document was written as ``header``, and the header's length for
+    ``Inference-Header-Content-Length`` (None when no output is binary: the whole body is JSON)."""
+    return header + b"".join(raw), (len(header) if raw else None)
 
 
 # -- metadata --------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ class Limits:
     max_shards: int = 1024  #: shards of one context
     max_replicas: int = 8  #: replicas of one context
     max_batch_items: int = 256  #: items of one batch request (``POST /v1/attention/batch``)
+    #: ``out`` elements of an answer written as JSON text (about 20 bytes and 0.9 us each here: 2**21
+    #: is ~40 MB, within the JSON body limit); larger answers go as safetensors (docs/API.md section 8)
+    max_json_answer_elements: int = 2**21
 
     def __post_init__(self) -> None:
         for f in fields(self):
