@@ -84,7 +84,7 @@ async def receive_query() -> dict:
 class StubAttention:
     """The runtime's attention service with the compute stubbed: a fixed answer, no workers."""
 
-    async def attention(self, req: Any, timings: Timings) -> tuple[np.ndarray, np.ndarray]:
+    async def attention(self, req: Any, timings: Timings, json_limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         timings.add("compute", 0.0)
         return OUT, LSE
 
