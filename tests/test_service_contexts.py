@@ -50,6 +50,35 @@ def test_appends_open_new_shards_when_the_last_is_full(client, rng):
     client.delete_context(ctx["id"])
 
 
+def _calls(client):
+    return {w["name"]: w["calls"] for w in client.cluster()["workers"]}
+
+
+def test_a_query_over_many_shards_costs_one_call_per_worker_and_stays_exact(client, rng):
+    k, v = kv(rng, 2000)
+    a = client.create_context(k[:1200], v[:1200], shards=6)  # three shards on each of the two workers
+    b = client.create_context(k[1200:], v[1200:], k_pos=np.arange(1200, 2000), shards=4)
+    ids = [a["id"], b["id"]]
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    q_pos = np.array([1500, 1999])
+    client.attention(q, contexts=ids)  # the records into the front end's cache
+    before = _calls(client)
+    for _ in range(3):
+        out, lse = client.attention(q, contexts=ids, causal=True, q_pos=q_pos)
+        assert_close_to_reference(out, lse, q, k, v, causal=True, q_pos=q_pos)
+    after = _calls(client)
+    # ten shards on two workers: a call per worker and query (three queries), not one per shard (30)
+    assert sorted(after[n] - before[n] for n in after) in ([0, 3], [3, 3]), (before, after)
+    # inline keys after the contexts (positions 2000..2049): a shard of their own, the answer exact over all
+    k2, v2 = kv(rng, 50)
+    q_pos = np.array([2010, 2049])
+    out, lse = client.attention(q, k2, v2, contexts=ids, causal=True, q_pos=q_pos)
+    assert_close_to_reference(out, lse, q, np.concatenate([k, k2]), np.concatenate([v, v2]), causal=True,
+                              q_pos=q_pos)
+    for ctx in ids:
+        client.delete_context(ctx)
+
+
 def test_a_context_query_times_its_record_lookup_apart_from_the_scatter(client, rng):
     k, v = kv(rng, 300)
     ctx = client.create_context(k, v, shards=2)

@@ -4,7 +4,9 @@ A request becomes a list of :class:`Job` in key order: inline shards (any
 worker can take one) and resident context shards (only their replicas can).
 Each job yields one state; the states merge over ``merge.tree_levels``, the same
 fixed tree as ``merge_all``, so the answer is bitwise the same whichever worker
-or replica computed each state and whenever it finished.
+or replica computed each state and whenever it finished. Resident jobs whose shards
+have the same replicas go to one of them in one call (:func:`grouped`): a context cut
+in many shards costs a call per worker, not per shard, and still a state per shard.
 
 Failure rules: a job whose worker dies is retried on another candidate; a job
 with no candidate left fails the request (``ContextLost`` for a resident shard,
@@ -43,6 +45,35 @@ class Job:
     label: str  # e.g. "inline shard 3" or "shard 2 of context ctx_..."
 
 
+def grouped(jobs: Sequence[Job]) -> list[tuple[Job, tuple[int, ...]]]:
+    """The calls that compute ``jobs``: each with the positions of its states among the jobs'.
+
+    Resident jobs of one read whose shards have the same replicas join the first such job, their
+    reads in key order (one call to one of those workers, a state per read back); every other job
+    stays alone. Retries work as for one shard: any of the common replicas may run the group.
+    """
+    members: dict[tuple[int, ...], list[int]] = {}  # a replica set -> its one-read jobs, in key order
+    reads: dict[int, ResidentWork] = {}
+    for i, job in enumerate(jobs):
+        if isinstance(job.work, ResidentWork) and job.candidates is not None and len(job.work.reads) == 1:
+            members.setdefault(tuple(sorted(job.candidates)), []).append(i)
+            reads[i] = job.work
+    first_of = {idx[0]: idx for idx in members.values() if len(idx) > 1}
+    joined = {i for idx in first_of.values() for i in idx[1:]}
+    calls: list[tuple[Job, tuple[int, ...]]] = []
+    for i, job in enumerate(jobs):
+        if i in joined:
+            continue
+        idx = first_of.get(i)
+        if idx is None:
+            calls.append((job, (i,)))
+            continue
+        work = ResidentWork(tuple(r for j in idx for r in reads[j].reads), reads[i].fanin)
+        calls.append((Job(work, job.candidates, f"{job.label} (and {len(idx) - 1} more shards on the same workers)"),
+                      tuple(idx)))
+    return calls
+
+
 def shard_bounds(n_k: int, shards: int) -> list[tuple[int, int]]:
     """``shards`` contiguous key ranges whose sizes differ by at most one."""
     return [(n_k * i // shards, n_k * (i + 1) // shards) for i in range(shards)]
@@ -79,7 +110,9 @@ class Orchestrator:
         """
         t0 = time.perf_counter()
         remote = len(jobs) > self.fanin and state_nbytes * len(jobs) > self.remote_merge_bytes
-        runs = [self._run_job(q, query, job, keep_state=remote, state_nbytes=state_nbytes) for job in jobs]
+        # A remote merge keeps each shard's state on its worker: a call per shard. A local one groups.
+        calls = [(job, (i,)) for i, job in enumerate(jobs)] if remote else grouped(jobs)
+        runs = [self._run_job(q, query, job, keep_state=remote, state_nbytes=state_nbytes) for job, _ in calls]
         # One job (a decode query over a one-shard context) runs in this task: gather would start one for it.
         results = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
         t1 = time.perf_counter()
@@ -90,7 +123,11 @@ class Orchestrator:
         if remote:
             state = await self._merge_remote([ref for _, _, ref in results], [w for w, _, _ in results])
         else:
-            states = [st for _, _, st in results]
+            # Every state at its job's position (a group's come back in its reads' order): key order.
+            states: list[Any] = [None] * len(jobs)
+            for (_, positions), (_, _, st) in zip(calls, results):
+                for pos, one in zip(positions, st if len(positions) > 1 else [st], strict=True):
+                    states[pos] = one
             if state_nbytes * len(states) > LOCAL_MERGE_INLINE_BYTES:
                 state = await asyncio.to_thread(merge_all, states, self.fanin)
             else:

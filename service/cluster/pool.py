@@ -109,7 +109,10 @@ class InlineWork:
 
 @dataclass(frozen=True)
 class ResidentWork:
-    """Resident shards one worker holds, read in key order and merged there over ``fanin``."""
+    """Resident shards one worker holds, read in key order: one read gives its state; several give a
+    state per read, unmerged, in the order listed (the front end merges every state of the request
+    in key order, so the answer does not depend on which reads shared a call). ``fanin`` is the
+    worker-side merge's for a single read (a merge of one state is that state)."""
 
     reads: tuple[ShardRead, ...]
     fanin: int
@@ -436,6 +439,10 @@ class WorkerPool:
         again is safe). Within a request the query carries the seconds left of its deadline
         (``service.deadline``); work the worker could not start in time raises ``Expired``.
         """
+        if isinstance(work, ResidentWork) and len(work.reads) > 1:
+            if keep_state:
+                raise ValueError(f"keep_state must be False for several reads, got {len(work.reads)} reads")
+            return await self._compute_reads(index, q, query, work.reads)
         left = deadline.budget()
         if left is not None:
             query = query.with_budget(left)
@@ -459,6 +466,20 @@ class WorkerPool:
             return await self._result(index, status_ref), state_ref
         result: tuple[ComputeStatus, State] = await self._result(index, refs)
         return result
+
+    async def _compute_reads(self, index: int, q: Any, query: ShardQuery,
+                             reads: tuple[ShardRead, ...]) -> tuple[ComputeStatus, list[State]]:
+        """``(status, [State per read])`` of ``q`` over several shards this worker holds, in one call (the
+        batch route's call with one item). Raises what the item raised, as :meth:`compute` does."""
+        (answer,) = await self.compute_many(index, [ResidentQuery(q, query, reads)])
+        if isinstance(answer, RemoteError):  # not a domain error: the worker failed the query
+            name = self.slots[index].name
+            log.warning("worker %s failed a query: %s: %s", name, answer.kind, answer.message)
+            raise WorkersUnavailable(f"the cluster must answer, got {answer.kind} from worker {name}")
+        if isinstance(answer, BaseException):
+            raise answer
+        status, states = answer
+        return status, list(states)
 
     def _channel_fits(self, q: Any, query: ShardQuery, state_nbytes: int) -> bool:
         if not self.settings.worker_channel or not isinstance(q, (np.ndarray, Carried)):
