@@ -18,6 +18,9 @@ from service.wire.body import Pace
 from service.wire.rules import Limits
 from workers.options import CpuKernels, GpuKernels
 
+#: Ray counts resources in steps of 1e-4 and refuses a finer quantity (once it has started).
+RAY_CPU_STEP = 0.0001
+
 
 class ServiceSettings(BaseSettings):
     """Every setting of ``splitkey serve``: each is a flag and a ``SPLITKEY_<NAME>`` variable
@@ -67,7 +70,7 @@ class ServiceSettings(BaseSettings):
     block_size: int | None = Field(None, ge=1, description="Keys per kernel block; default: from the scratch "
                                                            "budget.")
     kernel_threads: int = Field(1, ge=1, description="Threads per worker's kernel (one CPU each by default).")
-    worker_cpus: float = Field(1.0, gt=0, description="CPUs Ray reserves for each worker.")
+    worker_cpus: float = Field(1.0, gt=0, allow_inf_nan=False, description="CPUs Ray reserves for each worker.")
     worker_memory_bytes: int = Field(4 * 2**30, ge=0, description="Resident context bytes per worker (a 1M-key "
                                                                  "decode-shape bfloat16 context fits on two).")
     worker_concurrency: int = Field(64, ge=1, description="Calls a worker accepts at once (each waits in its own "
@@ -101,6 +104,32 @@ class ServiceSettings(BaseSettings):
     def _key_file(cls, v: object) -> object:
         if isinstance(v, str) and not v.strip():  # "" would be the current directory
             raise ValueError("must be the path of a file holding the token, not blank")
+        return v
+
+    @field_validator("worker_cpus")
+    @classmethod
+    def _cpu_share(cls, v: float) -> float:
+        # Ray refuses resource quantities finer than 1e-4, after Ray has started: refuse them here.
+        steps = v / RAY_CPU_STEP
+        if abs(steps - round(steps)) > 1e-6 * max(1.0, steps):
+            raise ValueError(f"must be a multiple of {RAY_CPU_STEP} (the finest share of a CPU Ray reserves)")
+        return v
+
+    @field_validator("persist_dir")
+    @classmethod
+    def _store_dir(cls, v: pathlib.Path | None) -> pathlib.Path | None:
+        # The workers make their folders under it once Ray has started: a path that cannot be a
+        # folder is refused before anything starts, naming the setting.
+        if v is None:
+            return v
+        if not str(v).strip():
+            raise ValueError("must be the path of a folder, not blank")
+        for part in (v, *v.parents):
+            if part.exists():
+                if not part.is_dir():
+                    raise ValueError(f"must be a folder or a path where one can be made, but {str(part)!r} "
+                                     f"is not a folder")
+                break
         return v
 
     @field_validator("ray_address")

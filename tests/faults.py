@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import json
 import threading
 import urllib.parse
 from typing import Self
@@ -47,6 +48,22 @@ class LostAnswers(WrongAnswers):
     def __init__(self, target_port: int, lose) -> None:
         super().__init__(target_port, lambda out, lse: (out, lse))
         self.lose = lose
+
+
+class RefuseFirst(WrongAnswers):
+    """A proxy that answers the first ``times`` requests of ``method path`` itself with ``status`` (and
+    ``Retry-After: 1`` for 429), as a rate-limiting or restarting proxy in front of the service would,
+    and forwards everything else; ``refused`` counts the answers it gave."""
+
+    def __init__(self, target_port: int, method: str, path: str, status: int, times: int) -> None:
+        super().__init__(target_port, lambda out, lse: (out, lse))
+        self.match, self.status, self.times, self.refused = (method, path), status, times, 0
+
+    def refuse(self, method: str, path: str) -> int | None:
+        if (method, path) != self.match or self.refused >= self.times:
+            return None
+        self.refused += 1
+        return self.status
 
 
 class LoseAppendAfter:
@@ -100,6 +117,18 @@ class Forward(http.server.BaseHTTPRequestHandler):
 
     def forward(self) -> None:
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        refuse = getattr(self.server, "refuse", None)
+        status = refuse(self.command, self.path) if refuse is not None else None
+        if status is not None:
+            data = json.dumps({"detail": "refused by the test's proxy", "code": "test_proxy"}).encode()
+            self.send_response(status)
+            if status == 429:
+                self.send_header("Retry-After", "1")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
         lose = getattr(self.server, "lose", None)
         if hasattr(lose, "hold"):
             lose.hold(self.command, self.path)

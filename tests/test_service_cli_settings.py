@@ -74,6 +74,32 @@ def test_a_bad_value_is_explained_by_flag_variable_and_value(argv, expected):
     assert expected in cli_settings.explain(err.value)
 
 
+@pytest.mark.parametrize("cpus, ok", [("0.00001", False), ("1.00005", False), ("inf", False), ("nan", False),
+                                      ("0.0001", True), ("0.25", True), ("1.0001", True), ("3", True)])
+def test_worker_cpus_finer_than_rays_step_are_refused_before_ray_starts(cpus, ok):
+    args = cli_settings.given(build_parser().parse_args(["serve", "--worker-cpus", cpus]))
+    if ok:
+        assert ServiceSettings(**args).worker_cpus == float(cpus)
+        return
+    with pytest.raises(ValidationError) as err:
+        ServiceSettings(**args)
+    assert "--worker-cpus (SPLITKEY_WORKER_CPUS): " in (text := cli_settings.explain(err.value)), text
+    assert f"got {cpus!r}" in text
+
+
+def test_a_persist_dir_that_cannot_be_a_folder_is_refused_naming_the_flag(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for bad in (afile, afile / "below"):
+        with pytest.raises(ValidationError) as err:
+            ServiceSettings(**cli_settings.given(build_parser().parse_args(["serve", "--persist-dir", str(bad)])))
+        text = cli_settings.explain(err.value)
+        assert text.startswith("--persist-dir (SPLITKEY_PERSIST_DIR): must be a folder") and str(afile) in text, text
+    # a folder, or a path whose first existing ancestor is a folder (the workers make the rest)
+    for good in (tmp_path, tmp_path / "new" / "deeper"):
+        assert ServiceSettings(persist_dir=good).persist_dir == good
+
+
 def test_a_bad_choice_is_refused_by_the_parser_with_the_choices(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--device", "tpu"])

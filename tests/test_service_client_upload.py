@@ -1,6 +1,7 @@
 """Uploads of any size: chunk sizing and retry decisions (pure), then chunked creates and appends
 against real servers: exactness, planned shards, limits, a chunk that fails midway, retries."""
 
+import asyncio
 import datetime
 import http.client
 import json
@@ -11,12 +12,12 @@ import time
 import httpx
 import numpy as np
 import pytest
-from faults import LoseAppendAfter, LostAnswers
+from faults import LoseAppendAfter, LostAnswers, RefuseFirst
 from reference import assert_close_to_reference
 from server import Server
 
 from service.cli import build_parser
-from service.client import Client, SplitkeyError, UploadError
+from service.client import AsyncClient, Client, SplitkeyError, UploadError
 from service.client.errors import retry_after_seconds
 from service.client.retry import BACKOFF_S, MAX_BACKOFF_S
 from service.client.upload import (
@@ -458,3 +459,59 @@ def test_an_append_that_stopped_says_how_many_keys_it_appended_and_carries_the_r
     assert "the first 3 were appended to context ctx_a" in str(err) and err.request_id == "r-1"
     assert "none was appended" in str(Upload(total=8, context_id="ctx_a").stopped(ConnectionResetError()))
     assert "keys [0, 3) are stored" in str(UploadError("ctx_b", 3, 8, 0, "", "x"))  # a create's
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("status", [429, 503])
+def test_an_uploads_first_read_of_the_limits_is_sent_again_after_429_and_503(small, rng, status):
+    k, v = kv(rng, 200)
+    with RefuseFirst(_port(small.url), "GET", "/v1/limits", status, times=2) as proxy, Client(proxy.url) as c:
+        t0 = time.monotonic()
+        desc = c.create_context(k, v, chunk_keys=100)
+        waited = time.monotonic() - t0
+        assert proxy.refused == 2 and desc["length"] == 200
+        # 429: Retry-After (1 s) each time; 503: the backoff, 0.25 then 0.5 s
+        assert waited >= (2.0 if status == 429 else BACKOFF_S * 3), waited
+        q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+        out, lse = c.attention(q, contexts=[desc["id"]])
+        assert_close_to_reference(out, lse, q, k, v)
+        c.delete_context(desc["id"])
+
+
+@pytest.mark.ray
+def test_the_async_clients_first_read_of_the_limits_is_sent_again_and_gives_up_after_its_retries(small, rng):
+    k, v = kv(rng, 200)
+
+    async def upload(url: str, retries: int) -> dict:
+        async with AsyncClient(url) as c:
+            desc = await c.create_context(k, v, chunk_keys=100, retries=retries)
+            await c.delete_context(desc["id"])
+            return desc
+
+    with RefuseFirst(_port(small.url), "GET", "/v1/limits", 503, times=2) as proxy:
+        assert asyncio.run(upload(proxy.url, retries=3))["length"] == 200 and proxy.refused == 2
+    with RefuseFirst(_port(small.url), "GET", "/v1/limits", 503, times=5) as proxy:
+        with pytest.raises(UploadError) as caught:
+            asyncio.run(upload(proxy.url, retries=1))
+        assert caught.value.status == 503 and caught.value.committed == 0 and proxy.refused == 2
+
+
+@pytest.mark.ray
+def test_an_uploads_read_of_the_limits_whose_answer_was_lost_is_sent_again(small, rng):
+    k, v = kv(rng, 200)
+    lost = []
+
+    def lose(method, path, status):
+        if (method, path) == ("GET", "/v1/limits") and not lost:
+            lost.append(status)
+            return True
+        return False
+
+    with LostAnswers(_port(small.url), lose) as proxy, Client(proxy.url) as c:
+        desc = c.create_context(k, v, chunk_keys=100)
+        assert lost == [200] and desc["length"] == 200
+        c.delete_context(desc["id"])

@@ -201,14 +201,26 @@ class AsyncClient:
         return json.loads(await self._request("GET", "/v1/cluster"))
 
     async def limits(self) -> Limits:
-        """The server's request limits (``GET /v1/limits``), fetched once; the defaults for a server without it."""
-        if self._limits is None:
+        """The server's request limits (``GET /v1/limits``), fetched once; the defaults for a server without it.
+        Sent again after 429, 503, 504 or a lost connection up to ``retries`` times, as an upload's chunks are."""
+        return await self._fetch_limits(self.retries)
+
+    async def _fetch_limits(self, retries: int) -> Limits:
+        attempt = 0
+        while self._limits is None:
             try:
                 self._limits = Limits.from_json(json.loads(await self._request("GET", "/v1/limits")))
-            except SplitkeyError as exc:
-                if exc.status != 404 or exc.code:
+            except ATTEMPT_ERRORS as exc:
+                if isinstance(exc, SplitkeyError) and exc.status == 404 and not exc.code:
+                    self._limits = DEFAULT_LIMITS  # a server without the route
+                    break
+                # retry_delay knows SplitkeyError; a failed connection waits as the sync client's does
+                delay = ((0.0 if attempt == 0 else backoff(attempt)) if isinstance(exc, TRANSPORT_ERRORS)
+                         else retry_delay(exc, attempt))
+                if attempt >= retries or delay is None:
                     raise
-                self._limits = DEFAULT_LIMITS
+                await asyncio.sleep(delay)
+                attempt += 1
         return self._limits
 
     async def aclose(self) -> None:
@@ -224,7 +236,7 @@ class AsyncClient:
     async def _chunk_bounds(self, upload: Upload, k: np.ndarray, v: np.ndarray, k_pos: np.ndarray | None,
                             requested: int | None) -> list[tuple[int, int]]:
         try:
-            limits = await self.limits()
+            limits = await self._fetch_limits(upload.retries)
         except ATTEMPT_ERRORS as exc:
             raise upload.stopped(exc) from exc
         return plan_chunks(limits, k, v, k_pos, requested)

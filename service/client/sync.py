@@ -236,15 +236,25 @@ class Client:
     def limits(self) -> Limits:
         """The request limits the server enforces (``GET /v1/limits``), fetched once per client.
 
-        A server without the route (404 without a code) has the defaults.
+        A server without the route (404 without a code) has the defaults. Sent again after
+        429, 503, 504 or a lost connection up to ``retries`` times, as an upload's chunks are.
         """
-        if self._limits is None:
+        return self._fetch_limits(self.retries)
+
+    def _fetch_limits(self, retries: int) -> Limits:
+        attempt = 0
+        while self._limits is None:
             try:
                 self._limits = Limits.from_json(json.loads(self._request("GET", "/v1/limits")))
-            except SplitkeyError as exc:
-                if exc.status != 404 or exc.code:
+            except ATTEMPT_ERRORS as exc:
+                if isinstance(exc, SplitkeyError) and exc.status == 404 and not exc.code:
+                    self._limits = DEFAULT_LIMITS  # a server without the route
+                    break
+                delay = retry_delay(exc, attempt) if attempt < retries else None
+                if delay is None:
                     raise
-                self._limits = DEFAULT_LIMITS
+                time.sleep(delay)
+                attempt += 1
         return self._limits
 
     def close(self) -> None:
@@ -267,7 +277,7 @@ class Client:
                       requested: int | None) -> list[tuple[int, int]]:
         """``[lo, hi)`` of each chunk; k, v and k_pos must agree on ``n_k`` when there are several."""
         try:
-            limits = self.limits()
+            limits = self._fetch_limits(upload.retries)
         except ATTEMPT_ERRORS as exc:
             raise upload.stopped(exc) from exc
         return plan_chunks(limits, k, v, k_pos, requested)
