@@ -67,6 +67,14 @@ TRANSPORT_ERRORS: tuple[type[Exception], ...] = (TransportError, TimeoutError)
 ATTEMPT_ERRORS: tuple[type[Exception], ...] = (SplitkeyError, TransportError, TimeoutError)
 
 
+def _resend_delay(error: BaseException, attempt: int) -> float | None:
+    """``service.client.upload.retry_delay`` for this client's errors: it knows :class:`SplitkeyError`,
+    and a failed connection waits as the sync client's does (at once the first time, then backoff)."""
+    if isinstance(error, TRANSPORT_ERRORS):
+        return 0.0 if attempt == 0 else backoff(attempt)
+    return retry_delay(error, attempt)
+
+
 class AsyncClient:
     def __init__(self, url: str, api_key: str | None = None, *, timeout: float = 600.0, retries: int = 2,
                  max_connections: int = 16) -> None:
@@ -214,9 +222,7 @@ class AsyncClient:
                 if isinstance(exc, SplitkeyError) and exc.status == 404 and not exc.code:
                     self._limits = DEFAULT_LIMITS  # a server without the route
                     break
-                # retry_delay knows SplitkeyError; a failed connection waits as the sync client's does
-                delay = ((0.0 if attempt == 0 else backoff(attempt)) if isinstance(exc, TRANSPORT_ERRORS)
-                         else retry_delay(exc, attempt))
+                delay = _resend_delay(exc, attempt)
                 if attempt >= retries or delay is None:
                     raise
                 await asyncio.sleep(delay)
@@ -265,8 +271,7 @@ class AsyncClient:
                         return stored
                 transport = isinstance(exc, TRANSPORT_ERRORS)
                 may_resend = resendable or not transport
-                # retry_delay knows SplitkeyError; a failed connection waits as the sync client's does
-                delay = ((0.0 if attempt == 0 else backoff(attempt)) if transport else retry_delay(exc, attempt))
+                delay = _resend_delay(exc, attempt)
                 if attempt >= upload.retries or not may_resend or delay is None:
                     raise upload.stopped(exc) from exc
             await asyncio.sleep(delay)
