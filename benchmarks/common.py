@@ -315,12 +315,41 @@ def check_same(name: str, got: np.ndarray, want: np.ndarray) -> float:
 # ------------------------------------------------------------------ the machine
 
 
+#: /proc/cpuinfo flags that decide the kernels' rates (vector width, fused multiply-add, F16C).
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f")
+
+
+def describe_cpu(cpuinfo: str) -> str:
+    """The first processor of a /proc/cpuinfo text: its model name, and where given its family,
+    model and the :data:`CPU_FLAGS` it has, e.g. ``"AMD EPYC (family 23, model 1; avx2 fma f16c)"``.
+
+    A VM often names its CPU only as "AMD EPYC": the family and model tell the
+    micro-architecture apart (AMD family 23 is Zen 1/2, 25 is Zen 3/4), which decides how
+    many multiply-adds a core issues per cycle, so that runs on different hosts are not
+    compared as if they were one machine.
+    """
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first processor's block only
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name", "unknown")
+    detail = [f"{label} {fields[key]}" for label, key in (("family", "cpu family"), ("model", "model"))
+              if key in fields]
+    flags = set(fields.get("flags", "").split())
+    have = " ".join(f for f in CPU_FLAGS if f in flags)
+    extra = ", ".join(detail) + (f"; {have}" if have else "")
+    return f"{name} ({extra})" if extra else name
+
+
 def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (``platform.processor()`` where there is none)."""
+    """:func:`describe_cpu` of this machine's /proc/cpuinfo (``platform.processor()`` where there is none)."""
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return describe_cpu(f.read())
     return platform.processor() or "unknown"
 
 

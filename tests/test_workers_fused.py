@@ -332,6 +332,22 @@ def test_kernel_file_names_the_digest_of_the_micro_kernels_it_compiles_in():
     assert fused.kernels().COMPILED_IN_DIGEST == digest.hexdigest()[:16]
 
 
+def test_resident_values_take_the_register_tiles_for_every_dtype_and_inline_float32_the_loop():
+    # workers.fused_kernels.pv_dense (resident: value rows d_v apart) runs float32 on the tiles too;
+    # pv (inline: value rows a whole key apart) keeps float32 on the loop (docs/BENCHMARKS.md).
+    from numba.core import types
+
+    mod = fused.kernels()
+    f32 = types.Array(types.float32, 2, "C")  # s [R, B] and acc [R, d_v]
+    for bits, dense, want in ((types.float32, True, "micro"), (types.float32, False, "loop"),
+                              (types.uint16, True, "micro"), (types.uint16, False, "micro"),
+                              (types.int16, True, "micro"), (types.int16, False, "micro"),
+                              (types.float64, True, "loop")):
+        values = types.Array(bits, 1, "C")  # flat values as the kernels get them
+        acc = types.Array(types.float64, 2, "C") if bits == types.float64 else f32
+        assert mod._pv_choice(acc, acc, values, dense).__name__ == want, (bits, dense)
+
+
 P = 2**61  # workers.options.MAX_POSITION: the range's ends
 
 

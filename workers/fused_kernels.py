@@ -23,8 +23,10 @@ space of ``workers.rows``):
 For bfloat16 and float16 keys, steps 1 and 4 run on register-tile micro-kernels:
 ``workers.fused_micro`` for the resident layout's scores and for ``p @ v``,
 ``workers.fused_dots`` for the inline layout's scores (:func:`scores_dmajor`,
-:func:`scores_rows` and :func:`pv` pick at compile time; :func:`_micro` says
-why); float32 and float64 keys run the loops here, which numba vectorises.
+:func:`scores_rows`, :func:`pv` and :func:`pv_dense` pick at compile time; :func:`_micro`
+says why); float32 values of the resident layout also take the ``p @ v`` tiles
+(:func:`pv_dense`); every other float32 and float64 product runs the loops here,
+which numba vectorises.
 
 Each row's arithmetic is in a fixed order that depends on the row alone (its
 dot products, its block skips, its reductions), never on how many rows share the
@@ -301,7 +303,8 @@ def _micro(rows: Any, out: Any, keys: Any) -> bool:
     For 16-bit keys they widen each element once for four rows, where the loops below widen it
     once per row: the resident layout read 1.6-1.8x faster, the inline one 1.3-1.45x. For float32
     keys the loops measured as fast or faster (0.94-0.97x inline; docs/BENCHMARKS.md, "Register
-    tiles" and "Inline scores as register tiles"), so float32 keys stay on them.
+    tiles" and "Inline scores as register tiles"), so float32 keys stay on them, except the
+    resident layout's ``p @ v`` (:func:`pv_dense`).
     """
     return (all(a.layout == "C" for a in (rows, out, keys)) and rows.dtype == types.float32
             and keys.dtype in (types.uint16, types.int16))
@@ -349,14 +352,28 @@ def _scores_rows_impl(q: Any, kind: Any, d: int, k: Any, base: int, sk0: int, sk
 
 
 def pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
-    """``acc += p @ v`` over a block (numba only): the micro-kernel where :func:`_micro` says, else the loop."""
+    """``acc += p @ v`` over a block of the inline layout (numba only): the micro-kernel where
+    :func:`_micro` says, else the loop."""
     raise NotImplementedError  # pragma: no cover
 
 
-@overload(pv)
-def _pv_impl(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int,
-             vw: Any) -> Any:  # pragma: no cover - compiled
-    if _micro(s, acc, v):
+def pv_dense(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
+    """``acc += p @ v`` over a block of the resident layout, whose value rows are ``d_v`` apart (numba
+    only): the micro-kernel for 16-bit values as :func:`pv`, and for float32 values too.
+
+    The resident values of a block are one contiguous run (value rows ``step`` apart, ``d_v``
+    in the store's layout), and the tile's 32 rows read side by side stream from it; in cache the tile ran float32 ``p @ v`` at 1.5x the loop (93% of sgemm's
+    rate against 61%, docs/BENCHMARKS.md, "A Zen 1 host"). The inline layout's value rows are a
+    whole key apart (``h_kv d_v`` elements, 4 KiB for float32 at h_kv = 8, d_v = 128): 32 of them
+    side by side fall in the same L1 sets, so float32 stays on the loop there.
+    """
+    raise NotImplementedError  # pragma: no cover
+
+
+def _pv_choice(s: Any, acc: Any, v: Any, dense: bool) -> Any:  # pragma: no cover - compiled
+    """The implementation :func:`pv` (``dense`` False) or :func:`pv_dense` compiles in."""
+    f32 = dense and all(a.layout == "C" for a in (s, acc, v)) and s.dtype == v.dtype == types.float32
+    if _micro(s, acc, v) or f32:
         def micro(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
             pv_f32(s, kind, nb, v, base, step, acc, d_v)
         return micro
@@ -364,6 +381,18 @@ def _pv_impl(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any,
     def loop(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
         _pv(s, kind, nb, v, base, step, acc, d_v, vw)
     return loop
+
+
+@overload(pv)
+def _pv_impl(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int,
+             vw: Any) -> Any:  # pragma: no cover - compiled
+    return _pv_choice(s, acc, v, False)
+
+
+@overload(pv_dense)
+def _pv_dense_impl(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int,
+                   vw: Any) -> Any:  # pragma: no cover - compiled
+    return _pv_choice(s, acc, v, True)
 
 
 @numba.njit(parallel=True, fastmath=FASTMATH, nogil=True, cache=True)
@@ -452,5 +481,5 @@ def resident_kernel(q: Any, k: Any, sk0: int, sk1: int, v: Any, sv0: int, sv1: i
                 _options(s, r, nb, (kpos0 + b0) if arange else b0, kpos, arange, qpos, cap, slope[h],
                          has_alibi, lo, hi, has_lo, has_hi, kind[r] == 2, tmp)
                 _softmax(s, r, nb, m, l, acc, d_v, zero)
-            pv(s, kind, nb, v, h * sv0 + b0 * sv1, sv1, acc, d_v, vw)
+            pv_dense(s, kind, nb, v, h * sv0 + b0 * sv1, sv1, acc, d_v, vw)
             # Invariant holds for every row over the keys [bounds[c], b1).
