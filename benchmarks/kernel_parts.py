@@ -19,7 +19,7 @@ in cache, so that what it shows is the rate of the instructions, not of the memo
 
 Each product is reported in GFLOP/s (2 flop per multiply-add) and as a share of sgemm at one
 BLAS thread, timed in the same run (the core's multiply-add rate as BLAS reaches it); "block"
-adds the parts the kernel runs for that dtype (``workers.fused_kernels._micro`` picks) and gives
+adds the parts the resident kernel runs for that dtype (as ``workers.fused_kernels`` picks them) and gives
 the K+V bytes a second one core could stream if memory cost nothing: the in-cache roof of the
 kernel as built, to set beside the GEMV bandwidth of ``benchmarks/kernel.py``. Medians of
 ``--repeat`` timed batches of ``--calls`` calls, the variants interleaved.
@@ -113,9 +113,20 @@ def operands(dtype: str, nb: int) -> tuple[Any, ...]:
 
 
 def kernel_uses(dtype: str) -> tuple[str, str]:
-    """The scores and p @ v variants the kernel runs for ``dtype`` (``workers.fused_kernels._micro``)."""
-    micro = dtype != "float32"
-    return ("scores micro" if micro else "scores loop"), ("p @ v micro" if micro else "p @ v loop")
+    """The scores and p @ v variants the resident kernel compiles in for ``dtype``, asked of the
+    kernel's own choices (``workers.fused_kernels._micro`` and ``_pv_choice``)."""
+    from numba import from_dtype
+    from numba.core import types
+
+    import workers.fused_kernels as fk
+    from workers.dtypes import dtype_of
+    from workers.fused import _kernel_dtype
+
+    rows = types.Array(types.float32, 2, "C")  # q [R, d], s [R, B], acc [R, d_v]
+    flat = types.Array(from_dtype(_kernel_dtype(dtype_of(dtype))), 1, "C")  # keys and values as read
+    scores = "scores micro" if fk._micro(rows, rows, flat) else "scores loop"
+    pv = "p @ v micro" if fk._pv_choice(rows, rows, flat, True).__name__ == "micro" else "p @ v loop"
+    return scores, pv
 
 
 def sgemm_gflops(repeat: int) -> float:
@@ -176,7 +187,7 @@ def report(args: argparse.Namespace, got: dict[str, dict[str, list[float]]], sge
         f"One resident block: {ROWS} query rows of one kv head, {nb} keys, d = d_v = {D}, keys d-major, in cache; "
         f"one thread. sgemm at one BLAS thread in this run: {sgemm:.1f} GFLOP/s. Medians over {args.repeat} "
         f"rounds of {args.calls} calls. \"/ sgemm\": the part's multiply-add rate as a share of sgemm's; "
-        "\"block\": the parts the kernel runs for that dtype, and the K+V GB/s one core would stream at that rate "
+        "\"block\": the parts the resident kernel runs for that dtype, and the K+V GB/s one core would stream at that rate "
         "if memory cost nothing.", "",
         common.markdown_table(["K and V", "part", "us per block", "GFLOP/s", "/ sgemm", "K+V GB/s in cache"], rows),
         ""])

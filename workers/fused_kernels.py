@@ -358,14 +358,14 @@ def pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: 
 
 
 def pv_dense(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
-    """``acc += p @ v`` over a block of the resident layout, whose value rows are ``d_v`` apart (numba
-    only): the micro-kernel for 16-bit values as :func:`pv`, and for float32 values too.
+    """``acc += p @ v`` over a block of the resident layout (numba only): the micro-kernel for
+    16-bit values as :func:`pv`, and for float32 values too.
 
-    The resident values of a block are one contiguous run (value rows ``step`` apart, ``d_v``
-    in the store's layout), and the tile's 32 rows read side by side stream from it; in cache the tile ran float32 ``p @ v`` at 1.5x the loop (93% of sgemm's
-    rate against 61%, docs/BENCHMARKS.md, "A Zen 1 host"). The inline layout's value rows are a
-    whole key apart (``h_kv d_v`` elements, 4 KiB for float32 at h_kv = 8, d_v = 128): 32 of them
-    side by side fall in the same L1 sets, so float32 stays on the loop there.
+    A block's resident values are one contiguous run (rows ``d_v`` apart), which the tile's 32
+    rows read side by side stream from; in cache the tile ran float32 ``p @ v`` at 1.5x the loop
+    (docs/BENCHMARKS.md, "A Zen 1 host"). The inline layout's value rows are a whole key apart
+    (``h_kv d_v`` elements, 4 KiB for float32 at h_kv = 8, d_v = 128): 32 of them side by side
+    fall in the same L1 sets, so float32 stays on the loop there.
     """
     raise NotImplementedError  # pragma: no cover
 
