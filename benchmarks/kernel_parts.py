@@ -114,7 +114,7 @@ def operands(dtype: str, nb: int) -> tuple[Any, ...]:
 
 def kernel_uses(dtype: str) -> tuple[str, str]:
     """The scores and p @ v variants the resident kernel compiles in for ``dtype``, asked of the
-    kernel's own choices (``workers.fused_kernels._micro`` and ``_pv_choice``)."""
+    kernel's own choices (``workers.fused_kernels._dense_choice`` and ``_pv_choice``)."""
     from numba import from_dtype
     from numba.core import types
 
@@ -124,7 +124,7 @@ def kernel_uses(dtype: str) -> tuple[str, str]:
 
     rows = types.Array(types.float32, 2, "C")  # q [R, d], s [R, B], acc [R, d_v]
     flat = types.Array(from_dtype(_kernel_dtype(dtype_of(dtype))), 1, "C")  # keys and values as read
-    scores = "scores micro" if fk._micro(rows, rows, flat) else "scores loop"
+    scores = "scores micro" if fk._dense_choice(rows, rows, flat) else "scores loop"
     pv = "p @ v micro" if fk._pv_choice(rows, rows, flat, True).__name__ == "micro" else "p @ v loop"
     return scores, pv
 

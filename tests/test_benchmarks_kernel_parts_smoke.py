@@ -16,7 +16,7 @@ def test_the_parts_benchmark_reports_each_part_and_the_block_per_dtype(tmp_path)
                    cwd=ROOT, check=True, timeout=300, capture_output=True)
     text = out.read_text()
     assert "| K and V | part | us per block | GFLOP/s | / sgemm | K+V GB/s in cache |" in text
-    for dtype, scores, pv in (("float32", "scores loop", "p @ v micro"), ("bfloat16", "scores micro", "p @ v micro"),
+    for dtype, scores, pv in (("float32", "scores micro", "p @ v micro"), ("bfloat16", "scores micro", "p @ v micro"),
                               ("float16", "scores micro", "p @ v micro")):
         rows = [line for line in text.splitlines() if line.startswith(f"| {dtype} |")]
         parts = [row.split(" | ")[1] for row in rows]

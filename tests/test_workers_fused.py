@@ -348,6 +348,23 @@ def test_resident_values_take_the_register_tiles_for_every_dtype_and_inline_floa
         assert mod._pv_choice(acc, acc, values, dense).__name__ == want, (bits, dense)
 
 
+def test_resident_scores_take_the_register_tiles_for_float32_and_16_bit_keys_and_float64_the_loop():
+    # workers.fused_kernels._dense_choice: d-major keys (the resident layout) run float32 on the
+    # tiles too, which prefetch along each run (docs/BENCHMARKS.md); float64 and mixed dtypes,
+    # and arrays that are not C-contiguous, take the loop.
+    from numba.core import types
+
+    mod = fused.kernels()
+    f32, f64 = types.Array(types.float32, 2, "C"), types.Array(types.float64, 2, "C")  # q [R, d], s [R, B]
+    for rows, keys, want in ((f32, types.Array(types.float32, 1, "C"), True),
+                             (f32, types.Array(types.uint16, 1, "C"), True),
+                             (f32, types.Array(types.int16, 1, "C"), True),
+                             (f64, types.Array(types.float64, 1, "C"), False),
+                             (f32, types.Array(types.float64, 1, "C"), False),
+                             (f32, types.Array(types.float32, 1, "A"), False)):
+        assert mod._dense_choice(rows, rows, keys) is want, (rows, keys)
+
+
 P = 2**61  # workers.options.MAX_POSITION: the range's ends
 
 

@@ -24,8 +24,8 @@ For bfloat16 and float16 keys, steps 1 and 4 run on register-tile micro-kernels:
 ``workers.fused_micro`` for the resident layout's scores and for ``p @ v``,
 ``workers.fused_dots`` for the inline layout's scores (:func:`scores_dmajor`,
 :func:`scores_rows`, :func:`pv` and :func:`pv_dense` pick at compile time; :func:`_micro`
-says why); float32 values of the resident layout also take the ``p @ v`` tiles
-(:func:`pv_dense`); every other float32 and float64 product runs the loops here,
+says why); float32 keys and values of the resident layout take the tiles too
+(:func:`_dense_choice`); every other float32 and float64 product runs the loops here,
 which numba vectorises.
 
 Each row's arithmetic is in a fixed order that depends on the row alone (its
@@ -63,7 +63,7 @@ _U = np.uint64
 #: cache (``cache=True``) checks only this file's stamp, so a change to those files must change
 #: this one too, or a worker would load machine code built from the old micro-kernels;
 #: tests/test_workers_fused.py recomputes the digest.
-COMPILED_IN_DIGEST = "fed9657ff534f480"
+COMPILED_IN_DIGEST = "6f5d51b877813372"
 
 
 def expo(x: Any) -> Any:
@@ -303,22 +303,39 @@ def _micro(rows: Any, out: Any, keys: Any) -> bool:
     For 16-bit keys they widen each element once for four rows, where the loops below widen it
     once per row: the resident layout read 1.6-1.8x faster, the inline one 1.3-1.45x. For float32
     keys the loops measured as fast or faster (0.94-0.97x inline; docs/BENCHMARKS.md, "Register
-    tiles" and "Inline scores as register tiles"), so float32 keys stay on them, except the
-    resident layout's ``p @ v`` (:func:`pv_dense`).
+    tiles" and "Inline scores as register tiles"), so float32 keys stay on them, except in the
+    resident layout (:func:`_dense_choice`).
     """
     return (all(a.layout == "C" for a in (rows, out, keys)) and rows.dtype == types.float32
             and keys.dtype in (types.uint16, types.int16))
 
 
+def _dense_choice(rows: Any, out: Any, keys: Any) -> bool:
+    """Whether a product of the resident layout (d-major keys, value rows ``d_v`` apart) runs on
+    the register tiles: where :func:`_micro` says, and for float32 keys (values) too.
+
+    The resident layout's runs are contiguous, which the tiles read side by side and prefetch
+    along (``workers.fused_micro``); there the tiles ran float32 ``p @ v`` at 1.5x the loop in
+    cache, and the whole float32 decode 1.09x faster at one thread and 1.13x at two with the
+    scores on them too (docs/BENCHMARKS.md, "A Zen 1 host" and "Scores prefetch along their own
+    runs"). The inline layout's value rows are a whole key apart (``h_kv d_v`` elements, 4 KiB
+    for float32 at h_kv = 8, d_v = 128): 32 of them side by side fall in the same L1 sets, so
+    float32 stays on the loops there.
+    """
+    return _micro(rows, out, keys) or (all(a.layout == "C" for a in (rows, out, keys))
+                                       and rows.dtype == out.dtype == keys.dtype == types.float32)
+
+
 def scores_dmajor(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any, nb: int) -> None:
-    """The block's scores over d-major keys (numba only): the micro-kernel where :func:`_micro` says, else the loop."""
+    """The block's scores over d-major keys (numba only): the micro-kernel where
+    :func:`_dense_choice` says, else the loop."""
     raise NotImplementedError  # pragma: no cover
 
 
 @overload(scores_dmajor)
 def _scores_dmajor_impl(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any,
                         nb: int) -> Any:  # pragma: no cover - compiled
-    if _micro(q, s, k):
+    if _dense_choice(q, s, k):
         def micro(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any, nb: int) -> None:
             scores_dmajor_f32(q, kind, d, k, base, step, s, nb)
         return micro
@@ -358,22 +375,14 @@ def pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: 
 
 
 def pv_dense(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
-    """``acc += p @ v`` over a block of the resident layout (numba only): the micro-kernel for
-    16-bit values as :func:`pv`, and for float32 values too.
-
-    A block's resident values are one contiguous run (rows ``d_v`` apart), which the tile's 32
-    rows read side by side stream from; in cache the tile ran float32 ``p @ v`` at 1.5x the loop
-    (docs/BENCHMARKS.md, "A Zen 1 host"). The inline layout's value rows are a whole key apart
-    (``h_kv d_v`` elements, 4 KiB for float32 at h_kv = 8, d_v = 128): 32 of them side by side
-    fall in the same L1 sets, so float32 stays on the loop there.
-    """
+    """``acc += p @ v`` over a block of the resident layout (numba only): the micro-kernel where
+    :func:`_dense_choice` says (16-bit values as :func:`pv`, and float32 values too), else the loop."""
     raise NotImplementedError  # pragma: no cover
 
 
 def _pv_choice(s: Any, acc: Any, v: Any, dense: bool) -> Any:  # pragma: no cover - compiled
     """The implementation :func:`pv` (``dense`` False) or :func:`pv_dense` compiles in."""
-    f32 = dense and all(a.layout == "C" for a in (s, acc, v)) and s.dtype == v.dtype == types.float32
-    if _micro(s, acc, v) or f32:
+    if _dense_choice(s, acc, v) if dense else _micro(s, acc, v):
         def micro(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
             pv_f32(s, kind, nb, v, base, step, acc, d_v)
         return micro

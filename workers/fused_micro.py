@@ -20,9 +20,11 @@ its values in order: there the accumulators go back to ``acc`` every
 :data:`PV_KEYS` keys, and reordering them in and out cost what the split load saves.)
 
 * **scores** walk the block in panels of :data:`PANEL_DIMS` dims: a panel reads
-  its dims' runs side by side, each front to back, and prefetches the next
-  panel's runs as far along; the partial sums go back to ``s`` between panels
-  (after a panel, ``s[r, j]`` holds the sum over the dims seen so far).
+  its dims' runs side by side, each front to back, and prefetches each run
+  :data:`PREFETCH_KEYS` keys further along, once per cache line (past the block's
+  end that is the next block's part of the same run, so each run streams as one);
+  the partial sums go back to ``s`` between panels (after a panel, ``s[r, j]``
+  holds the sum over the dims seen so far).
 * **p @ v** takes :data:`PV_KEYS` keys at a time (their value rows read side by
   side) and, per 16 columns, keeps the four rows' accumulators in registers over
   those keys, prefetching the tile :data:`PREFETCH_VALUES` keys ahead in address
@@ -67,6 +69,10 @@ TILE_ROWS = 4
 TILE_KEYS = 16
 #: Dims per scores panel: as many runs of keys read side by side.
 PANEL_DIMS = 8
+#: How far ahead (keys) the scores prefetch along each run they read: past the block's
+#: end, into the next block's part of the same run (docs/BENCHMARKS.md, "Scores prefetch
+#: along their own runs").
+PREFETCH_KEYS = 256
 #: Keys per value tile of ``p @ v``: their value rows are read side by side.
 PV_KEYS = 32
 #: How far ahead (keys) ``p @ v`` prefetches.
@@ -129,7 +135,6 @@ def _scores_tile4(q: Any, r: int, t0: int, n_t: int, k: Any, base: int, step: in
     qi = r * d + t0  # flat q[r, t]
     for _ in range(n_t):
         k0, k1 = vload16(k, o)  # keys j0..j0+15 of dim t, in tile order
-        prefetch(k, o + PANEL_DIMS * step)  # the next panel's run, as far along
         t = _fma4(q, qi, d, k0, k1, t)
         o += step
         qi += 1
@@ -163,10 +168,14 @@ def scores_dmajor_f32(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s
     """
     n_rows, sb = s.shape
     full = nb - nb % TILE_KEYS
+    line_keys = 64 // k.itemsize  # keys per 64-byte cache line
     for t0 in range(0, d, PANEL_DIMS):
         t1 = min(t0 + PANEL_DIMS, d)
         first = t0 == 0
         for j0 in range(0, full, TILE_KEYS):
+            if j0 % line_keys == 0:  # once per line of each run, whatever the rows
+                for t in range(t0, t1):
+                    prefetch(k, base + t * step + j0 + PREFETCH_KEYS)  # the same run, further along
             r = 0
             while r + TILE_ROWS <= n_rows:
                 if t1 - t0 == PANEL_DIMS:  # a whole panel: a constant count, the loop unrolled
