@@ -316,9 +316,9 @@ def _dense_choice(rows: Any, out: Any, keys: Any) -> bool:
 
     The resident layout's runs are contiguous, which the tiles read side by side and prefetch
     along (``workers.fused_micro``); there the tiles ran float32 ``p @ v`` at 1.5x the loop in
-    cache, and the whole float32 decode 1.09x faster at one thread and 1.13x at two with the
-    scores on them too (docs/BENCHMARKS.md, "A Zen 1 host" and "Scores prefetch along their own
-    runs"). The inline layout's value rows are a whole key apart (``h_kv d_v`` elements, 4 KiB
+    cache, and the whole float32 decode 1.09x faster at one thread and 1.05-1.20x at two with
+    the scores on them too (docs/BENCHMARKS.md, "A Zen 1 host" and "Scores prefetch along their
+    own runs"). The inline layout's value rows are a whole key apart (``h_kv d_v`` elements, 4 KiB
     for float32 at h_kv = 8, d_v = 128): 32 of them side by side fall in the same L1 sets, so
     float32 stays on the loops there.
     """
