@@ -517,17 +517,23 @@ def served(cmd: Sequence[str], env: dict[str, str], ready_url: str | Callable[[s
 
 
 def stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group, SIGKILL it if it is still there after 30 s."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    """SIGTERM to the group's leader ``proc`` alone, SIGKILL to the group if it is still there after
+    30 s; then SIGKILL to what is left of the group.
+
+    The leader alone, as Kubernetes and systemd's ``KillMode=mixed`` stop a server (docs/SERVICE.md,
+    "Stopping it"): a SIGTERM to the whole group also reaches an embedded Ray's processes, and
+    ``ray.shutdown`` then waits on the dead raylet (8.6 s to exit instead of 2.0 s, 2026-12-05).
+    """
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager

@@ -113,17 +113,34 @@ class Server:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
     def stop(self) -> None:
+        """SIGTERM to the front end alone, as Kubernetes and systemd's ``KillMode=mixed`` send it
+        (docs/SERVICE.md, "Stopping it"); SIGKILL to its process group if it is not gone in 30 s,
+        and to what is left of the group once it is (nothing leaks into the next test).
+
+        Not SIGTERM to the whole group: that reaches the embedded Ray's processes too, and
+        ``ray.shutdown`` then waits on the dead raylet, so the server took 8.6 s to exit
+        instead of 2.0 s (measured 2026-12-05), in every test that starts one.
+        """
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        stop_front_end(self.proc)
         self._log.close()
         self.proc = None
+
+
+def stop_front_end(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM to ``proc`` (a ``start_new_session`` process group's leader), SIGKILL to its group after
+    ``timeout_s``; then SIGKILL to whatever of the group is still there."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def read_response(sock: socket.socket) -> str:

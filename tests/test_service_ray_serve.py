@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 from reference import assert_close_to_reference
-from server import ROOT, free_port
+from server import ROOT, free_port, stop_front_end
 
 from service.client import Client
 
@@ -46,12 +45,7 @@ def serve_url(tmp_path_factory):
                 time.sleep(0.5)
             yield url
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_front_end(proc, timeout_s=60)
 
 
 def test_answers_through_serves_proxy_are_exact(serve_url, rng):
