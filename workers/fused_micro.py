@@ -73,6 +73,9 @@ PANEL_DIMS = 8
 #: end, into the next block's part of the same run (docs/BENCHMARKS.md, "Scores prefetch
 #: along their own runs").
 PREFETCH_KEYS = 256
+#: Bytes per cache line, the unit of a prefetch: 64 on x86-64 and on most Arm cores (a
+#: larger line only means some prefetches repeat one already made; never a wrong answer).
+CACHE_LINE_BYTES = 64
 #: Keys per value tile of ``p @ v``: their value rows are read side by side.
 PV_KEYS = 32
 #: How far ahead (keys) ``p @ v`` prefetches.
@@ -168,7 +171,7 @@ def scores_dmajor_f32(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s
     """
     n_rows, sb = s.shape
     full = nb - nb % TILE_KEYS
-    line_keys = 64 // k.itemsize  # keys per 64-byte cache line
+    line_keys = CACHE_LINE_BYTES // k.itemsize  # keys per cache line of each run
     for t0 in range(0, d, PANEL_DIMS):
         t1 = min(t0 + PANEL_DIMS, d)
         first = t0 == 0
