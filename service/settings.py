@@ -26,7 +26,9 @@ class ServiceSettings(BaseSettings):
     """Every setting of ``splitkey serve``: each is a flag and a ``SPLITKEY_<NAME>`` variable
     (``service.cli_settings`` makes the flags and the table in docs/API.md section 9)."""
 
-    model_config = SettingsConfigDict(env_prefix="SPLITKEY_", extra="forbid", frozen=True)
+    # allow_inf_nan=False: every float setting is a finite number (an infinite request timeout started the
+    # server, then failed every context query on the workers).
+    model_config = SettingsConfigDict(env_prefix="SPLITKEY_", extra="forbid", frozen=True, allow_inf_nan=False)
 
     host: str = Field("127.0.0.1", description="Address to bind; loopback unless told otherwise.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on (0: any free port).")

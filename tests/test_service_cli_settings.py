@@ -119,3 +119,22 @@ def test_serve_help_lists_every_flag_under_its_group(capsys):
     for group, names in GROUPS.items():
         assert f"\n{group}:\n" in out
         assert all(flag(name) in out and env_var(name) in out for name in names)
+
+
+FLOAT_SETTINGS = sorted(name for name, f in FIELDS.items() if f.annotation is float)
+
+
+@pytest.mark.parametrize("name", FLOAT_SETTINGS)
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity"])
+def test_every_float_setting_refuses_infinity_and_nan_before_anything_starts(name, value):
+    # `--request-timeout inf` used to start a server whose context queries then all failed on the workers.
+    args = cli_settings.given(build_parser().parse_args(["serve", f"{flag(name)}={value}"]))
+    with pytest.raises(ValidationError) as err:
+        ServiceSettings(**args)
+    text = cli_settings.explain(err.value)
+    assert text.startswith(f"{flag(name)} ({env_var(name)}): ") and f"got {value!r}" in text, text
+
+
+def test_the_float_settings_are_the_timeouts_rates_and_cpu_share():
+    assert FLOAT_SETTINGS == ["body_grace_s", "body_timeout_s", "heal_interval_s", "min_body_rate",
+                              "request_timeout_s", "shutdown_grace_s", "worker_cpus"]
