@@ -10,6 +10,7 @@ the ``n_q`` positions ending one past the last key position.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -86,9 +87,26 @@ def answer_elements(req: AttentionRequest, d_v: int) -> int:
     return req.n_q * req.h_q * d_v
 
 
-def check_answer_size(req: AttentionRequest, d_v: int, max_elements: int, json_limit: int | None = None) -> None:
+@dataclass(frozen=True)
+class JsonAnswerLimit:
+    """The ``out`` elements an answer written as JSON text may hold (``Limits.max_json_answer_elements``),
+    and how a client of the route asks for the answer in binary instead (the 413's advice)."""
+
+    elements: int
+    binary_instead: str
+
+
+#: ``POST /v1/attention`` and its batch: the answer's format follows ``Accept``.
+V1_BINARY = "ask for application/octet-stream (Accept) to get it as safetensors"
+#: ``POST /v2/models/attention/infer``: the format of each output is asked for in the body (docs/KSERVE.md).
+KSERVE_BINARY = ("ask for out in binary (outputs[].parameters.binary_data = true, or parameters."
+                 "binary_data_output = true)")
+
+
+def check_answer_size(req: AttentionRequest, d_v: int, max_elements: int,
+                      json_limit: JsonAnswerLimit | None = None) -> None:
     """413 when the answer ``out [n_q, h_q, d_v]`` would be over the element limit of any one tensor,
-    or, when it is to be written as JSON text, over ``json_limit`` (``Limits.max_json_answer_elements``).
+    or, when it is to be written as JSON text, over ``json_limit``.
 
     Each of ``q`` and ``v`` may be within the limit while their product is not (``q [16385, 1, 1]``
     over values ``[1, 1, 16384]``); the states the workers hold and send are as large, so this is
@@ -99,10 +117,10 @@ def check_answer_size(req: AttentionRequest, d_v: int, max_elements: int, json_l
     if count > max_elements:
         raise BodyTooLarge(f"q [n_q, h_q, d] = {[req.n_q, req.h_q, req.d]} over keys with d_v = {d_v} must give an "
                            f"answer out [n_q, h_q, d_v] of at most {max_elements} elements, got {count}")
-    if json_limit is not None and count > json_limit:
+    if json_limit is not None and count > json_limit.elements:
         raise BodyTooLarge(f"q [n_q, h_q, d] = {[req.n_q, req.h_q, req.d]} over keys with d_v = {d_v} must give a JSON "
-                           f"answer out [n_q, h_q, d_v] of at most {json_limit} elements, got {count}: ask for "
-                           "application/octet-stream (Accept) to get it as safetensors")
+                           f"answer out [n_q, h_q, d_v] of at most {json_limit.elements} elements, got {count}: "
+                           f"{json_limit.binary_instead}")
 
 
 def settled(exc: RecordStale) -> WorkersUnavailable:
@@ -123,10 +141,10 @@ class AttentionService:
         self.max_elements = settings.limits().max_elements
 
     async def attention(self, req: AttentionRequest, timings: Timings,
-                        json_limit: int | None = None) -> tuple[Any, Any]:
+                        json_limit: JsonAnswerLimit | None = None) -> tuple[Any, Any]:
         """``(out, lse)`` of the request; a query that read a stale cached record runs again from the directory
         (its stages then add both runs' time). ``json_limit``: the answer is to be written as JSON text,
-        whose ``out`` may hold at most that many elements (``check_answer_size``)."""
+        held to that limit (``check_answer_size``)."""
         resolved = await self.resolve(req, timings, fresh=False)
         try:
             return await self._attention(req, resolved, timings, json_limit)
@@ -162,7 +180,7 @@ class AttentionService:
         return resolved
 
     async def _attention(self, req: AttentionRequest, resolved: Resolved | None, timings: Timings,
-                         json_limit: int | None) -> tuple[Any, Any]:
+                         json_limit: JsonAnswerLimit | None) -> tuple[Any, Any]:
         # 1. The contexts were resolved (the lookup stage); the answer they make is within the limits.
         t0 = time.perf_counter()
         kv = req.kv

@@ -37,6 +37,7 @@ from service import request_id
 from service.attention import (
     AttentionService,
     answer_elements,
+    JsonAnswerLimit,
     check_answer_size,
     checked_answer,
     request_dtypes,
@@ -82,7 +83,7 @@ class BatchService:
         self.attention = attention
         self.contexts = contexts
 
-    async def run(self, items: Sequence[Item], timings: Timings, json_limit: int | None = None) -> list[Answer]:
+    async def run(self, items: Sequence[Item], timings: Timings, json_limit: JsonAnswerLimit | None = None) -> list[Answer]:
         """Each item's ``(out, lse)`` or error, in order. ``json_limit``: the answers are to be written as
         JSON text, whose ``out`` tensors may hold at most that many elements in all (``_check_total``)."""
         answers: list[Answer | None] = [it if isinstance(it, ItemError) else None for it in items]
@@ -156,7 +157,7 @@ class BatchService:
         except ServiceError as exc:
             return ItemError.of(index, exc)
 
-    def _check_total(self, sizes: dict[int, int], answers: list[Answer | None], json_limit: int | None) -> None:
+    def _check_total(self, sizes: dict[int, int], answers: list[Answer | None], json_limit: JsonAnswerLimit | None) -> None:
         """413 for the whole batch when its answers would hold more ``out`` elements in all than one
         tensor may, or than a JSON answer may (``json_limit``) when they are to be written as JSON
         (``sizes``: each item's; items refused, or over the tensor limit alone, are their own errors),
@@ -165,8 +166,8 @@ class BatchService:
         if total > self.attention.max_elements:
             raise BodyTooLarge(f"items must give answers of at most {self.attention.max_elements} out elements in "
                                f"all (n_q x h_q x d_v summed over the items), got {total}: send them in several batches")
-        if json_limit is not None and total > json_limit:
-            raise BodyTooLarge(f"items must give JSON answers of at most {json_limit} out elements in all (n_q x h_q "
+        if json_limit is not None and total > json_limit.elements:
+            raise BodyTooLarge(f"items must give JSON answers of at most {json_limit.elements} out elements in all (n_q x h_q "
                                f"x d_v summed over the items), got {total}: ask for application/octet-stream (Accept) "
                                "to get them as safetensors, or send them in several batches")
 

@@ -13,6 +13,7 @@ from fastapi import Request, Response
 
 from service import deadline
 from service.admission import TICKET, Ticket
+from service.attention import V1_BINARY, JsonAnswerLimit
 from service.errors import DeadlineExceeded, RequestTimeout, UnsupportedMediaType, WorkersUnavailable
 from service.metrics import Timings
 from service.runtime import AppState, Runtime
@@ -99,9 +100,9 @@ async def off_loop(nbytes: int, fn: Callable[P, T], *args: P.args, **kwargs: P.k
     return fn(*args, **kwargs)
 
 
-def answer_limit(limits: Limits, resp_fmt: Format) -> int | None:
+def answer_limit(limits: Limits, resp_fmt: Format) -> JsonAnswerLimit | None:
     """The ``out`` elements an answer in ``resp_fmt`` may hold, when lower than any tensor's (JSON text)."""
-    return limits.max_json_answer_elements if resp_fmt == "json" else None
+    return JsonAnswerLimit(limits.max_json_answer_elements, V1_BINARY) if resp_fmt == "json" else None
 
 
 async def encode_result(resp_fmt: Format, out: np.ndarray, lse: np.ndarray, timings: Timings) -> Response:

@@ -13,6 +13,7 @@ import time
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from service.attention import KSERVE_BINARY, JsonAnswerLimit
 from service.errors import error_responses
 from service.metrics import Timings
 from service.routes.common import (
@@ -120,7 +121,7 @@ async def infer(request: Request) -> Response:
     if parsed.timeout_s is not None:
         deadline = min(deadline, parsed.timeout_s)
     out_json = any(o.name == "out" and not o.binary for o in parsed.outputs)
-    json_limit = state.limits.max_json_answer_elements if out_json else None
+    json_limit = JsonAnswerLimit(state.limits.max_json_answer_elements, KSERVE_BINARY) if out_json else None
     out, lse = await with_deadline(rt.attention.attention(req, timings, json_limit), deadline)
     t1 = time.perf_counter()
     doc, raw = infer_response(parsed.id, {"out": out, "lse": lse}, parsed.outputs)
