@@ -208,7 +208,10 @@ def test_tensor_sizes_are_bounded_before_arrays_are_built():
     (b"\xef\xbb\xbf{}", "JSON body must be valid JSON"),
     (b'{"q": "\xff"}', "JSON body must be UTF-8, got byte 0xff at 7"),
     (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    (b'{"scale": ' + b"9" * 5000 + b"}", "JSON body must be valid JSON, got"),
+    # Valid JSON, longer than CPython converts: said so, in the service's words, not as invalid JSON.
+    (b'{"scale": ' + b"9" * 5000 + b"}", "JSON body must hold integers of at most 4300 digits (no field takes more "
+                                          "than 309), got one of 5000 digits"),
+    (b'{"q_pos": [-' + b"1" * 4301 + b"]}", "got one of 4301 digits"),
     (b"[]", "JSON body must be an object, got []"),
     (b'"q"', 'JSON body must be an object, got "q"'),
 ])

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,8 +108,13 @@ def load_json(data: bytes | bytearray | memoryview, what: str) -> Any:
         raise InvalidBody(f"{what} must be valid JSON, got {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
         raise InvalidBody(f"{what} must be valid JSON, got lists or objects nested too deeply") from None
-    except ValueError as e:  # e.g. an integer literal with thousands of digits
-        raise InvalidBody(f"{what} must be valid JSON, got {e}") from None
+    except ValueError as e:
+        # Valid JSON, but an integer literal longer than CPython converts (its guard against quadratic
+        # parsing): no field takes one (positions and sizes are int64, 19 digits; values float64, 309).
+        digits = re.search(r"has (\d+) digits", str(e))
+        got = f"one of {digits.group(1)} digits" if digits else "a longer one"
+        raise InvalidBody(f"{what} must hold integers of at most {sys.get_int_max_str_digits()} digits (no field "
+                          f"takes more than 309), got {got}") from None
 
 
 def _first(items: Sequence[Any], bad: Callable[[Any], bool]) -> int:
