@@ -62,6 +62,13 @@ async def read_body(request: Request, limit: int, route: str,
     encoding = request.headers.get("content-encoding")
     if encoding is not None and encoding.strip().lower() != "identity":  # nothing here decompresses
         raise UnsupportedMediaType(f"Content-Encoding must be identity (send the body uncompressed), got {encoding!r}")
+    # The HTTP parser takes the body's framing from a final "chunked" and leaves any coding before it
+    # (gzip, chunked) undone: such a body would reach the decoders still coded. RFC 9112 answers an
+    # unknown transfer coding with 501, but a client's mistake is a 4xx here: 415, as a Content-Encoding.
+    coding = request.headers.get("transfer-encoding")
+    if coding is not None and [c.strip().lower() for c in coding.split(",")] != ["chunked"]:
+        raise UnsupportedMediaType(f"Transfer-Encoding must be chunked or absent (send the body uncompressed), "
+                                   f"got {coding!r}")
     lim = state.limits
     what = ("a JSON request body (the JSON limit; safetensors bodies may be larger)"
             if limit == lim.max_json_body_bytes < lim.max_body_bytes else "request body")
