@@ -244,6 +244,24 @@ def test_append_with_wrong_dtype_or_dims_is_refused_and_changes_nothing(client, 
     client.delete_context(ctx["id"])
 
 
+def test_a_query_over_contexts_of_different_dims_is_refused_naming_each_in_the_querys_order(client, rng):
+    a = client.create_context(*kv(rng, 30, h_kv=2, d=16, d_v=8))["id"]
+    b = client.create_context(*kv(rng, 30, h_kv=2, d=16, d_v=8))["id"]
+    c = client.create_context(*kv(rng, 30, h_kv=1, d=16, d_v=4))["id"]
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    try:
+        for order, first, other in (([a, b, c], a, c), ([c, a], c, a)):
+            with pytest.raises(SplitkeyError) as err:
+                client.attention(q, contexts=order)
+            assert (err.value.status, err.value.code) == (422, "invalid_option")
+            dims = {a: [2, 16, 8], b: [2, 16, 8], c: [1, 16, 4]}
+            assert err.value.detail == (f"contexts must share [h_kv, d, d_v], got {dims[first]} for {first} and "
+                                        f"{dims[other]} for {other}"), err.value.detail
+    finally:
+        for ctx in (a, b, c):
+            client.delete_context(ctx)
+
+
 def test_json_create_and_query(server, rng):
     k, v = kv(rng, 20)
     r = httpx.post(server.url + "/v1/contexts", json={"k": k.tolist(), "v": v.tolist(), "replicas": 2})

@@ -230,10 +230,15 @@ class ContextService:
     @staticmethod
     def resolved(found: Sequence[ContextRecord], *, cached: bool) -> Resolved:
         """The :class:`Resolved` of records found for a query's ids (in its order); 422 if their shapes differ."""
-        dims = {(r["h_kv"], r["d"], r["d_v"]) for r in found}
-        if len(dims) > 1:
-            raise InvalidOption(f"contexts must share [h_kv, d, d_v], got {sorted(dims)}")
-        (h_kv, d, d_v), = dims
+        def dims_of(r: ContextRecord) -> list[int]:
+            return [r["h_kv"], r["d"], r["d_v"]]
+
+        first = found[0]
+        for other in found[1:]:
+            if dims_of(other) != dims_of(first):  # named in the query's order: the first, the first that differs
+                raise InvalidOption(f"contexts must share [h_kv, d, d_v], got {dims_of(first)} for {first['id']} and "
+                                    f"{dims_of(other)} for {other['id']}")
+        h_kv, d, d_v = dims_of(first)
         return Resolved(records=tuple(found),
                         dims=KVDims(n_k=sum(s["length"] for r in found for s in r["shards"]), h_kv=h_kv, d=d, d_v=d_v),
                         next_pos=max(r["next_pos"] for r in found), dtypes=tuple(dtype_of(r["dtype"]) for r in found),
