@@ -40,8 +40,12 @@ def union_positions(req: AttentionRequest, next_pos: int | None) -> tuple[Any, A
     start = 0 if next_pos is None else next_pos
     k_pos: Any = Arange(start, n_k) if req.kv is None or req.kv.k_pos is None else req.kv.k_pos
     q_pos = req.q_pos if req.q_pos is not None else last_positions(req.n_q, end_of(k_pos, start=next_pos))
-    try:
-        return check_positions("q_pos", q_pos, req.n_q), check_positions("k_pos", k_pos, n_k)
+    # A default is named as one: the client sent no such tensor, and sending it is the way out.
+    q_name = "q_pos" if req.q_pos is not None else "the default q_pos (ending one past the largest key position)"
+    k_name = "k_pos" if req.kv is not None and req.kv.k_pos is not None else "the default k_pos of the inline keys"
+    try:  # the keys first: a default q_pos derives from them
+        k_pos = check_positions(k_name, k_pos, n_k)
+        return check_positions(q_name, q_pos, req.n_q), k_pos
     except ValueError as exc:
         raise InvalidTensor(str(exc)) from None
 

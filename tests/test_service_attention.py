@@ -194,6 +194,34 @@ def test_default_query_positions_end_one_past_negative_key_positions(server):
     assert r.json() == {"out": [[[0.0]], [[0.0]], [[5.0]]], "lse": [[None], [None], [1.0]]}
 
 
+def test_default_positions_past_the_range_are_named_as_defaults_not_as_what_the_client_sent(client):
+    """docs/API.md section 2: the default q_pos ends one past the largest key position, and inline keys
+    without k_pos continue after the contexts'; past 2**61 the 422 names the default (the client sent
+    no such tensor, and sending one is the way out)."""
+    q, k = np.ones((1, 1, 4), np.float32), np.ones((1, 1, 4), np.float32)
+    q2 = np.ones((2, 1, 4), np.float32)
+    bottom, top = np.array([-(2**61)]), np.array([2**61])
+    with pytest.raises(SplitkeyError) as err:
+        client.attention(q2, k, k, k_pos=bottom)  # the default q_pos would be [-2**61 - 1, -2**61]
+    assert (err.value.status, err.value.code) == (422, "invalid_tensor")
+    assert err.value.detail.startswith("the default q_pos (ending one past the largest key position) must lie "
+                                       "within +-2**61"), err.value.detail
+    out, _ = client.attention(q2, k, k, k_pos=bottom, q_pos=np.array([-(2**61), 0]))  # sent: served
+    np.testing.assert_array_equal(out, np.ones((2, 1, 4), np.float32))
+    ctx = client.create_context(k, k, k_pos=top)["id"]
+    try:
+        for q_pos in (None, top):  # inline keys from 2**61 + 1 (and so the default q_pos): the keys are named
+            with pytest.raises(SplitkeyError) as err:
+                client.attention(q, k, k, contexts=[ctx], q_pos=q_pos)
+            assert err.value.detail.startswith("the default k_pos of the inline keys must lie within +-2**61"), \
+                err.value.detail
+        with pytest.raises(SplitkeyError) as err:
+            client.attention(q, k, k, contexts=[ctx], q_pos=top, k_pos=top + 1)
+        assert err.value.detail.startswith("k_pos must lie within +-2**61"), err.value.detail
+    finally:
+        client.delete_context(ctx)
+
+
 @pytest.mark.parametrize("case", ["tiny_softcap", "huge_scale", "huge_q_and_k"])
 def test_scores_beyond_float32_are_refused_not_answered_nan(client, case):
     q = np.array([[[1.0, 2.0]]], np.float32)
