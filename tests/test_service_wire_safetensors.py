@@ -235,6 +235,10 @@ def test_a_malformed_body_is_400_naming_what_is_wrong(body, fragments):
     (raw({"q": F32_8}, bytes(8)), ATTENTION.tensors, ["q must be [n_q, h_q, d] (3 dims), got shape [2]"]),
     (raw({"k_pos": entry("I64", [1, 1], 0, 8)}, bytes(8)), ATTENTION.tensors, ["k_pos must be [n_k] (1 dims)"]),
     (raw({"q_pos": F32_8}, bytes(8)), ATTENTION.tensors, ["q_pos dtype must be I32 or I64, got F32"]),
+    # a dtype the service takes for no tensor, given to a tensor of known kind: that tensor's choices
+    (raw({"q_pos": entry("U64", [1], 0, 8)}, bytes(8)), ATTENTION.tensors, ['q_pos dtype must be I32 or I64, got "U64"']),
+    (raw({"q": entry("F8_E4M3", [1, 1, 8], 0, 8)}, bytes(8)), ATTENTION.tensors,
+     ['q dtype must be F16, BF16, F32 or F64, got "F8_E4M3"']),
     (raw({"v": entry("I32", [1, 1, 2], 0, 8)}, bytes(8)), ATTENTION.tensors,
      ["v dtype must be F16, BF16, F32 or F64, got I32"]),
 ])

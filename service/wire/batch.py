@@ -41,7 +41,13 @@ from service.wire.rules import (
     show,
     sorted_names,
 )
-from service.wire.safetensors import TensorInfo, encode_safetensors, header_span, peek_safetensors_header
+from service.wire.safetensors import (
+    KIND_DTYPES,
+    TensorInfo,
+    encode_safetensors,
+    header_span,
+    peek_safetensors_header,
+)
 from service.wire.json_text import JsonArray
 from service.wire.values import from_bytes, load_json
 
@@ -171,8 +177,7 @@ def decode_binary_batch(body: bytes | bytearray | memoryview, limits: Limits = D
                 if len(info.shape) != rule.rank:
                     raise InvalidTensor(f"{full} must be {rule.layout} ({rule.rank} dims), got shape {list(info.shape)}")
                 if (rule.kind == "int") != info.wire.integer:
-                    wanted = "I32 or I64" if rule.kind == "int" else "F16, BF16, F32 or F64"
-                    raise InvalidTensor(f"{full} dtype must be {wanted}, got {info.wire.safetensors}")
+                    raise InvalidTensor(f"{full} dtype must be {KIND_DTYPES[rule.kind]}, got {info.wire.safetensors}")
             mine = {name: from_bytes(mv, info.wire, info.shape, header.data_start + info.begin)
                     for name, (_, info) in infos[i].items()}
             options = check_options(raw[i], ATTENTION, limits, alibi_slopes=mine.get("alibi_slopes"))

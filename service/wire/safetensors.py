@@ -112,22 +112,26 @@ def _frame(name: str, entry: Any) -> tuple[Any, list[int], list[int]]:
     return dtype, shape, offsets
 
 
+#: The safetensors dtypes a tensor of each kind (``TENSOR_RULES``) may have, as the 422s name them.
+KIND_DTYPES = {"int": "I32 or I64", "float": "F16, BF16, F32 or F64"}
+
+
 def _entry(name: str, entry: Any, allowed: Iterable[str], limits: Limits) -> TensorInfo:
     """Check one header entry; everything but its place in the data section."""
     if name not in allowed:
         raise InvalidTensor(f"tensor names must be among {sorted_names(allowed)}, got {show(name)}")
     dtype, shape, offsets = _frame(name, entry)
-    if type(dtype) is not str or dtype not in SAFETENSORS:
-        raise InvalidTensor(f"{name} dtype must be one of {sorted_names(SAFETENSORS)}, got {show(dtype)}")
-    wire = SAFETENSORS[dtype]
     rule = TENSOR_RULES.get(name)
+    if type(dtype) is not str or dtype not in SAFETENSORS:  # the tensor's own choices where it has a rule
+        wanted = f"one of {sorted_names(SAFETENSORS)}" if rule is None else KIND_DTYPES[rule.kind]
+        raise InvalidTensor(f"{name} dtype must be {wanted}, got {show(dtype)}")
+    wire = SAFETENSORS[dtype]
     if rule is not None and len(shape) != rule.rank:
         raise InvalidTensor(f"{name} must be {rule.layout} ({rule.rank} dims), got shape {show(shape)}")
     if len(shape) > limits.max_dims:
         raise InvalidTensor(f"{name} must have at most {limits.max_dims} dims, got shape {show(shape)}")
     if rule is not None and (rule.kind == "int") != wire.integer:
-        wanted = "I32 or I64" if rule.kind == "int" else "F16, BF16, F32 or F64"
-        raise InvalidTensor(f"{name} dtype must be {wanted}, got {dtype}")
+        raise InvalidTensor(f"{name} dtype must be {KIND_DTYPES[rule.kind]}, got {dtype}")
     nbytes = math.prod(shape) * wire.bits.itemsize
     if offsets[1] - offsets[0] != nbytes:
         raise InvalidBody(f"{name} data_offsets must span prod(shape) * itemsize = {nbytes} bytes for shape {shape} "
