@@ -293,3 +293,14 @@ def test_grpc_form_with_a_json_part_over_its_limit_is_413_as_over_http():
     limits = Limits(max_body_bytes=4096, max_json_body_bytes=1024)
     err = api_error(infer_body, _grpc_request(contexts="c" * 2000), limits)
     assert err.code == "body_too_large" and "the JSON part must be at most 1024 bytes" in err.detail
+
+
+def test_grpc_raw_contents_that_do_not_fit_the_shape_are_named_as_grpc_fields():
+    from service.wire.kserve_grpc import infer_body
+
+    req = _grpc_request()
+    req.inputs[0].shape[:] = [1, 1, 3]  # 12 bytes of FP32; 8 sent
+    err = api_error(infer_body, req)
+    assert err.code == "invalid_body" and "binary_data_size" not in err.detail, err.detail
+    assert err.detail == ("raw_input_contents[0] (q) must be prod(shape) * itemsize = 12 bytes for shape [1, 1, 3] FP32, "
+                          "got 8 bytes"), err.detail
