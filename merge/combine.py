@@ -10,6 +10,7 @@ never on which shard finished first.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,7 @@ def merge_group(states: Sequence[State]) -> State:
     rescaled to that common ``m``. Rows empty in every input stay empty
     (m = -inf, l = 0, acc = 0) without a NaN.
     """
+    _check_sequence(states)
     if len(states) == 0:
         raise ValueError("states must hold at least one State, got an empty sequence")
     _check_compatible(states)
@@ -84,8 +86,8 @@ def tree_levels(n: int, fanin: int) -> list[list[tuple[int, int]]]:
     ``merge_all`` here and by distributed merges, so both build the same tree.
     """
     _check_fanin(fanin)
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"n must be an int >= 1, got {n!r}")
     levels = []
     width = n
     while width > 1:
@@ -93,6 +95,12 @@ def tree_levels(n: int, fanin: int) -> list[list[tuple[int, int]]]:
         levels.append(level)
         width = len(level)
     return levels
+
+
+def _check_sequence(states: Any) -> None:
+    """``states`` is a list or tuple (of States, checked next): a lone State is a common slip."""
+    if not isinstance(states, (list, tuple)):
+        raise ValueError(f"states must be a list or tuple of States, got {type(states).__name__}")
 
 
 def _check_fanin(fanin: int) -> None:
@@ -106,6 +114,7 @@ def merge_all(states: Sequence[State], fanin: int = 2) -> State:
     The same states in the same order give a bitwise-identical result.
     """
     _check_fanin(fanin)
+    _check_sequence(states)
     level = list(states)
     if not level:
         raise ValueError("states must hold at least one State, got an empty sequence")

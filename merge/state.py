@@ -33,7 +33,7 @@ def array_module(x: Any, name: str = "array") -> ModuleType:
     CuPy is looked up in ``sys.modules`` instead of imported: if the caller holds a
     CuPy array, CuPy is already imported; if not, we must not import it.
     """
-    if isinstance(x, np.ndarray) or np.isscalar(x):
+    if isinstance(x, np.ndarray):
         return np
     cupy = sys.modules.get("cupy")
     if cupy is not None and isinstance(x, cupy.ndarray):
@@ -116,6 +116,8 @@ def empty(n_q: int, h_q: int, d_v: int, dtype: Any = np.float32, xp: ModuleType 
         if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 0:
             raise ValueError(f"{name} must be a non-negative int, got {val!r}")
     dt = _check_state_dtype(dtype)
+    if not all(callable(getattr(xp, f, None)) for f in ("full", "zeros")):
+        raise ValueError(f"xp must be the numpy or cupy module, got {xp!r}")
     return State(
         m=xp.full((n_q, h_q), NO_SCORE, dtype=dt),
         l=xp.zeros((n_q, h_q), dtype=dt),
@@ -128,7 +130,8 @@ def finalize(state: State) -> tuple[Any, Any]:
     if not isinstance(state, State):
         raise ValueError(f"state must be a State, got {type(state).__name__}")
     xp = state.xp
-    seen = state.l > 0
+    # l == 0, not "not l > 0": a row whose state overflowed (l NaN) stays NaN, never reads as empty.
+    seen = state.l != 0
     # Guard: rows with no visible key have l == 0; divide by 1 there instead of
     # producing 0/0, then the where() below writes the contract's 0 / -inf.
     l_safe = xp.where(seen, state.l, 1)
@@ -154,7 +157,8 @@ def from_lse(out: Any, lse: Any) -> State:
     if tuple(lse.shape) != tuple(out.shape[:2]):
         raise ValueError(f"lse must be [n_q, h_q] = {tuple(out.shape[:2])}, got {tuple(lse.shape)}")
     for name, arr in (("out", out), ("lse", lse)):
-        if np.dtype(arr.dtype).kind != "f":
+        # bfloat16 (ml_dtypes, kind "V") is a float too: other kernels often return out in it.
+        if np.dtype(arr.dtype).kind != "f" and np.dtype(arr.dtype).name != "bfloat16":
             raise ValueError(f"{name} must be a floating array, got dtype {arr.dtype}")
     wide = np.float64 in (np.dtype(out.dtype), np.dtype(lse.dtype))
     dt = np.dtype(np.float64 if wide else np.float32)

@@ -1,10 +1,11 @@
+import re
 import warnings
 
 import numpy as np
 import pytest
 from reference import reference
 
-from merge import State, empty, finalize, merge, merge_all, tree_levels
+from merge import State, empty, finalize, merge, merge_all, merge_group, tree_levels
 from workers import partial_attention
 
 
@@ -151,3 +152,16 @@ def test_merge_rejects_mismatched_states_naming_the_callers_argument():
         merge_all([])
     with pytest.raises(ValueError, match="fanin must be an int >= 2, got 1"):
         merge_all([empty(1, 1, 1)], fanin=1)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda st: merge_all(st), "states must be a list or tuple of States, got State"),
+    (lambda st: merge_all(None), "states must be a list or tuple of States, got NoneType"),
+    (lambda st: merge_group(st), "states must be a list or tuple of States, got State"),
+    (lambda st: tree_levels(2.5, 2), "n must be an int >= 1, got 2.5"),
+    (lambda st: tree_levels(True, 2), "n must be an int >= 1, got True"),
+    (lambda st: tree_levels("3", 2), "n must be an int >= 1, got '3'"),
+])
+def test_arguments_of_the_wrong_kind_raise_value_error_naming_them(call, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        call(empty(1, 1, 1))

@@ -77,6 +77,14 @@ def test_empty_rejects_negative_sizes_and_bad_dtype():
     (lambda: empty(1, 2, 3, dtype="foo"), "dtype must be float32 or float64, got 'foo'"),
     (lambda: from_lse([[[1.0]]], [[0.0]]), "out must be a numpy or cupy array, got list"),
     (lambda: State([[0.0]], [[0.0]], [[[0.0]]]), "State.m must be a numpy or cupy array, got list"),
+    # Python scalars are no arrays either (they passed the module check, then failed on .ndim)
+    (lambda: State(1.0, np.zeros((1, 1), np.float32), np.zeros((1, 1, 1), np.float32)),
+     "State.m must be a numpy or cupy array, got float"),
+    (lambda: State(np.zeros((1, 1), np.float32), 1.0, np.zeros((1, 1, 1), np.float32)),
+     "State.l must be a numpy or cupy array, got float"),
+    (lambda: from_lse(np.zeros((1, 1, 1), np.float32), 0.0), "lse must be a numpy or cupy array, got float"),
+    (lambda: empty(1, 1, 1, xp="numpy"), "xp must be the numpy or cupy module, got 'numpy'"),
+    (lambda: empty(1, 1, 1, xp=None), "xp must be the numpy or cupy module, got None"),
 ])
 def test_arguments_of_the_wrong_kind_raise_value_error_naming_them(call, match):
     with pytest.raises(ValueError, match=match):
@@ -88,3 +96,31 @@ def test_from_lse_rejects_nan_lse_and_wrong_shapes():
         from_lse(np.zeros((1, 1, 2)), np.full((1, 1), np.nan))
     with pytest.raises(ValueError, match=r"lse must be \[n_q, h_q\]"):
         from_lse(np.zeros((1, 2, 2)), np.zeros((2, 1)))
+
+
+def test_from_lse_takes_bfloat16_out_as_other_kernels_return_it():
+    import ml_dtypes
+
+    out = np.linspace(-3, 3, 24).reshape(2, 3, 4).astype(ml_dtypes.bfloat16)
+    lse = np.array([[0.5, -np.inf, 2.0], [1.0, 3.0, np.inf]], np.float32).astype(ml_dtypes.bfloat16)
+    st = from_lse(out, lse)
+    assert st.dtype == np.float32
+    seen = np.isfinite(lse.astype(np.float32))
+    np.testing.assert_array_equal(st.acc[seen], out.astype(np.float32)[seen])
+    np.testing.assert_array_equal(st.l, seen.astype(np.float32))
+    assert np.all(st.acc[~seen] == 0) and np.all(st.m[~seen] == -np.inf)
+
+
+def test_a_row_whose_state_overflowed_finalizes_to_nan_never_to_an_empty_row():
+    # A score past float32's range makes m = inf and l = NaN. Read as l == 0 it became out NaN,
+    # lse -inf ("no key"), which from_lse then turned into a truly empty row.
+    st = State(np.array([[np.inf, 1.0, -np.inf]], np.float32), np.array([[np.nan, 2.0, 0.0]], np.float32),
+               np.array([[[np.nan], [4.0], [0.0]]], np.float32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the NaN row's arithmetic
+        out, lse = finalize(st)
+    assert np.isnan(out[0, 0, 0]) and np.isnan(lse[0, 0])
+    assert out[0, 1, 0] == 2.0 and lse[0, 1] == np.float32(1.0 + np.log(2.0))
+    assert out[0, 2, 0] == 0 and lse[0, 2] == -np.inf
+    with pytest.raises(ValueError, match="got NaN"):  # and it cannot pass for an empty row downstream
+        from_lse(out, lse)
