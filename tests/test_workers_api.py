@@ -196,6 +196,8 @@ def test_gqa_maps_query_head_i_to_kv_head_i_div_g(rng):
         (lambda q, k, v: partial_attention(q, k, v, window=(-1, None)),
          r"window must be \[left, right\], each null or an int in \[0, 2\*\*62\], got \[-1, None\]"),
         (lambda q, k, v: partial_attention(q, k, v, softcap=-2.0), "softcap must be a finite number >= 0, got -2.0"),
+        (lambda q, k, v: partial_attention(q, k, v, softcap=1e39),  # float32 tanh * inf: NaN answers before
+         r"softcap must be at most 3.403e\+38 \(float32's range\), got 1e\+39"),
         (lambda q, k, v: partial_attention(q, k, v, alibi_slopes=np.ones(3)), r"alibi_slopes must have shape \[4\], got \(3,\)"),
         (lambda q, k, v: partial_attention(q, k, v, alibi_slopes=np.array([1.0, 1e39, 1.0, 1.0])),
          r"alibi_slopes must lie within \+-3.403e\+38 \(float32's range\), got a slope of magnitude 1e\+39"),
@@ -214,3 +216,32 @@ def test_bad_arguments_raise_value_error_naming_them(call, match):
     q, k, v = make(rng, 2, 4, 2, 8, 8, 10)
     with pytest.raises(ValueError, match=match):
         call(q, k, v)
+
+
+def test_bfloat16_alibi_slopes_give_what_float32_slopes_of_the_same_values_give(rng):
+    q, k, v = make(rng, 3, 4, 2, 8, 8, 20)
+    slopes = np.array([0.5, 0.25, 0.125, 1.0], BFLOAT16)
+    got = attention(q, k, v, causal=True, alibi_slopes=slopes)
+    want = attention(q, k, v, causal=True, alibi_slopes=slopes.astype(np.float32))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_empty_position_lists_of_an_empty_axis_are_taken(rng):
+    q, k, v = make(rng, 2, 4, 2, 8, 8, 0)  # no keys: k_pos = [] reads as float64 in NumPy
+    out, lse = attention(q[:0], k, v, q_pos=[], k_pos=[])
+    assert out.shape == (0, 4, 8) and lse.shape == (0, 4)
+    out, lse = attention(q, k, v, k_pos=[], q_pos=[3, 4])
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+def test_a_huge_softcap_is_served_and_equals_no_softcap_at_these_scores(rng):
+    q, k, v = (a.astype(np.float32) for a in make(rng, 1, 2, 1, 8, 8, 16))
+    plain = attention(q, k, v)
+    capped = attention(q, k, v, softcap=1e30)  # c tanh(s / c) = s to float32's precision
+    np.testing.assert_allclose(capped[0], plain[0], rtol=1e-6)
+    # Up to float32's largest the answer stays finite (past it: refused, not NaN); scale / softcap x q
+    # is then below float32's normal range, where it keeps fewer digits (docs/API.md, "Overflow").
+    top = attention(q, k, v, softcap=3e38)
+    assert np.isfinite(top[0]).all() and np.isfinite(top[1]).all()
+    np.testing.assert_allclose(top[0], plain[0], rtol=1e-4)

@@ -3,7 +3,7 @@ import pytest
 from reference import assert_close_to_reference, contract_layout
 
 from merge import finalize
-from workers import BFLOAT16, StreamingKV, partial_attention_resident
+from workers import BFLOAT16, StreamingKV, StreamingView, partial_attention_resident
 from workers.layout import LINE_BYTES, PAGE_BYTES, padded_capacity
 from workers.options import AttentionOptions, KernelOptions
 
@@ -94,6 +94,17 @@ def _kv(n=4, dtype=np.float32):
     (lambda: StreamingKV(0, 3, 5, np.float32), "h_kv must be an int >= 1, got 0"),
     (lambda: StreamingKV(2, 3, 5, np.int32), "dtype must have dtype float16"),
     (lambda: StreamingKV(2, 3, 5, np.float32, capacity=-1), "capacity must be an int >= 0, got -1"),
+    (lambda: StreamingKV(2, 3, 5, None), "dtype must have dtype float16, .* got None"),  # np.dtype(None): float64
+    (lambda: StreamingKV(2, 3, 5, "nope"), "dtype must have dtype float16, .* got 'nope'"),
+    # a view built by hand whose parts disagree (the fused kernel would read past v)
+    (lambda: StreamingView(kt=np.zeros((1, 4, 4096), np.float32), v=np.ones((1, 8, 4), np.float32),
+                           k_pos=np.arange(4096)), r"StreamingView.v must be \[h_kv, n_k, d_v\] .* got shapes \(1, 8, 4\)"),
+    (lambda: StreamingView(kt=np.zeros((1, 4, 8), np.float32), v=np.ones((1, 8, 4), np.float32), k_pos=np.arange(7)),
+     r"k_pos \[n_k\] with \[h_kv, n_k\] = \[1, 8\]"),
+    (lambda: StreamingView(kt=np.zeros((4, 8), np.float32), v=np.ones((1, 8, 4), np.float32), k_pos=np.arange(8)),
+     r"StreamingView must hold kt \[h_kv, d, n_k\]"),
+    (lambda: StreamingView(kt=None, v=np.ones((1, 8, 4), np.float32), k_pos=np.arange(8)),
+     "StreamingView.kt must be an array, got NoneType"),
 ])
 def test_streaming_kv_refuses_what_the_inline_path_refuses_naming_the_argument(make, message):
     with pytest.raises(ValueError, match=message):

@@ -84,8 +84,16 @@ def partial_attention_resident_many(queries: Sequence[tuple[Any, Any, AttentionO
     Decode-shaped queries of one shape share one pass over the keys (``workers.plan.batchable``);
     each state is bitwise what the query alone would give. Options may differ between queries.
     """
+    if not isinstance(view, StreamingView):
+        raise ValueError(f"view must be a workers.StreamingView (StreamingKV.snapshot()), got {type(view).__name__}")
+    if isinstance(queries, (str, bytes)) or not isinstance(queries, Sequence) or not queries:
+        raise ValueError(f"queries must be a non-empty sequence of (q, q_pos, options), got {type(queries).__name__}"
+                         f"{' of none' if isinstance(queries, Sequence) and not queries else ''}")
     parts = []
-    for q, q_pos, options in queries:
+    for i, query in enumerate(queries):
+        if not isinstance(query, tuple) or len(query) != 3:
+            raise ValueError(f"queries[{i}] must be a tuple (q, q_pos, options), got {type(query).__name__}")
+        q, q_pos, options = query
         _typed(options, kernel)
         if q_pos is None:
             raise ValueError("q_pos must be given for resident keys, got None")

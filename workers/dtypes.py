@@ -30,7 +30,12 @@ _NAMES = {dt: name for name, dt in DTYPES.items()}
 
 def dtype_name(dtype: Any) -> str:
     """The public name of an input dtype (``"bfloat16"``), or raise naming it."""
-    dt = np.dtype(dtype)
+    if dtype is None:  # np.dtype(None) is float64: a missing dtype must not pass as one
+        raise ValueError(f"dtype must be {INPUT_DTYPE_NAMES}, got None")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype must be {INPUT_DTYPE_NAMES}, got {dtype!r}") from None
     if dt not in _NAMES:
         raise ValueError(f"dtype must be {INPUT_DTYPE_NAMES}, got {dt}")
     return _NAMES[dt]
@@ -45,7 +50,12 @@ def dtype_of(name: str) -> np.dtype:
 
 def check_input_dtype(name: str, dtype: Any) -> np.dtype:
     """Return ``dtype`` as a numpy dtype, or raise naming the argument."""
-    dt = np.dtype(dtype)
+    if dtype is None:  # np.dtype(None) is float64: a missing dtype must not pass as one
+        raise ValueError(f"{name} must have dtype {INPUT_DTYPE_NAMES}, got None")
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"{name} must have dtype {INPUT_DTYPE_NAMES}, got {dtype!r}") from None
     if dt not in _NAMES:
         raise ValueError(f"{name} must have dtype {INPUT_DTYPE_NAMES}, got {dt}")
     return dt

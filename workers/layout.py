@@ -221,6 +221,21 @@ class StreamingView:
     v: Any  # [h_kv, n_k, d_v]
     k_pos: Any  # [n_k]
 
+    def __post_init__(self) -> None:
+        # The kernels index v and k_pos by kt's extents (the fused one without bounds checks): a view
+        # built by hand whose parts disagree would read past them.
+        for name in ("kt", "v", "k_pos"):
+            if not hasattr(getattr(self, name), "shape"):
+                raise ValueError(f"StreamingView.{name} must be an array, got {type(getattr(self, name)).__name__}")
+        if self.kt.ndim != 3 or self.v.ndim != 3 or self.k_pos.ndim != 1:
+            raise ValueError(f"StreamingView must hold kt [h_kv, d, n_k], v [h_kv, n_k, d_v] and k_pos [n_k], got "
+                             f"shapes {tuple(self.kt.shape)}, {tuple(self.v.shape)} and {tuple(self.k_pos.shape)}")
+        h_kv, _, n_k = self.kt.shape
+        if tuple(self.v.shape[:2]) != (h_kv, n_k) or self.k_pos.shape[0] != n_k:
+            raise ValueError(f"StreamingView.v must be [h_kv, n_k, d_v] and k_pos [n_k] with [h_kv, n_k] = "
+                             f"{[int(h_kv), int(n_k)]} from kt, got shapes {tuple(self.v.shape)} and "
+                             f"{tuple(self.k_pos.shape)}")
+
     @property
     def n_k(self) -> int:
         return int(self.k_pos.shape[0])

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from merge import array_module
-from workers.dtypes import accumulation_dtype, check_input_dtype
+from workers.dtypes import BFLOAT16, accumulation_dtype, check_input_dtype
 from workers.options import MAX_POSITION, AttentionOptions
 
 # -- positions -------------------------------------------------------------------------------
@@ -97,6 +97,8 @@ def check_positions(name: str, pos: Any, n: int, xp: Any = np) -> Any:
         return pos
     if not hasattr(pos, "shape"):
         pos = np.asarray(pos)
+        if pos.size == 0:  # [] reads as float64: no positions of an empty axis are integers too
+            pos = pos.astype(np.int64)
     if array_module(pos) is not xp:
         pos = xp.asarray(pos)
     if pos.ndim != 1 or pos.shape[0] != n:
@@ -208,7 +210,7 @@ def check_alibi(slopes: Any, h_q: int) -> None:
         slopes = np.asarray(slopes)
     if slopes.ndim != 1 or slopes.shape[0] != h_q:
         raise ValueError(f"alibi_slopes must have shape [{h_q}], got {tuple(slopes.shape)}")
-    if np.dtype(slopes.dtype).kind not in "fiu":
+    if np.dtype(slopes.dtype).kind not in "fiu" and np.dtype(slopes.dtype) != BFLOAT16:
         raise ValueError(f"alibi_slopes must be a float array, got dtype {slopes.dtype}")
     host = slopes.get() if hasattr(slopes, "get") else slopes
     if not bool(np.all(np.isfinite(np.asarray(host, dtype=np.float64)))):
