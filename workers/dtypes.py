@@ -28,16 +28,28 @@ INPUT_DTYPE_NAMES = "float16, bfloat16, float32 or float64"
 _NAMES = {dt: name for name, dt in DTYPES.items()}
 
 
+def _input_dtype(dtype: Any) -> np.dtype | None:
+    """``dtype`` as one of the input dtypes, or None. ``None`` is no dtype (``np.dtype(None)`` is float64)."""
+    try:
+        dt = None if dtype is None else np.dtype(dtype)
+    except TypeError:
+        return None
+    return dt if dt in _NAMES else None
+
+
+def _shown(dtype: Any) -> str:
+    """A refused dtype as messages quote it: its numpy name where it has one, else its repr."""
+    try:
+        return str(np.dtype(dtype)) if dtype is not None else "None"
+    except TypeError:
+        return repr(dtype)
+
+
 def dtype_name(dtype: Any) -> str:
     """The public name of an input dtype (``"bfloat16"``), or raise naming it."""
-    if dtype is None:  # np.dtype(None) is float64: a missing dtype must not pass as one
-        raise ValueError(f"dtype must be {INPUT_DTYPE_NAMES}, got None")
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"dtype must be {INPUT_DTYPE_NAMES}, got {dtype!r}") from None
-    if dt not in _NAMES:
-        raise ValueError(f"dtype must be {INPUT_DTYPE_NAMES}, got {dt}")
+    dt = _input_dtype(dtype)
+    if dt is None:
+        raise ValueError(f"dtype must be {INPUT_DTYPE_NAMES}, got {_shown(dtype)}")
     return _NAMES[dt]
 
 
@@ -50,14 +62,9 @@ def dtype_of(name: str) -> np.dtype:
 
 def check_input_dtype(name: str, dtype: Any) -> np.dtype:
     """Return ``dtype`` as a numpy dtype, or raise naming the argument."""
-    if dtype is None:  # np.dtype(None) is float64: a missing dtype must not pass as one
-        raise ValueError(f"{name} must have dtype {INPUT_DTYPE_NAMES}, got None")
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise ValueError(f"{name} must have dtype {INPUT_DTYPE_NAMES}, got {dtype!r}") from None
-    if dt not in _NAMES:
-        raise ValueError(f"{name} must have dtype {INPUT_DTYPE_NAMES}, got {dt}")
+    dt = _input_dtype(dtype)
+    if dt is None:
+        raise ValueError(f"{name} must have dtype {INPUT_DTYPE_NAMES}, got {_shown(dtype)}")
     return dt
 
 
