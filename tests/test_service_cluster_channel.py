@@ -265,3 +265,31 @@ def test_work_sent_with_no_time_left_is_not_computed_and_the_request_gets_deadli
         assert info["channel_calls"] == (4 if channel else 0)
 
     pool_call(ray_cluster, rng, channel, act)
+
+
+@pytest.mark.parametrize("channel", [True, False], ids=["channel", "ray"])
+def test_a_query_the_worker_fails_is_a_500_naming_the_worker_not_a_lost_context(ray_cluster, rng, channel):
+    """A worker that answers with an exception of its own (here: queries of the wrong head size, which
+    the front end's checks never let through) is alive and holds its shards: the request fails with
+    Internal (500) naming the worker and the exception, over the channel and Ray alike, for one read,
+    several reads and an inline shard; not ContextLost (503, "retry"), and the worker still serves."""
+    from service.cluster.orchestrator import Job, Orchestrator
+    from service.cluster.pool import InlineWork, ResidentWork
+    from service.errors import ERRORS, Internal
+    from service.metrics import Timings
+
+    async def act(pool, q, query, work, want) -> None:
+        k, v = keys(rng)
+        bad = np.zeros((q.shape[0], H_Q, D + 3), np.float32)  # [n_q, h_q, d + 3]: not the shard's d
+        orch = Orchestrator(pool, fanin=2, remote_merge_bytes=2**30)
+        two = ResidentWork(work.reads * 2, work.fanin)
+        for job in (Job(work, (0,), "shard 0 of ctx"), Job(two, (0,), "shards 0 and 0 of ctx"),
+                    Job(InlineWork(k, v, np.arange(N_K)), None, "inline shard 0")):
+            with pytest.raises(Internal, match="worker splitkey-worker-0 raised ValueError; the server log") as err:
+                await orch.run(bad, query, [job], Timings(), 1024)
+            assert ERRORS[type(err.value)].status == 500
+        assert pool.slots[0].alive and pool.slots[0].outstanding == 0
+        _, st = await pool.compute(0, q, query, work, keep_state=False, state_nbytes=1024)
+        assert same(st, want)
+
+    pool_call(ray_cluster, rng, channel, act)

@@ -12,7 +12,8 @@ Failure rules: a job whose worker dies is retried on another candidate; a job
 with no candidate left fails the request (``ContextLost`` for a resident shard,
 ``WorkersUnavailable`` for an inline one); a job the worker did not start because the
 request's deadline had passed (``Expired``) fails it with ``DeadlineExceeded`` (504), never
-retried; the merge never runs with a state missing.
+retried; a job its worker answered with an exception of its own fails it with ``Internal`` (500,
+``service.cluster.pool.failed``), never retried; the merge never runs with a state missing.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ directory has forgotten what the dead one held, and rebuilds its replicas elsewh
 
 This is the only module that calls ``workers.actor.ShardWorker``'s methods: the
 typed methods below are its remote API. A worker that dies mid-call is marked
-dead and the call raises :class:`service.errors.WorkersUnavailable`.
+dead and the call raises :class:`service.errors.WorkersUnavailable`. A worker that *answers* a
+query with an exception other than a domain one (:data:`DOMAIN_ERRORS`) is alive and holds its
+shards: that is a fault of the service, :class:`service.errors.Internal` (500) with the worker and
+the exception's kind, the same over the direct channel and over Ray, and not retried elsewhere.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from merge import State
 from service import deadline
 from service.cluster.channel import MAX_CALL_BYTES, ChannelClosed, WorkerChannel
-from service.errors import WorkersUnavailable
+from service import request_id
+from service.errors import Internal, WorkersUnavailable
 from service.settings import ServiceSettings
 from workers.actor import ShardWorker
 from workers.config import WorkerConfig, settings_of
@@ -198,6 +202,15 @@ def check_fits(settings: ServiceSettings, device: str, names: Sequence[str]) -> 
 async def _await(ref: Any) -> Any:
     """An ObjectRef as a coroutine (for ``asyncio.wait_for``)."""
     return await ref
+
+
+def failed(worker: str, kind: str, message: str) -> Internal:
+    """The 500 for a query that worker ``worker`` answered with a ``kind`` exception that is not a
+    domain error: logged with its message, the client told the worker, the kind and the request id."""
+    rid = request_id.current()
+    log.warning("request %s: worker %s failed a query: %s: %s", rid, worker, kind, message)
+    return Internal(f"the service failed on this request: worker {worker} raised {kind}; "
+                    f"the server log has the details under request id {rid}")
 
 
 def _domain(exc: RemoteError) -> Exception:
@@ -463,9 +476,20 @@ class WorkerPool:
             refs = self._submit(index, lambda h: method(h).remote(q, query, work.reads, work.fanin))
         if keep_state:
             status_ref, state_ref = refs
-            return await self._result(index, status_ref), state_ref
-        result: tuple[ComputeStatus, State] = await self._result(index, refs)
+            return await self._answer(index, status_ref), state_ref
+        result: tuple[ComputeStatus, State] = await self._answer(index, refs)
         return result
+
+    async def _answer(self, index: int, ref: Any) -> Any:
+        """A query's reply through Ray, its worker's exception raised as over the channel: a domain error
+        by its own class (Ray's error is an instance of it), any other as :func:`failed`."""
+        try:
+            return await self._result(index, ref)
+        except RayTaskError as exc:
+            if isinstance(exc, tuple(DOMAIN_ERRORS.values())):
+                raise
+            cause = exc.cause if exc.cause is not None else exc
+            raise failed(self.slots[index].name, type(cause).__name__, str(cause)) from exc
 
     async def _compute_reads(self, index: int, q: Any, query: ShardQuery,
                              reads: tuple[ShardRead, ...]) -> tuple[ComputeStatus, list[State]]:
@@ -473,10 +497,10 @@ class WorkerPool:
         batch route's call with one item). Raises what the item raised, as :meth:`compute` does."""
         (answer,) = await self.compute_many(index, [ResidentQuery(q, query, reads)])
         if isinstance(answer, RemoteError):  # not a domain error: the worker failed the query
-            name = self.slots[index].name
-            log.warning("worker %s failed a query: %s: %s", name, answer.kind, answer.message)
-            raise WorkersUnavailable(f"the cluster must answer, got {answer.kind} from worker {name}")
+            raise failed(self.slots[index].name, answer.kind, answer.message)
         if isinstance(answer, BaseException):
+            if not isinstance(answer, tuple(DOMAIN_ERRORS.values())):  # through Ray: the worker's own exception
+                raise failed(self.slots[index].name, type(answer).__name__, str(answer))
             raise answer
         status, states = answer
         return status, list(states)
@@ -542,9 +566,7 @@ class WorkerPool:
         except RemoteError as exc:
             err = _domain(exc)
             if err is exc:
-                name = self.slots[index].name
-                log.warning("worker %s failed a query: %s: %s", name, exc.kind, exc.message)
-                raise WorkersUnavailable(f"the cluster must answer, got {exc.kind} from worker {name}") from None
+                raise failed(self.slots[index].name, exc.kind, exc.message) from None
             raise err from None
 
     def merge_states(self, index: int, *states: Any) -> tuple[Any, Callable[[], None]]:
