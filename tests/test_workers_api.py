@@ -189,6 +189,8 @@ def test_gqa_maps_query_head_i_to_kv_head_i_div_g(rng):
         (lambda q, k, v: partial_attention(q, k, v, q_pos=np.arange(3)), r"q_pos must have shape \[2\], got \(3,\)"),
         (lambda q, k, v: partial_attention(q, k, v, k_pos=np.arange(9)), r"k_pos must have shape \[10\], got \(9,\)"),
         (lambda q, k, v: partial_attention(q, k, v, k_pos=np.zeros(10)), "k_pos must be an integer array, got dtype float64"),
+        (lambda q, k, v: partial_attention(q, k, v, k_pos=[[0, 1], [2]]), r"k_pos must have shape \[10\], got a ragged sequence"),
+        (lambda q, k, v: partial_attention(q, k, v, q_pos=[8, [9]]), r"q_pos must have shape \[2\], got a ragged sequence"),
         (lambda q, k, v: partial_attention(q, k, v, scale=-1.0), "scale must be a finite number > 0, got -1.0"),
         (lambda q, k, v: partial_attention(q, k, v, scale=float("nan")), "scale must be a finite number, got nan"),
         (lambda q, k, v: partial_attention(q, k, v, scale=10**400), "scale must be a finite number, got 1000"),
@@ -199,6 +201,8 @@ def test_gqa_maps_query_head_i_to_kv_head_i_div_g(rng):
         (lambda q, k, v: partial_attention(q, k, v, softcap=1e39),  # float32 tanh * inf: NaN answers before
          r"softcap must be at most 3.403e\+38 \(float32's range\), got 1e\+39"),
         (lambda q, k, v: partial_attention(q, k, v, alibi_slopes=np.ones(3)), r"alibi_slopes must have shape \[4\], got \(3,\)"),
+        (lambda q, k, v: partial_attention(q, k, v, alibi_slopes=[[0.5, 0.25], [1.0]]),
+         r"alibi_slopes must have shape \[4\], got a ragged sequence"),
         (lambda q, k, v: partial_attention(q, k, v, alibi_slopes=np.array([1.0, 1e39, 1.0, 1.0])),
          r"alibi_slopes must lie within \+-3.403e\+38 \(float32's range\), got a slope of magnitude 1e\+39"),
         (lambda q, k, v: partial_attention(q, k, v, block_size=0), "block_size must be null or an int >= 1, got 0"),

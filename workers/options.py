@@ -23,8 +23,9 @@ import numpy as np
 MAX_POSITION = 2**61
 #: The largest window bound (see MAX_POSITION).
 MAX_WINDOW = 2**62
-#: The largest softcap: the scores are multiplied by it in float32 at least (docs/API.md section 2).
-MAX_SOFTCAP = float(np.finfo(np.float32).max)
+#: The largest softcap and the largest ALiBi slope magnitude (workers.problem): float32's largest
+#: finite value, as the scores are multiplied by both in float32 at least (docs/API.md section 2).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 #: Default scratch budget of the CPU kernel: the score tile and its temporaries.
 DEFAULT_SCRATCH_BYTES = 8 * 2**20
@@ -98,8 +99,8 @@ class AttentionOptions:
             c = _check_real("softcap", self.softcap)
             if c < 0:
                 raise ValueError(f"softcap must be a finite number >= 0, got {short_repr(self.softcap)}")
-            if c > MAX_SOFTCAP:  # the scores' tanh is multiplied by it in float32: past the range, inf * tanh
-                raise ValueError(f"softcap must be at most {MAX_SOFTCAP:.4g} (float32's range), got "
+            if c > FLOAT32_MAX:  # the scores' tanh is multiplied by it in float32: past the range, inf * tanh
+                raise ValueError(f"softcap must be at most {FLOAT32_MAX:.4g} (float32's range), got "
                                  f"{short_repr(self.softcap)}")
             object.__setattr__(self, "softcap", c if c > 0 else None)
 

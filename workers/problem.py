@@ -21,7 +21,7 @@ import numpy as np
 
 from merge import array_module
 from workers.dtypes import BFLOAT16, accumulation_dtype, check_input_dtype
-from workers.options import MAX_POSITION, AttentionOptions
+from workers.options import FLOAT32_MAX, MAX_POSITION, AttentionOptions
 
 # -- positions -------------------------------------------------------------------------------
 
@@ -87,6 +87,15 @@ def end_of(k_pos: Any, start: int | None = None) -> int:
     return end if start is None else max(end, start)
 
 
+def host_array(name: str, value: Any, shape: str) -> Any:
+    """A sequence the caller gave for ``name`` as a NumPy array; one NumPy cannot make a single array of
+    (ragged rows) is refused naming ``name`` and the ``shape`` it must have."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"{name} must have shape {shape}, got a ragged sequence") from None
+
+
 def check_positions(name: str, pos: Any, n: int, xp: Any = np) -> Any:
     """Return ``pos`` as an int64 ``[n]`` array of ``xp`` (an :class:`Arange` stays one), or raise naming it."""
     if isinstance(pos, Arange):
@@ -96,7 +105,7 @@ def check_positions(name: str, pos: Any, n: int, xp: Any = np) -> Any:
             raise ValueError(f"{name} must lie within +-2**61, got values in [{pos.min()}, {pos.max()}]")
         return pos
     if not hasattr(pos, "shape"):
-        pos = np.asarray(pos)
+        pos = host_array(name, pos, f"[{n}]")
         if pos.size == 0:  # [] reads as float64: no positions of an empty axis are integers too
             pos = pos.astype(np.int64)
     if array_module(pos) is not xp:
@@ -197,17 +206,13 @@ def check_heads(h_q: int, d: int, kv: KVDims, keys: str = "k") -> None:
                          + ("" if keys == "k" else f" of {keys}"))
 
 
-#: The largest ALiBi slope magnitude: float32's largest finite value.
-MAX_SLOPE = float(np.finfo(np.float32).max)
-
-
 def check_alibi(slopes: Any, h_q: int) -> None:
     """ALiBi slopes are ``[h_q]`` finite reals within float32's range (the scores' dtype at least: a
     slope that overflowed it would make even the query's own position ``inf * 0``)."""
     if slopes is None:
         return
     if not hasattr(slopes, "shape"):
-        slopes = np.asarray(slopes)
+        slopes = host_array("alibi_slopes", slopes, f"[{h_q}]")
     if slopes.ndim != 1 or slopes.shape[0] != h_q:
         raise ValueError(f"alibi_slopes must have shape [{h_q}], got {tuple(slopes.shape)}")
     if np.dtype(slopes.dtype).kind not in "fiu" and np.dtype(slopes.dtype) != BFLOAT16:
@@ -216,8 +221,8 @@ def check_alibi(slopes: Any, h_q: int) -> None:
     if not bool(np.all(np.isfinite(np.asarray(host, dtype=np.float64)))):
         raise ValueError("alibi_slopes must be finite, got NaN or infinity")
     biggest = float(np.max(np.abs(np.asarray(host, dtype=np.float64)), initial=0.0))
-    if biggest > MAX_SLOPE:
-        raise ValueError(f"alibi_slopes must lie within +-{MAX_SLOPE:.4g} (float32's range), got a slope of "
+    if biggest > FLOAT32_MAX:
+        raise ValueError(f"alibi_slopes must lie within +-{FLOAT32_MAX:.4g} (float32's range), got a slope of "
                          f"magnitude {biggest:.4g}")
 
 
