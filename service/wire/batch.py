@@ -34,7 +34,6 @@ from service.wire.request import AttentionRequest, Decoded, attention_request
 from service.wire.rules import (
     ATTENTION,
     DEFAULT_LIMITS,
-    TENSOR_RULES,
     Limits,
     check_options,
     check_present,
@@ -42,7 +41,6 @@ from service.wire.rules import (
     sorted_names,
 )
 from service.wire.safetensors import (
-    KIND_DTYPES,
     TensorInfo,
     encode_safetensors,
     header_span,
@@ -172,12 +170,6 @@ def decode_binary_batch(body: bytes | bytearray | memoryview, limits: Limits = D
             if i in refused:
                 cls, detail = refused[i]
                 raise cls(detail)
-            for name, (full, info) in infos[i].items():  # the rank and kind a single body's header is held to
-                rule = TENSOR_RULES[name]
-                if len(info.shape) != rule.rank:
-                    raise InvalidTensor(f"{full} must be {rule.layout} ({rule.rank} dims), got shape {list(info.shape)}")
-                if (rule.kind == "int") != info.wire.integer:
-                    raise InvalidTensor(f"{full} dtype must be {KIND_DTYPES[rule.kind]}, got {info.wire.safetensors}")
             mine = {name: from_bytes(mv, info.wire, info.shape, header.data_start + info.begin)
                     for name, (_, info) in infos[i].items()}
             options = check_options(raw[i], ATTENTION, limits, alibi_slopes=mine.get("alibi_slopes"))

@@ -121,7 +121,7 @@ def _entry(name: str, entry: Any, allowed: Iterable[str], limits: Limits) -> Ten
     if name not in allowed:
         raise InvalidTensor(f"tensor names must be among {sorted_names(allowed)}, got {show(name)}")
     dtype, shape, offsets = _frame(name, entry)
-    rule = TENSOR_RULES.get(name)
+    rule = TENSOR_RULES.get(name.rpartition(".")[2])  # a batch's "ITEM.NAME" is held to NAME's rule
     if type(dtype) is not str or dtype not in SAFETENSORS:  # the tensor's own choices where it has a rule
         wanted = f"one of {sorted_names(SAFETENSORS)}" if rule is None else KIND_DTYPES[rule.kind]
         raise InvalidTensor(f"{name} dtype must be {wanted}, got {show(dtype)}")
