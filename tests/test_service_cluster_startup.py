@@ -1,8 +1,8 @@
-"""service.cluster.pool: the checks a start makes before it spawns workers."""
+"""service.cluster.startup: the checks a start makes before it spawns workers."""
 
 import pytest
 
-from service.cluster.pool import WORKER_PREFIX, check_stores
+from service.cluster.startup import WORKER_PREFIX, check_stores
 
 
 def store(root, index: int, *, empty: bool = False) -> None:
