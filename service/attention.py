@@ -18,7 +18,8 @@ import numpy as np
 from merge import empty, finalize
 from service.cluster.orchestrator import Job, Orchestrator, inline_shard_count, shard_bounds
 from service.cluster.pool import InlineWork, WorkerPool
-from service.contexts.service import ContextService, Resolved
+from service.contexts.resolved import Resolved
+from service.contexts.service import ContextService
 from service.errors import BodyTooLarge, ContextLost, InvalidTensor, WorkersUnavailable
 from service.metrics import Timings
 from service.settings import ServiceSettings

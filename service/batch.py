@@ -47,7 +47,8 @@ from service.attention import (
 from service.cluster.orchestrator import LOCAL_MERGE_INLINE_BYTES, late
 from service.cluster.pool import WorkerPool
 from service.contexts.records import ContextRecord
-from service.contexts.service import ContextService, Resolved
+from service.contexts.resolved import Resolved
+from service.contexts.service import ContextService
 from service.errors import BodyTooLarge, ContextNotFound, Internal, InvalidTensor, ServiceError, WorkersUnavailable
 from service.metrics import Timings
 from service.settings import ServiceSettings

@@ -22,7 +22,8 @@ from service.cluster.pool import WorkerPool
 from service.contexts.directory import Directory
 from service.contexts.orphans import Orphans
 from service.contexts.records import ContextRecord, ShardEntry
-from service.contexts.service import ContextService, reserve_of
+from service.contexts.service import ContextService
+from service.contexts.sharding import reserve_of
 from service.errors import ContextNotFound, WorkersUnavailable, internals
 from workers.store import CapacityError, ShardMissing
 from workers.tasks import ShardWrite
@@ -143,7 +144,7 @@ class Repairer:
         entry["workers"] = self.pool.names(holders)  # dead names out
         ctx_id, index, n = record["id"], entry["index"], entry["length"]
         k, v, k_pos = await self.pool.export_shard(holders[0], ctx_id, index, n)
-        # Sized as the context's own shards are (service.contexts.service.reserve_of): a planned
+        # Sized as the context's own shards are (service.contexts.sharding.reserve_of): a planned
         # context's whole capacity, else its keys (the copy grows with appends, as they do).
         write = ShardWrite(ctx_id, index, record["dtype"], record["shard_capacity"], k_pos,
                            reserve=max(n, reserve_of(record)))

@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from service.cluster.orchestrator import Job, shard_bounds
-from service.cluster.pool import ResidentWork, WorkerPool, last_line
+from service.cluster.pool import WorkerPool, last_line
 from service.contexts.cache import RecordCache
 from service.contexts.directory import Directory
 from service.contexts.placement import WorkerLoad, place
@@ -39,6 +38,8 @@ from service.contexts.records import (
     note_upload,
     upload_entry,
 )
+from service.contexts.resolved import Resolved
+from service.contexts.sharding import open_shards, plan_shards, reserve_of
 from service.errors import (
     ContextLost,
     ContextNotFound,
@@ -50,110 +51,16 @@ from service.errors import (
 )
 from service.metrics import Timings
 from service.settings import ServiceSettings
-from service.wire.request import AttentionRequest, ContextWrite, InlineKV
+from service.wire.request import ContextWrite, InlineKV
 from workers.dtypes import dtype_name, dtype_of
-from workers.problem import Arange, KVDims, check_heads, check_positions
+from workers.problem import Arange, KVDims, check_positions
 from workers.store import CapacityError, ShardMissing
-from workers.tasks import ShardRead, ShardWrite
+from workers.tasks import ShardWrite
 
 log = logging.getLogger(__name__)
 
 LEASE_TTL_S = 60.0
 LEASE_POLL_S = 0.01
-
-
-@dataclass(frozen=True)
-class Resolved:
-    """The contexts one query names, as committed when it started, in the order named.
-
-    Keys of a request are the keys of each named context (in the order named), then
-    the inline keys (docs/API.md section 6); a query reads each shard's committed
-    prefix on one of its replicas.
-    """
-
-    records: tuple[ContextRecord, ...]
-    dims: KVDims  #: the contexts' shared [h_kv, d, d_v], and their keys in all
-    next_pos: int  #: where keys after these contexts start by default: past every context's positions
-    dtypes: tuple[np.dtype, ...]  #: the stored dtypes (they set the accumulation dtype)
-    cached: bool = False  #: read from the front end's cache, not the directory (service.contexts.cache)
-
-    def check(self, req: AttentionRequest) -> None:
-        """The query's heads read these contexts, and inline keys have their shape."""
-        dims = self.dims
-        try:
-            check_heads(req.h_q, req.d, dims, keys="the contexts")
-        except ValueError as exc:
-            raise InvalidTensor(str(exc)) from None
-        if req.kv is not None:
-            inline = req.kv.dims
-            if (inline.h_kv, inline.d, inline.d_v) != (dims.h_kv, dims.d, dims.d_v):
-                raise InvalidTensor(f"k, v must have [h_kv, d, d_v] = {[dims.h_kv, dims.d, dims.d_v]} as the "
-                                    f"contexts, got {[inline.h_kv, inline.d, inline.d_v]}")
-
-    def version(self, rec: ContextRecord) -> int:
-        """The version a read of ``rec``'s shards names for the workers to check: a cached record's, or
-        0 for one just read from the directory (committed when the query began: whatever commits while
-        it runs, the answer is of a whole committed state, and no check could refuse it rightly)."""
-        return int(rec["version"]) if self.cached else 0
-
-    def reads(self) -> list[tuple[ShardRead, tuple[str, ...]]]:
-        """Each non-empty shard in key order, as read from its record, with its replicas' names."""
-        return [(ShardRead(rec["id"], shard["index"], shard["length"], self.version(rec)), tuple(shard["workers"]))
-                for rec in self.records for shard in rec["shards"] if shard["length"]]
-
-    def jobs(self, pool: WorkerPool, fanin: int) -> list[Job]:
-        """One job per non-empty shard, in key order; only the shard's replicas may run it."""
-        return [Job(work=ResidentWork((ShardRead(rec["id"], shard["index"], shard["length"], self.version(rec)),),
-                                      fanin),
-                    candidates=tuple(pool.indexes(shard["workers"])),
-                    label=f"shard {shard['index']} of context {rec['id']}")
-                for rec in self.records for shard in rec["shards"] if shard["length"]]
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """How a new context is cut: its shards, their capacity, and where the first body's keys go."""
-
-    capacity: int  #: keys each shard holds before a new one opens
-    bounds: list[tuple[int, int]]  #: the first body's keys ``[lo, hi)`` in each shard, in order
-    reserve: int  #: keys each shard is allocated for at once (0: only those written; it grows)
-
-    @property
-    def sizes(self) -> list[int]:
-        """What placement balances: each shard's keys when it grows, else its whole allocation."""
-        return [self.reserve or hi - lo for lo, hi in self.bounds]
-
-
-def plan_shards(write: ContextWrite, live: int, shard_keys: int) -> ShardPlan:
-    """The shards of a new context (docs/API.md section 6.3).
-
-    Without ``expected_length`` the body is cut into balanced shards that grow as keys
-    are appended. With it, the shard count and capacity are computed for the total, the
-    body fills the shards in order, and every shard is allocated for its capacity now:
-    the appends that follow fill them and open new ones at that same capacity, a
-    context that cannot fit fails here, and no shard is ever copied into a larger array.
-    """
-    n = write.kv.dims.n_k
-    total = n if write.expected_length is None else write.expected_length
-    n_shards = write.shards if write.shards is not None else max(1, min(live, -(-total // shard_keys)))
-    if n_shards > max(total, 1):
-        raise InvalidOption(f"shards must be in [1, {max(total, 1)}] (one key at least each), got {n_shards}")
-    capacity = max(-(-total // n_shards), shard_keys)
-    if write.expected_length is None:
-        return ShardPlan(capacity, shard_bounds(n, n_shards), reserve=0)
-    bounds = [(min(i * capacity, n), min((i + 1) * capacity, n)) for i in range(n_shards)]
-    return ShardPlan(capacity, bounds, reserve=capacity)
-
-
-def reserve_of(record: ContextRecord) -> int:
-    """Keys a new shard of the context is allocated for at once (0: it grows as keys come)."""
-    return record["shard_capacity"] if record.get("expected_length") is not None else 0
-
-
-def open_shards(shards: list[ShardEntry]) -> list[ShardEntry]:
-    """The shards an append fills, in order: the last one holding keys, then the empty ones planned after it."""
-    holding = [i for i, s in enumerate(shards) if s["length"]]
-    return shards[holding[-1] if holding else 0:]
 
 
 def worker_message(exc: BaseException) -> str:
