@@ -24,3 +24,12 @@ def benchmark_module(filename: str) -> Iterator[ModuleType]:
         yield module
     finally:
         del sys.modules[name]
+
+
+def benchmark_package_module(name: str) -> ModuleType:
+    """``benchmarks.<name>``, a module the scripts import (not a script): imported as they import it,
+    with the repository root on ``sys.path`` as the scripts put it there."""
+    root = str(BENCH.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"benchmarks.{name}")
