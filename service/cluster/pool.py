@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from merge import State
 from service import deadline, request_id
@@ -409,13 +409,15 @@ class WorkerPool:
 
     async def _answer(self, index: int, ref: Any) -> Any:
         """A query's reply through Ray, its worker's exception raised as over the channel: a domain error
-        by its own class (Ray's error is an instance of it), any other as :func:`failed`."""
+        by its own class (Ray's error is an instance of it), any other of the worker's own as :func:`failed`.
+        Ray's errors stay Ray's (the cluster's fault, 503 at the route: ``service.app``), also where the
+        worker's method raised one (an object it needed was lost)."""
         try:
             return await self._result(index, ref)
         except RayTaskError as exc:
-            if isinstance(exc, tuple(DOMAIN_ERRORS.values())):
+            cause = exc.cause
+            if isinstance(exc, tuple(DOMAIN_ERRORS.values())) or cause is None or isinstance(cause, RayError):
                 raise
-            cause = exc.cause if exc.cause is not None else exc
             raise failed(self.slots[index].name, type(cause).__name__, str(cause)) from exc
 
     async def _compute_reads(self, index: int, q: Any, query: ShardQuery,
