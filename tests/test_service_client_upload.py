@@ -106,6 +106,8 @@ def test_an_upload_error_says_what_is_stored():
     lost = Upload(total=5).stopped(ConnectionResetError("reset by peer"))
     assert (lost.context_id, lost.committed, lost.status, lost.code) == (None, 0, 0, "")
     assert "no context was created" in str(lost) and "ConnectionResetError: reset by peer" in lost.detail
+    assert str(lost) == ("upload stopped with 0 of 5 keys committed (no context was created): the connection "
+                         "failed: ConnectionResetError: reset by peer")  # no "0 :" of an answer that never came
 
 
 # -- against the shared server (64 MiB bodies, context_shard_keys 256, two workers) -------------

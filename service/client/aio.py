@@ -106,7 +106,7 @@ class AsyncClient:
         """``(out [n_q, h_q, d_v], lse [n_q, h_q])`` of ``q`` over inline ``k, v`` and/or ``contexts``."""
         tensors = {"q": q, "k": k, "v": v, "q_pos": q_pos, "k_pos": k_pos, "alibi_slopes": alibi_slopes}
         query = _query({"scale": scale, "causal": causal, "window": window, "softcap": softcap,
-                        "contexts": list(contexts) if contexts else None})
+                        "contexts": contexts})
         body = encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None})
         data = await self._query("/v1/attention", query, body, deadline)
         res = decode_safetensors(data, {"out", "lse"})

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from service.client.errors import SplitkeyError
+from service.client.options import context_ids, window_bounds
 from service.wire.safetensors import encode_safetensors, peek_safetensors_header, tensors_of
 from service.wire.rules import DEFAULT_LIMITS
 
@@ -46,9 +47,9 @@ def encode_batch(items: Sequence[Mapping[str, Any]]) -> list[bytes | memoryview]
             if value is None:
                 continue
             if name == "contexts":
-                value = list(value)
+                value = context_ids(value, f"items[{i}] contexts")
             elif name == "window":
-                value = [None if b is None else int(b) for b in value]
+                value = list(window_bounds(value, f"items[{i}] window"))
             elif name == "causal":
                 if not isinstance(value, (bool, np.bool_)):  # "false" is truthy: never guess
                     raise ValueError(f"items[{i}] causal must be a bool, got {value!r}")

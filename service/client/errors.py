@@ -44,7 +44,8 @@ class UploadError(SplitkeyError):
                      else f"none was appended to context {context_id}")
         else:
             where = f"keys [0, {committed}) are stored in context {context_id}" if context_id else "no context was created"
-        self.args = (f"upload stopped with {committed} of {total} keys committed ({where}): {status} {code}: {detail}",)
+        answer = f"{status} {code}: {detail}" if status else detail  # status 0: no answer came
+        self.args = (f"upload stopped with {committed} of {total} keys committed ({where}): {answer}",)
 
 
 def retry_after_seconds(value: str | None, now: float | None = None) -> float | None:

@@ -29,6 +29,7 @@ import numpy as np
 from service.client.batch import BatchAnswer, decode_batch, encode_batch
 from service.client.errors import SplitkeyError, UploadError, from_answer
 from service.client.http1 import Connection
+from service.client.options import context_ids, window_bounds
 from service.client.pipeline import Chunk, SendChunk, send_pipelined
 from service.client.retry import (
     answered_past,
@@ -67,10 +68,13 @@ def _query(options: Mapping[str, Any]) -> str:
                 raise ValueError(f"{name} must be a bool, got {value!r}")
             value = "true" if value else "false"
         elif name == "window":
-            left, right = value
-            value = f"{'' if left is None else int(left)},{'' if right is None else int(right)}"
+            left, right = window_bounds(value)
+            value = f"{'' if left is None else left},{'' if right is None else right}"
         elif name == "contexts":
-            value = ",".join(value)
+            ids = context_ids(value)
+            if not ids:  # none named: the parameter is left out, as for None
+                continue
+            value = ",".join(ids)
         params.append((name, str(value)))
     return urllib.parse.urlencode(params, safe=",")
 
@@ -112,7 +116,7 @@ class Client:
         """
         tensors = {"q": q, "k": k, "v": v, "q_pos": q_pos, "k_pos": k_pos, "alibi_slopes": alibi_slopes}
         query = _query({"scale": scale, "causal": causal, "window": window, "softcap": softcap,
-                        "contexts": list(contexts) if contexts else None})
+                        "contexts": contexts})
         body = encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None})
         res = decode_safetensors(self._query("/v1/attention", query, body, deadline), {"out", "lse"})
         return np.array(res["out"]), np.array(res["lse"])
