@@ -162,3 +162,10 @@ def test_the_clients_refuse_a_causal_that_is_not_a_bool():
     with pytest.raises(ValueError, match="causal must be a bool, got 0"):
         _query({"causal": 0})
     assert _query({"causal": np.bool_(False)}) == "causal=false"
+
+
+def test_items_written_as_a_json_array_not_a_string_are_refused_saying_metadata_values_are_strings():
+    body = raw_safetensors({"0.q": ("F32", [2, 4, 8], 256)}, {"items": [{"contexts": ["a"]}]})
+    with service_error("invalid_body") as err:
+        decode_binary_batch(body)
+    assert '"items": a string of JSON text' in err.value.detail and "metadata values are strings" in err.value.detail

@@ -92,6 +92,8 @@ def test_check_options_normalises_and_drops_nulls_and_a_zero_softcap():
     ({"window": [1]}, ["window must be [left, right]"]),
     ({"window": "128,"}, ["window must be [left, right]"]),
     ({"window": [-1, 0]}, ["window must be [left, right], each null or an int in [0, 2**62]", "got [-1, 0]"]),
+    ({"window": [-1, None]}, ["got [-1, null]"]),  # the client's JSON, not Python's None
+    ({"window": [None, 2**62 + 1]}, ["got [null, 4611686018427387905]"]),
     ({"window": [0, 2**63]}, ["window must be [left, right]"]),
     ({"window": [0, 10**4000]}, ["window must be [left, right]", "..."]),
     ({"contexts": "abc"}, ["contexts must be a list of 1 to 64 ids", 'got "abc"']),

@@ -128,8 +128,8 @@ def _item_names(mv: memoryview, limits: Limits) -> tuple[dict[str, tuple[int, st
     meta = obj.get("__metadata__")
     text = meta.get("items") if type(meta) is dict else None
     if type(text) is not str:
-        raise InvalidBody('__metadata__ must hold "items": a JSON array of one options object per item, '
-                          f"got {show(meta)}")
+        raise InvalidBody('__metadata__ must hold "items": a string of JSON text, an array of one options '
+                          f"object per item (safetensors metadata values are strings), got {show(meta)}")
     names: dict[str, tuple[int, str]] = {}
     for full in obj:
         if full == "__metadata__":

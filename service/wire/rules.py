@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from service.errors import BodyTooLarge, InvalidOption, InvalidTensor
-from workers.options import AttentionOptions
+from workers.options import MAX_WINDOW, AttentionOptions
 
 
 @dataclass(frozen=True)
@@ -201,9 +201,12 @@ def _keys(name: str, value: Any, least: int) -> int:
 
 
 def _window(value: Any) -> Any:
-    if type(value) not in (list, tuple) or len(value) != 2 or any(b is not None and type(b) is not int for b in value):
+    """Checked here, bounds too, so that the detail quotes the client's JSON (``null``); AttentionOptions
+    checks the same again for the library's callers."""
+    if type(value) not in (list, tuple) or len(value) != 2 or \
+            any(b is not None and (type(b) is not int or not 0 <= b <= MAX_WINDOW) for b in value):
         raise InvalidOption(f"window must be [left, right], each null or an int in [0, 2**62], got {show(value)}")
-    return value  # bounds: AttentionOptions
+    return value
 
 
 def _contexts(value: Any, limits: Limits) -> tuple[str, ...]:
