@@ -323,8 +323,9 @@ def test_a_planned_context_that_cannot_fit_fails_at_create_and_leaves_nothing(cl
     r = post_kv(server.url, "/v1/contexts", k, v, expected_length=10**8)  # 20 GB planned, 4 GiB per worker
     assert r.status_code == 507 and r.json()["code"] == "insufficient_capacity", r.text
     # The worker's own words, not the traceback Ray wraps them in.
-    assert re.fullmatch(r"the context does not fit: shard \d+ of context ctx_\S+ needs \d+ bytes, but this worker "
-                        r"holds \d+ of its 4294967296-byte budget", r.json()["detail"]), r.json()["detail"]
+    assert re.fullmatch(r"the new context does not fit \(it was not created\): shard \d+ of context ctx_\S+ needs "
+                        r"\d+ bytes, but this worker holds \d+ of its 4294967296-byte budget", r.json()["detail"]), \
+        r.json()["detail"]
     assert client.cluster()["bytes_held"] == before
     r = post_kv(server.url, "/v1/contexts", k, v, expected_length=9)
     assert r.status_code == 422 and "expected_length must be at least the 10 keys of this body, got 9" in r.text

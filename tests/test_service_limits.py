@@ -96,7 +96,7 @@ def test_capacity_error_is_507_and_leaves_nothing_behind(tight):
         ctx = c.create_context(small, small)
         with pytest.raises(SplitkeyError) as err:
             c.append(ctx["id"], k, k)
-        assert err.value.status == 507
+        assert err.value.status == 507 and err.value.detail.startswith("the append does not fit: "), err.value.detail
         assert c.get_context(ctx["id"])["length"] == 64  # the failed append left the context as it was
         out, lse = c.attention(small[:1].repeat(2, axis=1), contexts=[ctx["id"]])
         assert_close_to_reference(out, lse, small[:1].repeat(2, axis=1), small, small)

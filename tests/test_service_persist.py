@@ -159,6 +159,9 @@ def test_a_flipped_byte_on_disk_is_never_served_and_the_other_contexts_come_back
             with pytest.raises(SplitkeyError) as err:
                 c.attention(q, contexts=[damaged["id"]])
             assert (err.value.status, err.value.code) == (503, "context_lost")
+            # both workers are alive: the detail says the copy could not be read, not only "no live worker"
+            assert "no live worker holds a copy (its holders are gone, or their copies could not be read)" \
+                in err.value.detail, err.value.detail
             got, got_lse = c.attention(q, contexts=[kept["id"]])
             assert got.tobytes() == out.tobytes() and got_lse.tobytes() == lse.tobytes()
     finally:

@@ -146,7 +146,9 @@ class Orchestrator:
             try:
                 idx = self.pool.pick(job.candidates, exclude=tried)
             except WorkersUnavailable:
-                detail = f"{job.label} could not be computed: {'; '.join(reasons) or 'no live worker'}"
+                nobody = ("no live worker holds a copy (its holders are gone, or their copies could not be read)"
+                          if isinstance(job.work, ResidentWork) else "no live worker")
+                detail = f"{job.label} could not be computed: {'; '.join(reasons) or nobody}"
                 raise (ContextLost(detail) if isinstance(job.work, ResidentWork) else WorkersUnavailable(detail)) \
                     from None
             tried.add(idx)

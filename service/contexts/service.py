@@ -205,7 +205,7 @@ class ContextService:
             writes += [self.pool.create_shard(w, shard, refs.k, refs.v, record) for w in placement[i]]
         try:
             with timings.measure("store"):
-                await self._write_all(writes)
+                await self._write_all(writes, creating=True)
         except Exception:
             await self._drop_everywhere(record["id"])
             raise
@@ -222,8 +222,9 @@ class ContextService:
             old = await self._record(ctx_id)
             state = self.health(old)
             if state["state"] == LOST:  # keys after a hole would answer wrongly: refuse, as queries do
-                raise ContextLost(f"context {ctx_id} has lost shards {state['lost_shards']}: no live worker holds "
-                                  "them; delete the context and create it again")
+                raise ContextLost(f"context {ctx_id} has lost shards {state['lost_shards']}: no live worker holds a "
+                                  "copy (their holders are gone, or their copies could not be read); delete the "
+                                  "context and create it again")
             if write.after is not None and write.after != length(old):
                 raise LengthMismatch(f"after must be the context's length {length(old)}, got {write.after}")
             if write.continues and write.upload is not None and not continues_upload(old, write.upload):
@@ -251,7 +252,7 @@ class ContextService:
             more_writes, more_undo = await self._open_shards(new, refs, n, k_pos, taken, timings)
             try:
                 with timings.measure("store"):
-                    await self._write_all(writes + more_writes)
+                    await self._write_all(writes + more_writes, creating=False)
             except Exception:
                 await asyncio.gather(*(self._undo(u) for u in undo + more_undo))
                 raise
@@ -354,12 +355,14 @@ class ContextService:
         except ValueError as exc:
             raise WorkersUnavailable(f"replicas could not be placed: {exc}") from exc
 
-    async def _write_all(self, writes: list[Awaitable[Any]]) -> None:
-        """Run every write; if any fails, raise the first failure (after all finished)."""
+    async def _write_all(self, writes: list[Awaitable[Any]], *, creating: bool) -> None:
+        """Run every write; if any fails, raise the first failure (after all finished). ``creating``: the
+        writes of a create, whose context id the client never gets when they fail."""
         results = await asyncio.gather(*writes, return_exceptions=True)
         for res in results:
             if isinstance(res, CapacityError):
-                raise InsufficientCapacity(f"the context does not fit: {worker_message(res)}")
+                what = "the new context does not fit (it was not created)" if creating else "the append does not fit"
+                raise InsufficientCapacity(f"{what}: {worker_message(res)}")
             if isinstance(res, ShardMissing):
                 raise ContextLost(f"a replica was lost during the write: {worker_message(res)}")
             if isinstance(res, BaseException):
