@@ -51,7 +51,10 @@ class State:
     * ``l``   ``[n_q, h_q]``       sum_j exp(s_j - m), ``0`` then
     * ``acc`` ``[n_q, h_q, d_v]``  sum_j exp(s_j - m) v_j, ``0`` then
 
-    All three share one dtype (float32 or float64) and one array module.
+    All three share one dtype (float32 or float64) and one array module. A row whose every
+    visible score overflowed towards -inf has ``m`` = the dtype's lowest finite value and ``l = 0``
+    (``workers.api``): merges carry it (it weighs nothing beside a finite score), ``finalize``
+    makes it NaN (docs/API.md section 4, "Overflow").
     """
 
     m: Any
@@ -126,17 +129,24 @@ def empty(n_q: int, h_q: int, d_v: int, dtype: Any = np.float32, xp: ModuleType 
 
 
 def finalize(state: State) -> tuple[Any, Any]:
-    """``out = acc / l`` (0 where ``l == 0``) and ``lse = m + ln(l)`` (-inf where ``l == 0``)."""
+    """``out = acc / l`` and ``lse = m + ln(l)``; a row that saw no key (``m = -inf``, ``l = 0``) gives
+    0 and -inf, a row whose scores overflowed (``l = 0`` with a finite ``m``, or NaN) NaN and NaN."""
     if not isinstance(state, State):
         raise ValueError(f"state must be a State, got {type(state).__name__}")
     xp = state.xp
     # l == 0, not "not l > 0": a row whose state overflowed (l NaN) stays NaN, never reads as empty.
     seen = state.l != 0
+    # l == 0 with m finite is no row that saw no key: every key it saw scored below the dtype's range
+    # (marked so by workers.api; a row that saw a finite score has l >= 1): NaN, never 0 / -inf.
+    overflowed = ~seen & (state.m != NO_SCORE)
     # Guard: rows with no visible key have l == 0; divide by 1 there instead of
     # producing 0/0, then the where() below writes the contract's 0 / -inf.
     l_safe = xp.where(seen, state.l, 1)
     out = state.acc / l_safe[..., None]  # [n_q, h_q, d_v]
     lse = xp.where(seen, state.m + xp.log(l_safe), NO_SCORE)
+    if bool(overflowed.any()):
+        out = xp.where(overflowed[..., None], xp.nan, out)
+        lse = xp.where(overflowed, xp.nan, lse)
     return out, lse
 
 

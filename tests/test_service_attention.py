@@ -222,14 +222,17 @@ def test_default_positions_past_the_range_are_named_as_defaults_not_as_what_the_
         client.delete_context(ctx)
 
 
-@pytest.mark.parametrize("case", ["tiny_softcap", "huge_scale", "huge_q_and_k"])
+@pytest.mark.parametrize("case", ["tiny_softcap", "huge_scale", "huge_q_and_k", "every_score_below_float32"])
 def test_scores_beyond_float32_are_refused_not_answered_nan(client, case):
+    """Scores past float32's range either way: towards +inf the state is NaN; towards -inf on every key a
+    row sees, the row read as one that saw no key (out 0, lse -inf) before 2026-12-06."""
     q = np.array([[[1.0, 2.0]]], np.float32)
     k = np.array([[[1.0, 0.0]], [[0.0, 1.0]]], np.float32)
     v = np.array([[[1.0]], [[2.0]]], np.float32)
-    opts = {"tiny_softcap": dict(softcap=1e-39), "huge_scale": dict(scale=3.4e38), "huge_q_and_k": {}}[case]
-    if case == "huge_q_and_k":
-        q, k = q * np.float32(1e20), k * np.float32(1e20)
+    opts = {"tiny_softcap": dict(softcap=1e-39), "huge_scale": dict(scale=3.4e38), "huge_q_and_k": {},
+            "every_score_below_float32": {}}[case]
+    if case in ("huge_q_and_k", "every_score_below_float32"):
+        q, k = q * np.float32(1e20 if case == "huge_q_and_k" else -1e20), k * np.float32(1e20)
     with pytest.raises(SplitkeyError, match="within the float32 range") as err:
         client.attention(q, k, v, **opts)
     assert (err.value.status, err.value.code) == (422, "invalid_tensor")

@@ -222,6 +222,39 @@ def test_bad_arguments_raise_value_error_naming_them(call, match):
         call(q, k, v)
 
 
+@pytest.mark.parametrize("cpu_kernels", ["numpy", "fused"])
+def test_a_row_whose_every_visible_score_overflowed_towards_minus_inf_is_nan_not_a_row_that_saw_no_key(cpu_kernels):
+    """Scores of -1e40 and -2e40 are -inf in float32; the exact answer weighs the first key alone. Before
+    2026-12-06 such a row read as one that saw no key (out 0, lse -inf): a wrong answer."""
+    pytest.importorskip("numba") if cpu_kernels == "fused" else None
+    big = np.float32(1e20)
+    q = np.array([[[-1.0, -2.0]], [[-1.0, -2.0]]], np.float32) * big  # [n_q=2, h_q=1, d=2]
+    k = np.array([[[1.0, 0.0]], [[0.0, 1.0]]], np.float32) * big  # [n_k=2, h_kv=1, d=2]
+    v = np.array([[[1.0]], [[2.0]]], np.float32)
+    opts = AttentionOptions(causal=True)
+    kernel = KernelOptions(cpu_kernels=cpu_kernels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the scores' overflow
+        st = partial_attention_shard(q, k, v, q_pos=np.array([-1, 5]), k_pos=None, options=opts, kernel=kernel)
+        # row 0 (at -1) sees no key: the empty row, exactly; row 1 sees both and every score overflowed
+        assert st.m[0, 0] == -np.inf and st.m[1, 0] == np.finfo(np.float32).min and (st.l == 0).all()
+        out, lse = finalize(st)
+        assert out[0, 0, 0] == 0 and lse[0, 0] == -np.inf
+        assert np.isnan(out[1, 0, 0]) and np.isnan(lse[1, 0])  # as a score past +inf gives: refused by the service
+        for shards in (2, 3):  # shards that saw some of the keys, or none
+            out, lse = attention(q, k, v, shards=shards, causal=True, q_pos=[-1, 5])
+            assert out[0, 0, 0] == 0 and np.isnan(out[1, 0, 0]) and np.isnan(lse[1, 0])
+        # Beside a finite score the overflowed keys weigh nothing (their exact weights round to 0): the
+        # state merges as any other, and the row answers the finite key's value exactly.
+        finite = partial_attention_shard(q, np.zeros((1, 1, 2), np.float32), np.full((1, 1, 1), 7.0, np.float32),
+                                         q_pos=np.array([-1, 5]), k_pos=np.array([0]), options=opts, kernel=kernel)
+        out, lse = finalize(merge_all([st, finite]))
+        assert out[1, 0, 0] == 7.0 and lse[1, 0] == 0.0 and out[0, 0, 0] == 0 and lse[0, 0] == -np.inf
+        # ALiBi biases past float32's range on every key (slope 1e38 over distances 9 and 10): NaN too.
+        out, _ = attention(np.zeros((1, 1, 2), np.float32), k / big, v, q_pos=[10], alibi_slopes=np.array([1e38]))
+        assert np.isnan(out).all()
+
+
 def test_bfloat16_alibi_slopes_give_what_float32_slopes_of_the_same_values_give(rng):
     q, k, v = make(rng, 3, 4, 2, 8, 8, 20)
     slopes = np.array([0.5, 0.25, 0.125, 1.0], BFLOAT16)

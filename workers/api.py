@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from merge import State, finalize, merge_all
+from merge import NO_SCORE, State, finalize, merge_all
 from workers.cpu import run_cpu_many
 from workers.layout import NaturalKV, StreamingView
+from workers.masking import sees_a_key
 from workers.options import AttentionOptions, GpuKernels, KernelOptions, gpu_kernels_of, is_int
 from workers.problem import Problem, build_problem, check_arrays, check_problem
 
@@ -38,10 +39,30 @@ def _run_many(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingVie
               kernel: KernelOptions) -> list[State]:
     """The states of checked problems over the same keys, on the backend of the queries' array module."""
     if isinstance(parts[0][0], np.ndarray):
-        return run_cpu_many(parts, kv, kernel)
-    from workers.gpu.backend import run_gpu_many  # cupy is imported only for cupy inputs
+        states = run_cpu_many(parts, kv, kernel)
+    else:
+        from workers.gpu.backend import run_gpu_many  # cupy is imported only for cupy inputs
 
-    return run_gpu_many(parts, kv, kernel)
+        states = run_gpu_many(parts, kv, kernel)
+    return [_overflow_marked(st, problem) for st, (_, problem) in zip(states, parts, strict=True)]
+
+
+def _overflow_marked(state: State, problem: Problem) -> State:
+    """``state`` with every row that sees a key but got no finite score marked as overflowed.
+
+    Scores are finite for finite inputs unless they pass the accumulation dtype's range; one that
+    overflows towards -inf weighs nothing, but a row whose *every* visible key overflowed so would
+    read as a row that saw no key (``m = -inf``, ``l = 0``): a wrong answer. Such a row gets ``m`` =
+    the dtype's lowest finite value with ``l = 0``: beside any finite score in a merge it still
+    weighs nothing, and ``finalize`` makes it NaN (docs/API.md section 4, "Overflow").
+    """
+    unseen = state.m == NO_SCORE  # [n_q, h_q]: no finite score, by the mask or by overflow
+    if not bool(unseen.any()):
+        return state
+    over = unseen & sees_a_key(problem.q_pos, problem.k_pos, problem.options)[:, None]  # [n_q, h_q]
+    if not bool(over.any()):
+        return state
+    return State(m=state.xp.where(over, np.finfo(state.m.dtype).min, state.m), l=state.l, acc=state.acc)
 
 
 def partial_attention(q: Any, k: Any, v: Any, *, scale: float | None = None, causal: bool = False,

@@ -19,7 +19,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
+from merge import array_module
 from workers.options import AttentionOptions
+from workers.problem import Arange
 
 
 class BlockKind(enum.Enum):
@@ -75,3 +77,29 @@ def visible(q_pos_rows: Any, k_pos_block: Any, options: AttentionOptions) -> Any
     if ok is None:
         raise ValueError("visible() needs a mask, got options with no causal and no window")
     return ok
+
+
+def sees_a_key(q_pos: Any, k_pos: Any, options: AttentionOptions) -> Any:
+    """Boolean ``[n_q]``: True where the query at ``q_pos`` sees at least one key at ``k_pos`` (an int64
+    array in any order, or a ``workers.problem.Arange``), by the mask alone, whatever the scores.
+
+    A row sees keys in ``[q - left, q + right]`` (either bound unbounded); over contiguous positions
+    that interval meets the keys' ``[min, max]``, over any others one binary search on each side of
+    the sorted positions counts the keys inside it.
+    """
+    xp = array_module(q_pos, "q_pos")
+    left, right = options.left, options.right
+    n_k = len(k_pos)
+    if n_k == 0:
+        return xp.zeros(q_pos.shape, dtype=bool)
+    if isinstance(k_pos, Arange):
+        ok = xp.ones(q_pos.shape, dtype=bool)
+        if left is not None:
+            ok &= q_pos - left <= k_pos.max()  # the interval's low end at or below the last key
+        if right is not None:
+            ok &= q_pos + right >= k_pos.min()
+        return ok
+    keys = xp.sort(k_pos)  # [n_k]
+    first = xp.zeros(q_pos.shape, dtype=xp.int64) if left is None else xp.searchsorted(keys, q_pos - left, "left")
+    past = xp.full(q_pos.shape, n_k, dtype=xp.int64) if right is None else xp.searchsorted(keys, q_pos + right, "right")
+    return past > first
