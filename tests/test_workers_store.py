@@ -39,6 +39,23 @@ def test_append_drops_an_uncommitted_tail_first():
     np.testing.assert_array_equal(got, np.concatenate([k[:10], k[20:30]]))
 
 
+def test_a_shard_no_kept_record_names_is_an_uncommitted_leftover_that_a_new_create_replaces():
+    st = ShardStore(budget_bytes=10**8)
+    k, v = kv(30)
+    committed = {"version": 1, "shards": [{"index": 0, "length": 10, "workers": ["w"]}]}
+    st.create(ShardWrite("c", 0, "float32", 10, np.arange(10)), k[:10], v[:10], context=committed)
+    st.create(ShardWrite("c", 1, "float32", 10, np.arange(10, 15)), k[10:15], v[10:15], context=committed)  # never committed
+    used = st.used
+    info = st.create(ShardWrite("c", 1, "float32", 10, np.arange(10, 20)), k[20:30], v[20:30], context=committed)
+    per_key = bytes_per_key(2, 8, 4, np.dtype(np.float32))
+    size = lambda n: padded_capacity(n, 4) * per_key  # noqa: E731 - a shard allocated for n keys
+    assert info.length == 10 and st.used == used - size(5) + size(10)  # the leftover's memory went with it
+    got, _ = contract_layout(st.view("c", 1, 10))
+    np.testing.assert_array_equal(got, k[20:30])
+    with pytest.raises(ValueError, match="shard must not exist yet, got an existing shard 0 of c"):  # named: kept
+        st.create(ShardWrite("c", 0, "float32", 10, np.arange(10)), k[:10], v[:10], context=committed)
+
+
 def test_over_budget_raises_capacity_error_and_writes_nothing():
     st = ShardStore(budget_bytes=50_000)
     k, v = kv(1000)

@@ -153,7 +153,14 @@ class ShardStore:
         context_id, index = write.context_id, write.index
         key = (context_id, index)
         if key in self._shards:
-            raise ValueError(f"shard must not exist yet, got an existing shard {index} of {context_id}")
+            if not self._uncommitted(context_id, index):
+                raise ValueError(f"shard must not exist yet, got an existing shard {index} of {context_id}")
+            # An append that opened it never committed (its front end failed, or lost its lease): no record
+            # this worker holds names it, so nothing reads it; the new shard takes its place.
+            with self._index:
+                del self._shards[key]
+            if self.files is not None:
+                self.files.drop(context_id, index)
         dt = dtype_of(write.dtype)
         n, h_kv, d = (int(s) for s in k.shape)
         d_v = int(v.shape[2])
@@ -303,6 +310,15 @@ class ShardStore:
                 self._info[context_id] = dict(record)
         if newest and persist and self.files is not None:
             self.files.save_record(context_id, dict(record))
+
+    def _uncommitted(self, context_id: str, index: int) -> bool:
+        """Whether shard ``index`` of the context is a leftover of a write that never committed: the
+        record this worker keeps of the context (the committed one it was noted, or the one a create
+        or an append's new shard came with: ``ContextService`` sends the committed record there too)
+        does not name it."""
+        with self._index:
+            record = self._info.get(context_id)
+        return record is not None and all(s.get("index") != index for s in record.get("shards", ()))
 
     def check_committed(self, context_id: str, version: int) -> None:
         """Raise :class:`RecordStale` when a newer version of the context than ``version`` was noted

@@ -28,9 +28,16 @@ from service.settings import ServiceSettings
 log = logging.getLogger(__name__)
 
 DIRECTORY_NAME = "splitkey-directory"
+#: Seconds a write's lease on a context lasts (an append holds it from reading the record to the commit).
+LEASE_TTL_S = 60.0
 #: How long a directory call waits for a restarting directory, and how often it retries.
 DIRECTORY_WAIT_S = 30.0
 DIRECTORY_RETRY_S = 0.1
+
+
+class LeaseLost(ValueError):
+    """A commit under a lease the caller no longer holds: it ran past the lease's time, or the directory
+    restarted (leases live in its memory) and another write may have taken the context since."""
 
 
 class DirectoryActor:
@@ -85,7 +92,7 @@ class DirectoryActor:
         """Store a record; for an existing context only under the caller's lease."""
         ctx_id = record["id"]
         if ctx_id in self.records and owner is not None and not self._holds(ctx_id, owner):
-            raise ValueError(f"lease on {ctx_id} must be held by {owner}, got another holder")
+            raise LeaseLost(f"lease on {ctx_id} must be held by {owner}, got another holder")
         self.records[ctx_id] = record
 
     def remove(self, ctx_id: str) -> ContextRecord | None:
@@ -184,7 +191,16 @@ class Directory:
         return result
 
     async def commit(self, record: ContextRecord, owner: str | None) -> None:
-        await self._call(lambda h: h.commit.remote(record, owner))
+        """Commit ``record``; a lease lost before it (``LeaseLost``) is a 503 saying the write was not
+        stored: nothing a directory rebuilt from the workers could take names it (the workers keep only
+        committed records: ``ContextService``)."""
+        try:
+            await self._call(lambda h: h.commit.remote(record, owner))
+        except LeaseLost:
+            raise WorkersUnavailable(
+                f"the write to context {record['id']} was not stored: its lease lapsed before the commit (the write "
+                f"ran past {LEASE_TTL_S:g} s, or the contexts directory restarted), and another write may have "
+                f"taken the context since; send it again") from None
 
     async def remove(self, ctx_id: str) -> ContextRecord | None:
         result: ContextRecord | None = await self._call(lambda h: h.remove.remote(ctx_id))

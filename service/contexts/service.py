@@ -23,7 +23,7 @@ import numpy as np
 
 from service.cluster.pool import WorkerPool, last_line
 from service.contexts.cache import RecordCache
-from service.contexts.directory import Directory
+from service.contexts.directory import LEASE_TTL_S, Directory
 from service.contexts.placement import WorkerLoad, place
 from service.contexts.records import (
     LOST,
@@ -59,7 +59,6 @@ from workers.tasks import ShardWrite
 
 log = logging.getLogger(__name__)
 
-LEASE_TTL_S = 60.0
 LEASE_POLL_S = 0.01
 
 
@@ -249,7 +248,7 @@ class ContextService:
             if write.upload is not None:
                 note_upload(new, write.upload, length(old), length(old) + n, write.continues)
             writes, undo, taken = self._fill_open_shards(new, refs, n, k_pos)
-            more_writes, more_undo = await self._open_shards(new, refs, n, k_pos, taken, timings)
+            more_writes, more_undo = await self._open_shards(new, refs, n, k_pos, taken, timings, committed=old)
             try:
                 with timings.measure("store"):
                     await self._write_all(writes + more_writes, creating=False)
@@ -307,8 +306,13 @@ class ContextService:
         return writes, undo
 
     async def _open_shards(self, new: ContextRecord, refs: Refs, n: int, k_pos: np.ndarray, start: int,
-                           timings: Timings) -> tuple[list[Awaitable[Any]], list[Undo]]:
-        """New shards for keys ``[start, n)`` of the append; updates ``new`` and returns their writes."""
+                           timings: Timings, *, committed: ContextRecord) -> tuple[list[Awaitable[Any]], list[Undo]]:
+        """New shards for keys ``[start, n)`` of the append; updates ``new`` and returns their writes.
+
+        Their workers keep the ``committed`` record, not ``new``: a directory rebuilt from the workers
+        (after a restart) must never take an append that was not committed, which its front end may
+        have answered 503 (``workers.store`` replaces such a shard, which no record names, when a
+        later append opens the same one)."""
         cap, rest = new["shard_capacity"], n - start
         sizes = [min(cap, rest - i) for i in range(0, rest, cap)]
         if not sizes:
@@ -325,7 +329,7 @@ class ContextService:
             new["shards"].append(entry)
             shard = ShardWrite(new["id"], idx, new["dtype"], cap, k_pos[lo:lo + size], reserve=reserve,
                                span=(lo, lo + size))
-            writes += [self.pool.create_shard(w, shard, refs.k, refs.v, new) for w in workers]
+            writes += [self.pool.create_shard(w, shard, refs.k, refs.v, committed) for w in workers]
             undo += [Undo(w, new["id"], idx, None) for w in workers]
         return writes, undo
 
