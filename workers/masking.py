@@ -83,22 +83,25 @@ def sees_a_key(q_pos: Any, k_pos: Any, options: AttentionOptions) -> Any:
     """Boolean ``[n_q]``: True where the query at ``q_pos`` sees at least one key at ``k_pos`` (an int64
     array in any order, or a ``workers.problem.Arange``), by the mask alone, whatever the scores.
 
-    A row sees keys in ``[q - left, q + right]`` (either bound unbounded); over contiguous positions
-    that interval meets the keys' ``[min, max]``, over any others one binary search on each side of
-    the sorted positions counts the keys inside it.
+    A row sees keys in ``[q - left, q + right]`` (either bound unbounded). That interval must meet
+    the keys' ``[min, max]``: over contiguous positions that decides it; over any others it is
+    enough to rule a row out (a causal row before a shard's first key, the common case, costs no
+    sort), and the rows it leaves are decided by one binary search on each side of the sorted
+    positions, which counts the keys inside the interval.
     """
     xp = array_module(q_pos, "q_pos")
     left, right = options.left, options.right
     n_k = len(k_pos)
     if n_k == 0:
         return xp.zeros(q_pos.shape, dtype=bool)
-    if isinstance(k_pos, Arange):
-        ok = xp.ones(q_pos.shape, dtype=bool)
-        if left is not None:
-            ok &= q_pos - left <= k_pos.max()  # the interval's low end at or below the last key
-        if right is not None:
-            ok &= q_pos + right >= k_pos.min()
-        return ok
+    k_min, k_max = int(k_pos.min()), int(k_pos.max())
+    meets = xp.ones(q_pos.shape, dtype=bool)  # [n_q]: the row's interval meets [k_min, k_max]
+    if left is not None:
+        meets &= q_pos - left <= k_max  # the interval's low end at or below the last key
+    if right is not None:
+        meets &= q_pos + right >= k_min
+    if isinstance(k_pos, Arange) or not bool(meets.any()):
+        return meets
     keys = xp.sort(k_pos)  # [n_k]
     first = xp.zeros(q_pos.shape, dtype=xp.int64) if left is None else xp.searchsorted(keys, q_pos - left, "left")
     past = xp.full(q_pos.shape, n_k, dtype=xp.int64) if right is None else xp.searchsorted(keys, q_pos + right, "right")

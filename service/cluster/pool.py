@@ -75,6 +75,8 @@ MISSED_PINGS = 3
 #: Worker exceptions a channel reply may carry that the front end handles as it does from a Ray call.
 DOMAIN_ERRORS: dict[str, type[Exception]] = {"ShardMissing": ShardMissing, "RecordStale": RecordStale,
                                               "Expired": Expired}
+#: Their classes: a worker's exception that is none of them is a fault of the service (:func:`failed`).
+DOMAIN_CLASSES: tuple[type[Exception], ...] = tuple(DOMAIN_ERRORS.values())
 
 
 @dataclass
@@ -416,7 +418,7 @@ class WorkerPool:
             return await self._result(index, ref)
         except RayTaskError as exc:
             cause = exc.cause
-            if isinstance(exc, tuple(DOMAIN_ERRORS.values())) or cause is None or isinstance(cause, RayError):
+            if isinstance(exc, DOMAIN_CLASSES) or cause is None or isinstance(cause, RayError):
                 raise
             raise failed(self.slots[index].name, type(cause).__name__, str(cause)) from exc
 
@@ -428,7 +430,7 @@ class WorkerPool:
         if isinstance(answer, RemoteError):  # not a domain error: the worker failed the query
             raise failed(self.slots[index].name, answer.kind, answer.message)
         if isinstance(answer, BaseException):
-            if not isinstance(answer, tuple(DOMAIN_ERRORS.values())):  # through Ray: the worker's own exception
+            if not isinstance(answer, DOMAIN_CLASSES):  # through Ray: the worker's own exception
                 raise failed(self.slots[index].name, type(answer).__name__, str(answer))
             raise answer
         status, states = answer
