@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -44,6 +45,9 @@ class DirectoryActor:
     def __init__(self, worker_names: list[str], namespace: str) -> None:
         self.records: dict[str, ContextRecord] = {}
         self.leases: dict[str, tuple[str, float]] = {}
+        #: Which life of the actor this is: new at every (re)start, so a writer that sees the same one
+        #: at its commit and at its lease's release knows no restart came between (ContextService.append).
+        self.incarnation = secrets.token_hex(8)
         self.rebuilt_from = self._rebuild(worker_names, namespace)
 
     def _rebuild(self, worker_names: list[str], namespace: str) -> int:
@@ -88,12 +92,13 @@ class DirectoryActor:
     def all(self) -> list[ContextRecord]:
         return [self.records[k] for k in sorted(self.records)]
 
-    def commit(self, record: ContextRecord, owner: str | None = None) -> None:
-        """Store a record; for an existing context only under the caller's lease."""
+    def commit(self, record: ContextRecord, owner: str | None = None) -> str:
+        """Store a record; for an existing context only under the caller's lease. Returns the incarnation."""
         ctx_id = record["id"]
         if ctx_id in self.records and owner is not None and not self._holds(ctx_id, owner):
             raise LeaseLost(f"lease on {ctx_id} must be held by {owner}, got another holder")
         self.records[ctx_id] = record
+        return self.incarnation
 
     def remove(self, ctx_id: str) -> ContextRecord | None:
         self.leases.pop(ctx_id, None)
@@ -130,9 +135,11 @@ class DirectoryActor:
         self.leases[ctx_id] = (owner, now + ttl_s)
         return True
 
-    def release(self, ctx_id: str, owner: str) -> None:
+    def release(self, ctx_id: str, owner: str) -> str:
+        """Give the lease back if the caller holds it; returns the incarnation."""
         if self._holds(ctx_id, owner):
             del self.leases[ctx_id]
+        return self.incarnation
 
     def _holds(self, ctx_id: str, owner: str) -> bool:
         held = self.leases.get(ctx_id)
@@ -190,12 +197,13 @@ class Directory:
         result: list[ContextRecord] = await self._call(lambda h: h.all.remote())
         return result
 
-    async def commit(self, record: ContextRecord, owner: str | None) -> None:
-        """Commit ``record``; a lease lost before it (``LeaseLost``) is a 503 saying the write was not
-        stored: nothing a directory rebuilt from the workers could take names it (the workers keep only
-        committed records: ``ContextService``)."""
+    async def commit(self, record: ContextRecord, owner: str | None) -> str:
+        """Commit ``record``; returns the directory's incarnation (:attr:`DirectoryActor.incarnation`). A lease
+        lost before it (``LeaseLost``) is a 503 saying the write was not stored: nothing a directory rebuilt
+        from the workers could take names it (the workers keep only committed records: ``ContextService``)."""
         try:
-            await self._call(lambda h: h.commit.remote(record, owner))
+            result: str = await self._call(lambda h: h.commit.remote(record, owner))
+            return result
         except LeaseLost:
             raise WorkersUnavailable(
                 f"the write to context {record['id']} was not stored: its lease lapsed before the commit (the write "
@@ -213,5 +221,7 @@ class Directory:
         result: bool = await self._call(lambda h: h.acquire.remote(ctx_id, owner, ttl_s))
         return result
 
-    async def release(self, ctx_id: str, owner: str) -> None:
-        await self._call(lambda h: h.release.remote(ctx_id, owner))
+    async def release(self, ctx_id: str, owner: str) -> str:
+        """Give the lease back; returns the directory's incarnation."""
+        result: str = await self._call(lambda h: h.release.remote(ctx_id, owner))
+        return result

@@ -5,7 +5,7 @@ worker holding a shard, which keeps it for a directory rebuild), typed here:
 
     {"id", "h_kv", "d", "d_v", "dtype", "replicas", "shard_capacity", "expected_length",
      "next_pos", "version", "shards": [{"index", "length", "workers": [worker names]}],
-     "uploads": [{"id", "start", "end"}]}
+     "uploads": [{"id", "start", "end"}], "writer"}
 
 ``length`` is the committed length: queries read only that prefix of a shard. A
 context created with ``expected_length`` has every shard of its plan from the start,
@@ -53,6 +53,7 @@ class ContextRecord(TypedDict):
     version: int  #: bumped by every commit; the newest wins a directory rebuild
     shards: list[ShardEntry]
     uploads: NotRequired[list[UploadEntry]]  #: recent chunked uploads, the latest first (absent: none yet)
+    writer: NotRequired[str]  #: the lease owner of the append that made this version (absent: none since the create)
 
 
 def new_context_id() -> str:

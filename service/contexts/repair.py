@@ -120,7 +120,7 @@ class Repairer:
     async def rebuild(self, ctx_id: str) -> int:
         """Copy the context's under-replicated shards to other live workers; replicas made."""
         try:
-            async with self.contexts.lease(ctx_id) as owner:
+            async with self.contexts.lease(ctx_id) as lease:
                 old = await self.contexts.record(ctx_id)
                 new: ContextRecord = copy.deepcopy(old)
                 made = 0
@@ -128,7 +128,7 @@ class Repairer:
                     made += await self._copy(new, entry)
                 if made:
                     new["version"] += 1
-                    await self.contexts.commit(new, owner)
+                    await self.contexts.commit(new, lease)
         except ContextNotFound:
             return 0  # deleted meanwhile
         if made:

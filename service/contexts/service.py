@@ -86,6 +86,17 @@ class Undo:
     truncate_to: int | None  # None: drop the shard
 
 
+@dataclass
+class Lease:
+    """One write's hold on a context (:meth:`ContextService._lease`): the owner token it commits with, and
+    the directory's incarnation at its commit and at the release. Different incarnations mean the
+    directory restarted in between (leases and records in memory lost, records rebuilt from the workers)."""
+
+    owner: str
+    committed: str | None = None  #: the incarnation the commit went to (None: nothing committed)
+    released: str | None = None  #: the incarnation the release went to
+
+
 class ContextService:
     def __init__(self, settings: ServiceSettings, pool: WorkerPool, directory: Directory) -> None:
         self.settings = settings
@@ -217,7 +228,7 @@ class ContextService:
         """The write's keys after the context's; ``timings`` as for :meth:`create` (commit includes the lease)."""
         with timings.measure("put"):  # before the lease: the next write's keys travel while this one is stored
             refs = Refs(*await self.pool.put(write.kv.k, write.kv.v))
-        async with self._lease(ctx_id, timings) as owner:
+        async with self._lease(ctx_id, timings) as lease:
             old = await self._record(ctx_id)
             state = self.health(old)
             if state["state"] == LOST:  # keys after a hole would answer wrongly: refuse, as queries do
@@ -241,6 +252,7 @@ class ContextService:
             k_pos = self._positions(kv, start=old["next_pos"])
             new: ContextRecord = copy.deepcopy(old)
             new["version"] += 1
+            new["writer"] = lease.owner
             if n:
                 # One past the largest position stored; an empty context's 0 is no position of a key.
                 past = int(np.max(k_pos)) + 1
@@ -256,12 +268,14 @@ class ContextService:
                 await asyncio.gather(*(self._undo(u) for u in undo + more_undo))
                 raise
             with timings.measure("commit"):
-                await self.directory.commit(new, owner)
+                lease.committed = await self.directory.commit(new, lease.owner)
+                # Under the lease, and before the answer: every holder keeps the record for a directory
+                # rebuild, and refuses reads of older cached records from now on. A directory that restarts
+                # before some holder has it rebuilds without this append; the release sees the restart.
+                await self._note(new)
+        if lease.released != lease.committed:
+            await self._settle(new)
         self.cache.put(new)
-        with timings.measure("commit"):
-            # Outside the lease: a holder keeps the newest version it is told. Before the answer: a
-            # front end's cached record older than this one is refused by the holders from now on.
-            await self._note(new)
         return self.describe(new)
 
     async def delete(self, ctx_id: str) -> dict:
@@ -388,6 +402,42 @@ class ContextService:
             log.warning("worker %s did not keep the record of context %s version %s: %s",
                         self.pool.slots[index].name, record["id"], record.get("version"), last_line(str(exc)))
 
+    async def _settle(self, new: ContextRecord) -> None:
+        """An append's commit and its lease's release met different directories: it restarted in between and
+        was rebuilt from what the workers keep. The append stands if that took it (a holder had been told
+        of it: the record's ``writer`` is this append's). Otherwise the holders told of it keep a record the
+        directory does not have, which a later rebuild could take, and which names any shard the append
+        opened (so the next append could not open it again): the directory's record is committed again
+        above the append's version and noted, and the append is refused as not stored. If even that is
+        not confirmed, the client is told the outcome is not known here."""
+        ctx_id = new["id"]
+        now = await self.directory.get(ctx_id)
+        if now is not None and now.get("writer") == new["writer"]:
+            return
+        self.cache.drop([ctx_id])
+        unknown = WorkersUnavailable(
+            f"the append to context {ctx_id} may not be stored: the contexts directory restarted between its "
+            f"commit and the workers' note of it; read the context's length (GET /v1/contexts/{ctx_id}) and "
+            f"send the keys again (after = that length) if they are not in it")
+        try:
+            async with self._lease(ctx_id, Timings()) as lease:
+                now = await self._record(ctx_id)
+                if now.get("writer") == new["writer"]:
+                    return
+                fixed: ContextRecord = copy.deepcopy(now)
+                fixed["version"] = max(now["version"], new["version"]) + 1
+                fixed["writer"] = lease.owner
+                lease.committed = await self.directory.commit(fixed, lease.owner)
+                await self._note(fixed)
+        except WorkersUnavailable:
+            raise unknown from None
+        if lease.released != lease.committed:
+            raise unknown
+        self.cache.put(fixed)
+        raise WorkersUnavailable(
+            f"the append to context {ctx_id} was not stored: the contexts directory restarted between its commit "
+            f"and the workers' note of it, and came back without it; send it again")
+
     async def _undo(self, u: Undo) -> None:
         if u.truncate_to is None:
             await self._quietly(self.pool.drop(u.worker, u.context_id, u.shard))
@@ -406,7 +456,7 @@ class ContextService:
             pass
 
     # -- for the repair loop (service.contexts.repair) ---------------------------------
-    def lease(self, ctx_id: str) -> contextlib.AbstractAsyncContextManager[str]:
+    def lease(self, ctx_id: str) -> contextlib.AbstractAsyncContextManager[Lease]:
         """The context's write lease, as appends take it (see :meth:`_lease`)."""
         return self._lease(ctx_id, Timings())
 
@@ -417,8 +467,8 @@ class ContextService:
     async def note(self, record: ContextRecord) -> None:
         await self._note(record)
 
-    async def commit(self, record: ContextRecord, owner: str) -> None:
-        await self.directory.commit(record, owner)
+    async def commit(self, record: ContextRecord, lease: Lease) -> None:
+        lease.committed = await self.directory.commit(record, lease.owner)
         self.cache.put(record)
 
     async def drop_quietly(self, worker: int, ctx_id: str, shard: int) -> None:
@@ -426,8 +476,8 @@ class ContextService:
         await self._quietly(self.pool.drop(worker, ctx_id, shard))
 
     @contextlib.asynccontextmanager
-    async def _lease(self, ctx_id: str, timings: Timings) -> AsyncIterator[str]:
-        """The context's lease for one operation; yields the owner token to commit with.
+    async def _lease(self, ctx_id: str, timings: Timings) -> AsyncIterator[Lease]:
+        """The context's lease for one operation; yields the :class:`Lease` to commit with.
 
         Writes that reach this front end take turns on a lock of its own first, in
         the order they arrived (an upload's chunks in flight together wait there
@@ -440,11 +490,12 @@ class ContextService:
         try:
             with timings.measure("commit"):
                 owner = await self._acquire(ctx_id)
+            lease = Lease(owner)
             try:
-                yield owner
+                yield lease
             finally:
                 with timings.measure("commit"):
-                    await self.directory.release(ctx_id, owner)
+                    lease.released = await self.directory.release(ctx_id, owner)
         finally:
             turn.release()
 
