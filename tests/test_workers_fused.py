@@ -110,7 +110,7 @@ def test_block_sizes_and_shard_counts_match_reference(rng, layout, block, shards
 
 def test_mixed_input_dtypes_accumulate_in_float64(rng):
     q, k, v, k_pos, q_pos = make(rng, dtype=np.float16)
-    q = q.astype(np.float64)
+    q = q.astype(np.float64)  # float64 sums over float16 keys: chosen for the NumPy kernel (fused.choose)
     st = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
     assert st.m.dtype == np.float64
     assert_close_to_reference(*finalize(st), q, k, v, q_pos=q_pos, k_pos=k_pos)
@@ -207,6 +207,43 @@ def test_choose_falls_back_for_keys_whose_inner_axis_is_strided(rng):
     assert fused.choose([p], NaturalKV(k2, v, p.k_pos), fused_opts()) is fused.CpuPath.NUMPY
     st = partial_attention_shard(q, k2, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
     assert_close_to_reference(*finalize(st), q, k, v, q_pos=q_pos, k_pos=k_pos)
+
+
+def test_choose_sends_to_numpy_the_dtype_mixes_that_warm_does_not_compile(rng):
+    q, k, v, k_pos, q_pos = make(rng, dtype=np.float16)
+    for q_dt, k_dt, v_dt, path in [(np.float16, np.float16, np.float16, fused.CpuPath.FUSED),
+                                   (np.float32, BFLOAT16, BFLOAT16, fused.CpuPath.FUSED),
+                                   (np.float64, np.float64, np.float64, fused.CpuPath.FUSED),
+                                   (np.float64, np.float16, np.float16, fused.CpuPath.NUMPY),  # float64 sums
+                                   (np.float32, np.float16, np.float32, fused.CpuPath.NUMPY),  # k, v apart
+                                   (np.float32, np.float64, np.float64, fused.CpuPath.FUSED)]:
+        qq, kk, vv = q.astype(q_dt), k.astype(k_dt), v.astype(v_dt)
+        p = check_problem(qq, kk, vv, q_pos, k_pos, AttentionOptions())
+        assert fused.choose([p], NaturalKV(kk, vv, p.k_pos), fused_opts()) is path, (q_dt, k_dt, v_dt)
+        if k_dt is v_dt:  # a resident context holds K and V in one dtype
+            view = StreamingKV.from_arrays(kk, vv, k_pos).snapshot()
+            assert fused.choose([p], view, fused_opts()) is path, (q_dt, k_dt, v_dt)
+
+
+def test_no_call_the_fused_kernel_serves_compiles_after_warm(rng):
+    """Every mix of q, K and V dtypes that ``choose`` sends to the fused kernel was compiled by ``warm``
+    (a worker's start): no request pays for a compile. Before 2026-12-06 a float64 query over a
+    float16 context compiled on its first request (41 s on 2 cores)."""
+    mod = fused.kernels()
+    fused.warm()
+    kernels = (mod.inline_kernel, mod.resident_kernel)
+    compiled = [len(fn.signatures) for fn in kernels]
+    q, k, v, k_pos, q_pos = make(rng, n_k=40)
+    for q_dt, k_dt, v_dt in itertools.product(DTYPES, repeat=3):
+        qq, kk, vv = q.astype(q_dt), k.astype(k_dt), v.astype(v_dt)
+        p = check_problem(qq, kk, vv, q_pos, k_pos, AttentionOptions())
+        layouts = [NaturalKV(kk, vv, p.k_pos)]
+        if k_dt is v_dt:  # a resident context holds K and V in one dtype
+            layouts.append(StreamingKV.from_arrays(kk, vv, k_pos).snapshot())
+        for kv in layouts:
+            if fused.choose([p], kv, fused_opts()) is fused.CpuPath.FUSED:
+                assert fused.try_fused([(qq, p)], kv, fused_opts()) is not None
+    assert [len(fn.signatures) for fn in kernels] == compiled
 
 
 def test_cpu_kernels_option_is_validated():
@@ -316,7 +353,7 @@ def test_a_worker_configured_for_fused_compiles_at_start_and_serves_with_it(rng)
     plain = ShardWorker(WorkerConfig(), "w-numpy")
     assert plain.warm_s == {}  # the default kernel compiles nothing
     w = ShardWorker(WorkerConfig(kernel=fused_opts()), "w-fused")
-    assert set(w.warm_s) == {"float32", "bfloat16", "float16"}
+    assert set(w.warm_s) == {"float32", "bfloat16", "float16", "float64"}
 
 
 def test_kernel_file_names_the_digest_of_the_micro_kernels_it_compiles_in():

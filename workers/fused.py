@@ -9,8 +9,9 @@ and keeps m, l, acc in L1 streams closer to the memory bandwidth
 * **Selection** (:func:`choose`): ``KernelOptions.cpu_kernels`` says which kernel
   is wanted; the fused one runs only for decode-shaped tiles (at most
   ``plan.DECODE_ROWS`` rows per kv head), key arrays whose innermost axis is
-  contiguous, and when numba loaded. Everything else runs on the NumPy kernel,
-  which stays the reference.
+  contiguous, K and V of one dtype accumulated as that dtype implies (the kernels
+  :func:`warm` compiles), and when numba loaded. Everything else runs on the NumPy
+  kernel, which stays the reference.
 * **Fallback**: when numba cannot be imported or a kernel fails to compile, one
   log line says so and the NumPy kernel answers; a failed call never leaves a
   partial result behind (outputs are fresh arrays).
@@ -39,7 +40,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from merge import NO_SCORE, State, merge_group
-from workers.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64
+from workers.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, accumulation_dtype
 from workers.layout import NaturalKV, StreamingView
 from workers.options import CpuKernels, KernelOptions
 from workers.plan import DECODE_ROWS
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 INLINE_BLOCK, RESIDENT_BLOCK = 64, 1024
 #: Work units per thread (key chunks, x kv heads for the resident layout): load balance.
 UNITS_PER_THREAD = 4
+#: The dtypes of K and V the fused kernel serves, each compiled at worker start (:func:`warm`).
+WARM_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 class CpuPath(enum.Enum):
@@ -138,7 +141,18 @@ def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPat
         return CpuPath.NUMPY
     if any(not isinstance(a, np.ndarray) or _flat(a) is None for a in arrays):
         return CpuPath.NUMPY
+    if not _warmed(np.dtype(arrays[0].dtype), np.dtype(arrays[1].dtype), p0.acc_dtype):
+        return CpuPath.NUMPY
     return CpuPath.FUSED if available() else CpuPath.NUMPY
+
+
+def _warmed(k_dtype: np.dtype, v_dtype: np.dtype, acc_dtype: np.dtype) -> bool:
+    """Whether :func:`warm` compiles the kernels for these keys, values and accumulation: K and V of one
+    dtype of :data:`WARM_DTYPES`, accumulated in the dtype they imply (float64 for float64 keys, float32
+    otherwise). Any other mix (a float64 query over 16-bit or float32 keys; K and V of different dtypes)
+    would be a kernel of its own, compiled on the request that first asks for it (half a minute on 2
+    cores); those run on the NumPy kernel instead, which is as exact."""
+    return (k_dtype == v_dtype and k_dtype.name in WARM_DTYPES and acc_dtype == accumulation_dtype(k_dtype))
 
 
 def _chunks(n_k: int, block: int, units_per_chunk: int, threads: int) -> np.ndarray:
@@ -249,11 +263,12 @@ def try_fused(parts: Sequence[tuple[Any, Problem]], kv: Any, kopts: KernelOption
         return None
 
 
-def warm(dtypes: Sequence[str] = ("float32", "bfloat16", "float16"), threads: int = 1) -> dict[str, float]:
-    """Compile (or load from the disk cache) the kernels for keys of ``dtypes``, both layouts.
+def warm(dtypes: Sequence[str] = WARM_DTYPES, threads: int = 1) -> dict[str, float]:
+    """Compile (or load from the disk cache) the kernels for keys and values of ``dtypes``, both layouts.
 
-    Called at worker start so that no request pays for compilation. Returns the
-    seconds each dtype took; empty when the fused path is unavailable.
+    Called at worker start with every dtype :func:`choose` sends to the fused kernel, so that no
+    request pays for compilation. Returns the seconds each dtype took; empty when the fused path
+    is unavailable.
     """
     from workers.dtypes import dtype_of
     from workers.layout import StreamingKV
