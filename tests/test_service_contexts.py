@@ -331,6 +331,32 @@ def test_a_planned_context_that_cannot_fit_fails_at_create_and_leaves_nothing(cl
     assert r.status_code == 422 and "expected_length must be at least the 10 keys of this body, got 9" in r.text
 
 
+def test_a_create_of_the_most_shards_allowed_keeps_the_workers_answering_and_other_contexts_served(client, server,
+                                                                                                   rng):
+    """1024 shards (API.md's most) sent one call per shard, each with the record that lists them all, cost
+    the square of the count: 50 s on 2 cores, the workers missed their pings and were counted dead, and
+    the other contexts on them were lost (an outside test, 2026-12-06). One call per worker now."""
+    k, v = kv(rng, 200)
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    other = client.create_context(k, v)["id"]
+    out, lse = client.attention(q, contexts=[other])
+    logged = len(server.log())
+    r = post_kv(server.url, "/v1/contexts", k[:1], v[:1], expected_length=64 * 1024, shards=1024)
+    assert r.status_code == 201, r.text
+    big = r.json()
+    assert big["shards"] == 1024 and big["shard_lengths"][:2] == [1, 0]
+    assert "did not answer" not in server.log()[logged:]
+    assert {w["name"]: w["alive"] for w in client.cluster()["workers"]} == {
+        "splitkey-worker-0": True, "splitkey-worker-1": True}
+    got, got_lse = client.attention(q, contexts=[other])
+    assert got.tobytes() == out.tobytes() and got_lse.tobytes() == lse.tobytes()
+    out, lse = client.attention(q, contexts=[big["id"]], q_pos=[0, 0])
+    assert_close_to_reference(out, lse, q, k[:1], v[:1], q_pos=np.zeros(2, dtype=np.int64),
+                              k_pos=np.zeros(1, dtype=np.int64))
+    for ctx in (other, big["id"]):
+        client.delete_context(ctx)
+
+
 def test_an_append_after_the_wrong_length_is_409_naming_the_length_and_changes_nothing(client, server, rng):
     k, v = kv(rng, 30)
     ctx = client.create_context(k[:10], v[:10])

@@ -236,6 +236,40 @@ def test_a_damaged_record_is_skipped_with_a_warning_and_its_shards_still_load(tm
     assert "record of context c" in warning and "record.json" in warning
 
 
+def test_a_record_one_byte_changed_is_damaged_never_a_shorter_committed_length(tmp_path, caplog):
+    """A flipped bit turning a committed length of 30 into 20 left a valid record, and the context came back
+    ready with 20 keys: a wrong answer (an outside test, 2026-12-06). The record's digest catches it."""
+    two_contexts(tmp_path)
+    path = tmp_path / "c" / "record.json"
+    text = path.read_text()
+    assert text.count('"length": 30') == 1
+    path.write_text(text.replace('"length": 30', '"length": 20'))
+    again = restarted(tmp_path)
+    assert {(i.context_id, i.length): i.context.get("version") for i in again.held()} == {("c", 30): None,
+                                                                                         ("e", 10): 1}
+    [warning] = persist_warnings(caplog)
+    assert "record of context c" in warning and "does not match its sha256 digest" in warning
+
+
+@pytest.mark.parametrize("old, new", [('"record"', '"recore"'), ('"sha256"', '"sha257"')])
+def test_a_record_file_whose_key_names_changed_is_damaged_not_a_record_of_no_shards(tmp_path, caplog, old, new):
+    two_contexts(tmp_path)
+    path = tmp_path / "c" / "record.json"
+    path.write_text(path.read_text().replace(old, new))
+    assert {(i.context_id, i.context.get("version")) for i in restarted(tmp_path).held()} == {("c", None), ("e", 1)}
+    [warning] = persist_warnings(caplog)
+    assert "record of context c" in warning
+
+
+def test_a_record_written_before_records_had_digests_still_loads(tmp_path, caplog):
+    two_contexts(tmp_path)
+    bare = {"version": 2, "id": "c", "shards": [{"index": 0, "length": 30, "workers": ["w"]}]}
+    (tmp_path / "c" / "record.json").write_text(json.dumps(bare))
+    again = restarted(tmp_path)
+    assert {(i.context_id, i.length): i.context for i in again.held()}[("c", 30)] == bare
+    assert persist_warnings(caplog) == []
+
+
 def test_a_restart_leaves_a_damaged_record_as_it_was_and_names_it_again_at_the_next(tmp_path, caplog):
     """Until 2026-12-04 a restart wrote the record it held for the context, ``{}``, over the damaged file:
     what was left of it was gone, and the next start loaded ``{}`` without a warning."""
@@ -299,6 +333,20 @@ def test_shards_with_a_record_here_load_before_those_without_within_the_budget(t
     assert [i.context_id for i in small.held()] == ["b"]
     [warning] = persist_warnings(caplog)
     assert "shard 0 of context a" in warning and "budget" in warning
+
+
+def test_a_shard_left_on_disk_for_its_budget_is_reported_with_its_record_until_dropped(tmp_path):
+    """A directory rebuild takes the record of a context none of whose shards loaded (it lists it lost)."""
+    st = ShardStore(10**8, files=ShardFiles(tmp_path))
+    k, v = kv(100, np.float32)
+    record = {"version": 1, "id": "a", "shards": [{"index": 0, "length": 100, "workers": ["w"]}]}
+    st.create(ShardWrite("a", 0, "float32", 100, np.arange(100)), k, v, context=record)
+    small = ShardStore(st.info("a", 0).nbytes // 2, files=ShardFiles(tmp_path))
+    assert small.restore() == 0 and small.held() == []
+    [u] = small.unloaded()
+    assert (u["context_id"], u["index"], u["keys"], u["context"]) == ("a", 0, 100, record) and "budget" in u["why"]
+    small.drop("a")  # what a delete does after its tombstone
+    assert small.unloaded() == [] and not (tmp_path / "a").exists()
 
 
 def test_a_stray_folder_named_like_a_temporary_is_left_alone_and_the_store_loads(tmp_path, caplog):

@@ -27,6 +27,9 @@ record that is not a readable JSON object of the expected shape is skipped the s
 holder has one is the directory's to say, and a context no holder has one of is released
 from memory, its files left as they are: ``ShardStore.release_unrecorded``).
 Segments written before digests were stored load unverified (one info line per load).
+``record.json`` holds the record beside the digest of its canonical JSON text (a changed
+committed length would read as a valid, shorter context: a wrong answer); a record whose
+digest does not match is damaged, and one written before records had digests loads unverified.
 
 A delete leaves a tombstone (:meth:`ShardFiles.tombstone`) on every live worker, durable before
 the delete answers, and removes the context's files; a folder of a tombstoned context found at
@@ -262,9 +265,11 @@ class ShardFiles:
         return found
 
     def save_record(self, context_id: str, record: dict) -> None:
+        """Keep the context's record, with its digest (:func:`_record_digest`), durable when this returns."""
         folder = self._folder(context_id)
         if folder.exists():  # a context this worker holds a shard of
-            _atomic_write(folder / RECORD, lambda p: p.write_text(json.dumps(record)))
+            text = json.dumps({DIGEST: _record_digest(record), "record": record})
+            _atomic_write(folder / RECORD, lambda p: p.write_text(text))
 
     # -- reads --------------------------------------------------------------------
     def load(self) -> tuple[list[LoadedShard], dict[str, dict]]:
@@ -409,6 +414,12 @@ def _check_segment(path: Path, t: dict[str, np.ndarray], declared: str | None, n
                       f"got k {list(k)}, v {list(v)}, k_pos {list(k_pos)}")
 
 
+def _record_digest(record: dict) -> str:
+    """sha256 of a record's canonical JSON text (keys sorted, no spaces): what :meth:`ShardFiles.save_record`
+    stores beside it and a load checks it by."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _load_record(ctx_dir: Path) -> tuple[dict | None, str]:
     """The context's record kept here, or None and why: none stored, a damaged one (a warning names it), or an
     empty one (``{}``: what a restart wrote over a damaged one until 2026-12-04)."""
@@ -416,16 +427,38 @@ def _load_record(ctx_dir: Path) -> tuple[dict | None, str]:
     if not path.exists():
         return None, f"there is no {path}"
     try:
-        record = _check_record(path, _read_json(path))
+        raw = _read_json(path)
+        if raw == {}:
+            return None, f"{path} holds an empty record"
+        record = _check_record(path, *_unwrap_record(path, raw))
     except Damaged as exc:
         log.warning("persisted record of context %s not loaded, it is damaged: %s", ctx_dir.name, exc)
         return None, str(exc)
-    return (record, "") if record else (None, f"{path} holds an empty record")
+    return record, ""
 
 
-def _check_record(path: Path, record: Any) -> dict:
-    """``record`` if it has the shape a directory rebuild reads (``version``, ``shards``' ``index`` and
-    ``length``, where present), else raise :class:`Damaged`."""
+def _unwrap_record(path: Path, raw: Any) -> tuple[Any, bool]:
+    """The record in a ``record.json`` and whether it was verified: ``{"sha256": digest, "record": record}``,
+    checked against its digest (one changed byte in it would otherwise read as another committed length: a
+    wrong answer), or, written before records had digests (2026-12-06), the bare record, loaded unverified
+    (one info line)."""
+    if isinstance(raw, dict) and DIGEST in raw:
+        if set(raw) != {DIGEST, "record"} or not isinstance(raw["record"], dict):
+            raise Damaged(f"{path} must hold exactly {DIGEST} and a record object, got keys {sorted(raw)[:8]}")
+        if _record_digest(raw["record"]) != raw[DIGEST]:
+            raise Damaged(f"{path}: the record does not match its {DIGEST} digest")
+        return raw["record"], True
+    log.info("persisted record %s has no digest (written before records had one): loaded unverified", path)
+    return raw, False
+
+
+def _check_record(path: Path, record: Any, verified: bool) -> dict:
+    """``record`` if it has the shape a directory rebuild reads (a count ``version``; ``shards``, each with a
+    count ``index`` and ``length``), else raise :class:`Damaged`. An unverified record must name both
+    (a wrapper whose key names were damaged must not read as a record of no shards); a verified one is
+    as it was written."""
+    if not verified and not (isinstance(record, dict) and {"version", "shards"} <= set(record)):
+        raise Damaged(f"{path} must be a context record with a version and shards, got {str(record)[:200]}")
     shards = record.get("shards", []) if isinstance(record, dict) else None
     ok = isinstance(record, dict) and _is_count(record.get("version", 0)) and isinstance(shards, list) and all(
         isinstance(s, dict) and _is_count(s.get("index")) and _is_count(s.get("length")) for s in shards)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -98,6 +98,10 @@ class ShardInfo:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def summary(self) -> dict:
+        """:meth:`to_dict` without the record (what a write answers: the record is the caller's own)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "context"}
+
 
 @dataclass(frozen=True)
 class Released:
@@ -113,6 +117,10 @@ class Released:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def summary(self) -> dict:
+        """:meth:`to_dict` without the record (what a write answers: the record is the caller's own)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "context"}
+
 
 class ShardStore:
     def __init__(self, budget_bytes: int, xp: Any = np, files: ShardFiles | None = None) -> None:
@@ -124,6 +132,9 @@ class ShardStore:
         #: context_id -> the newest version noted as committed (note_context only: a create's record may
         #: not be committed yet, so it does not count here); what check_committed compares with.
         self._committed: dict[str, int] = {}
+        #: (context_id, index) -> a shard a restart found on disk and left there (its budget: :meth:`restore`),
+        #: with the record found beside it: reported to a directory rebuild (:meth:`unloaded`).
+        self._unloaded: dict[tuple[str, int], dict] = {}
         self._writing = threading.Lock()  # one write at a time (module doc)
         self._index = threading.Lock()  # the two maps, held briefly
 
@@ -225,6 +236,8 @@ class ShardStore:
             keys = [key for key in self._shards if key[0] == context_id and (index is None or key[1] == index)]
             for key in keys:
                 del self._shards[key]
+            for key in [key for key in self._unloaded if key[0] == context_id and index in (None, key[1])]:
+                del self._unloaded[key]  # its files go below
             if not any(key[0] == context_id for key in self._shards):
                 self._info.pop(context_id, None)
                 self._committed.pop(context_id, None)
@@ -393,7 +406,18 @@ class ShardStore:
                 loaded += 1
             except (CapacityError, ValueError) as exc:
                 log.warning("persisted shard %d of context %s left on disk, not loaded: %s", s.index, s.context_id, exc)
+                with self._index:
+                    self._unloaded[(s.context_id, s.index)] = {
+                        "context_id": s.context_id, "index": s.index, "keys": len(s.k_pos),
+                        "context": records.get(s.context_id, {}), "why": str(exc)}
         return loaded
+
+    def unloaded(self) -> list[dict]:
+        """The shards the last restart left on disk, each with the record found beside it: a directory rebuild
+        takes their contexts' records from them (without this replica), so that a context none of whose shards
+        loaded is listed ``lost``, and can be deleted, rather than unknown (docs/RELIABILITY.md)."""
+        with self._index:
+            return [dict(u) for _, u in sorted(self._unloaded.items())]
 
     def _host(self, x: Any, dt: np.dtype) -> np.ndarray:
         """``x`` as a host array in ``dt`` (what goes to disk)."""

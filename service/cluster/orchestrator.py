@@ -146,7 +146,8 @@ class Orchestrator:
             try:
                 idx = self.pool.pick(job.candidates, exclude=tried)
             except WorkersUnavailable:
-                nobody = ("no live worker holds a copy (its holders are gone, or their copies could not be read)"
+                nobody = ("no live worker holds a copy (its holders are gone, or at a restart their copies could "
+                          "not be read or did not fit: see the workers' logs)"
                           if isinstance(job.work, ResidentWork) else "no live worker")
                 detail = f"{job.label} could not be computed: {'; '.join(reasons) or nobody}"
                 raise (ContextLost(detail) if isinstance(job.work, ResidentWork) else WorkersUnavailable(detail)) \

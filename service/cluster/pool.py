@@ -62,9 +62,13 @@ CALL_ERRORS: tuple[type[Exception], ...] = (WorkersUnavailable, ray.exceptions.R
 #: loading its --persist-dir store).
 START_PING_S = 60.0
 #: Seconds more when it compiles the fused CPU kernel first (``workers.fused.warm``): a cold
-#: compile of its three dtypes took 55-71 s on this project's quiet 2-core machines, and a
-#: first start 70-135 s under load (docs/BENCHMARKS.md "Start-up").
-COMPILE_S = 240.0
+#: compile of three dtypes took 55-71 s on this project's quiet 2-core machines, and a first
+#: start 70-135 s under load; of the four it compiles since 2026-12-06, 143 s under load
+#: (docs/BENCHMARKS.md "Start-up").
+COMPILE_S = 360.0
+#: The workers' concurrency group of their health calls (pings): one thread of its own, so that
+#: a ping is answered while the worker's other calls (as many as ``worker_concurrency``) wait.
+HEALTH_GROUP = "health"
 #: Arrays up to this size travel inside the task call instead of through ray.put.
 INLINE_ARG_BYTES = 256 * 2**10
 #: Seconds before a worker whose direct channel could not be opened is tried again (Ray meanwhile).
@@ -224,7 +228,9 @@ class WorkerPool:
         }
         if self.detached:
             opts["lifetime"] = "detached"
-        return ray.remote(ShardWorker).options(**opts).remote(self._config, name)
+        # Concurrency groups are the class's (Ray takes them in ray.remote, not in .options).
+        worker_class = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(ShardWorker)  # type: ignore[call-overload]
+        return worker_class.options(**opts).remote(self._config, name)
 
     async def refresh(self, timeout_s: float = 60.0) -> None:
         """Ping every worker; record node, bytes held and whether it answered.
@@ -238,7 +244,8 @@ class WorkerPool:
                 slot.alive = False
                 return
             try:
-                slot.info = await asyncio.wait_for(_await(slot.handle.ping.remote()), timeout_s)
+                slot.info = await asyncio.wait_for(
+                    _await(slot.handle.ping.options(concurrency_group=HEALTH_GROUP).remote()), timeout_s)
                 slot.node_id = slot.info.get("node_id", "")
                 slot.alive = True
                 seen = str(slot.info.get("incarnation", ""))
@@ -512,6 +519,11 @@ class WorkerPool:
     def create_shard(self, index: int, write: ShardWrite, k: Any, v: Any,
                      record: Mapping[str, object]) -> Awaitable[Any]:
         return self._call(index, lambda h: h.create_shard.remote(write, k, v, record))
+
+    def create_shards(self, index: int, writes: Sequence[ShardWrite], k: Any, v: Any,
+                      record: Mapping[str, object]) -> Awaitable[Any]:
+        """Several new shards of one context on one worker, in one call (``ShardWorker.create_shards``)."""
+        return self._call(index, lambda h: h.create_shards.remote(list(writes), k, v, record))
 
     def append_shard(self, index: int, write: ShardWrite, k: Any, v: Any, committed: int) -> Awaitable[Any]:
         return self._call(index, lambda h: h.append_shard.remote(write, k, v, committed))

@@ -59,13 +59,17 @@ class DirectoryActor:
             try:
                 handle = ray.get_actor(name, namespace=namespace)
                 held: list[dict[str, Any]] = ray.get(handle.held.remote(), timeout=30)
+                # Shards left on disk at its start (no room): their records count, the worker holds no replica.
+                unloaded: list[dict[str, Any]] = ray.get(handle.unloaded.remote(), timeout=30)
                 deleted.update(ray.get(handle.tombstones.remote(), timeout=30))
             except (ValueError, ray.exceptions.RayError) as exc:
                 log.warning("directory rebuild: %s did not answer: %s", name, exc)
                 continue
             answered += 1
             for info in held:
-                reports.setdefault(info["context_id"], []).append({**info, "worker": name})
+                reports.setdefault(info["context_id"], []).append({**info, "worker": name, "loaded": True})
+            for info in unloaded:
+                reports.setdefault(info["context_id"], []).append({**info, "worker": name, "loaded": False})
         for ctx_id, infos in reports.items():
             if ctx_id in deleted:
                 continue
@@ -76,8 +80,8 @@ class DirectoryActor:
                                         sum(s["length"] for s in r.get("shards", ()))))
             if newest is None:
                 continue
-            shards = [{**shard, "workers": [i["worker"] for i in infos
-                                            if i["index"] == shard["index"] and i["length"] >= shard["length"]]}
+            shards = [{**shard, "workers": [i["worker"] for i in infos if i["loaded"] and i["index"] == shard["index"]
+                                            and i["length"] >= shard["length"]]}
                       for shard in newest["shards"]]
             self.records[ctx_id] = cast(ContextRecord, {**newest, "shards": shards})
         return answered

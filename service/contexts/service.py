@@ -208,11 +208,13 @@ class ContextService:
         # taken when it is submitted), and a directory rebuild trusts it to list every shard.
         record["shards"] = [{"index": i, "length": hi - lo, "workers": self.pool.names(placement[i])}
                             for i, (lo, hi) in enumerate(bounds)]
-        writes: list[Awaitable[Any]] = []
+        per_worker: dict[int, list[ShardWrite]] = {}  # one call per worker, whatever the shard count
         for i, (lo, hi) in enumerate(bounds):
             shard = ShardWrite(record["id"], i, record["dtype"], plan.capacity, k_pos[lo:hi], reserve=plan.reserve,
                                span=(lo, hi))
-            writes += [self.pool.create_shard(w, shard, refs.k, refs.v, record) for w in placement[i]]
+            for w in placement[i]:
+                per_worker.setdefault(w, []).append(shard)
+        writes = [self.pool.create_shards(w, shards, refs.k, refs.v, record) for w, shards in per_worker.items()]
         try:
             with timings.measure("store"):
                 await self._write_all(writes, creating=True)
@@ -233,8 +235,9 @@ class ContextService:
             state = self.health(old)
             if state["state"] == LOST:  # keys after a hole would answer wrongly: refuse, as queries do
                 raise ContextLost(f"context {ctx_id} has lost shards {state['lost_shards']}: no live worker holds a "
-                                  "copy (their holders are gone, or their copies could not be read); delete the "
-                                  "context and create it again")
+                                  "copy (their holders are gone, or at a restart their copies could not be read "
+                                  "or did not fit: see the workers' logs); delete the context and create it again, "
+                                  "or restart with the copies readable")
             if write.after is not None and write.after != length(old):
                 raise LengthMismatch(f"after must be the context's length {length(old)}, got {write.after}")
             if write.continues and write.upload is not None and not continues_upload(old, write.upload):
@@ -335,7 +338,7 @@ class ContextService:
         with timings.measure("place"):
             placement = await self._place([reserve or size for size in sizes], new)
         starts = [start + sum(sizes[:i]) for i in range(len(sizes))]
-        writes: list[Awaitable[Any]] = []
+        per_worker: dict[int, list[ShardWrite]] = {}  # one call per worker, as a create's
         undo: list[Undo] = []
         for lo, size, workers in zip(starts, sizes, placement):
             idx = len(new["shards"])
@@ -343,8 +346,10 @@ class ContextService:
             new["shards"].append(entry)
             shard = ShardWrite(new["id"], idx, new["dtype"], cap, k_pos[lo:lo + size], reserve=reserve,
                                span=(lo, lo + size))
-            writes += [self.pool.create_shard(w, shard, refs.k, refs.v, committed) for w in workers]
+            for w in workers:
+                per_worker.setdefault(w, []).append(shard)
             undo += [Undo(w, new["id"], idx, None) for w in workers]
+        writes = [self.pool.create_shards(w, shards, refs.k, refs.v, committed) for w, shards in per_worker.items()]
         return writes, undo
 
     # -- helpers --------------------------------------------------------------
