@@ -191,6 +191,8 @@ def test_gqa_maps_query_head_i_to_kv_head_i_div_g(rng):
         (lambda q, k, v: partial_attention(q, k, v, k_pos=np.zeros(10)), "k_pos must be an integer array, got dtype float64"),
         (lambda q, k, v: partial_attention(q, k, v, k_pos=[[0, 1], [2]]), r"k_pos must have shape \[10\], got a ragged sequence"),
         (lambda q, k, v: partial_attention(q, k, v, q_pos=[8, [9]]), r"q_pos must have shape \[2\], got a ragged sequence"),
+        (lambda q, k, v: partial_attention(q, k, v, q_pos=[2**70, 1]),  # "an integer array, got dtype object" before
+         r"q_pos must lie within \+-2\*\*61, got values in \[1, 1180591620717411303424\]"),
         (lambda q, k, v: partial_attention(q, k, v, scale=-1.0), "scale must be a finite number > 0, got -1.0"),
         (lambda q, k, v: partial_attention(q, k, v, scale=float("nan")), "scale must be a finite number, got nan"),
         (lambda q, k, v: partial_attention(q, k, v, scale=10**400), "scale must be a finite number, got 1000"),

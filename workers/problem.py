@@ -108,6 +108,10 @@ def check_positions(name: str, pos: Any, n: int, xp: Any = np) -> Any:
         pos = host_array(name, pos, f"[{n}]")
         if pos.size == 0:  # [] reads as float64: no positions of an empty axis are integers too
             pos = pos.astype(np.int64)
+        if pos.dtype == object and pos.ndim == 1 and all(isinstance(x, int) for x in pos.tolist()):
+            # Python ints past int64 (NumPy keeps them as objects): out of range, not "not integers".
+            raise ValueError(f"{name} must lie within +-2**61, got values in [{min(pos.tolist())}, "
+                             f"{max(pos.tolist())}]")
     if array_module(pos) is not xp:
         pos = xp.asarray(pos)
     if pos.ndim != 1 or pos.shape[0] != n:
