@@ -37,7 +37,7 @@ class Limits:
     max_dims: int = 3  #: dims of one tensor (tensors with a rule in TENSOR_RULES have their own rank)
     max_contexts: int = 64  #: context ids in one attention request
     max_context_id_chars: int = 128  #: characters of one context id
-    max_shards: int = 1024  #: shards of one context
+    max_shards: int = 1024  #: shards a create cuts a context into (appends open more past its plan)
     max_replicas: int = 8  #: replicas of one context
     max_batch_items: int = 256  #: items of one batch request (``POST /v1/attention/batch``)
     #: ``out`` elements of an answer written as JSON text (about 20 bytes and 0.9 us each here: 2**21
