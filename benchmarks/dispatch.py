@@ -42,8 +42,8 @@ import numpy as np
 from benchmarks import common
 from service.app import create_app
 from service.hot_routes import HotRoutes
-from service.metrics import Timings
-from service.settings import ServiceSettings
+from service.core.metrics import Timings
+from service.core.settings import ServiceSettings
 from service.wire.safetensors import encode_safetensors, to_bytes
 
 VARIANTS = ("POST /v1/attention, hot routes", "POST /v1/attention, FastAPI's dispatch", "GET /healthz, FastAPI",

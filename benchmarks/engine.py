@@ -72,7 +72,7 @@ from benchmarks import common
 from merge import finalize
 from service.client import AsyncClient, Client, SplitkeyError
 from service.client.timing import parse_server_timing
-from service.settings import ServiceSettings
+from service.core.settings import ServiceSettings
 from service.wire.safetensors import encode_safetensors, to_bytes
 from workers import StreamingKV, partial_attention_resident
 from workers.options import AttentionOptions, KernelOptions

@@ -52,7 +52,7 @@ from workers import DTYPES
 from workers.layout import bytes_per_key
 
 HEADS = {"h_q": 32, "h_kv": 8, "d": 128}
-#: Stages of a context write (service.metrics.STAGES) and of an attention request, as reported.
+#: Stages of a context write (service.core.metrics.STAGES) and of an attention request, as reported.
 WRITE_STAGES = ("parse", "place", "put", "store", "commit", "total")
 INLINE_STAGES = ("parse", "scatter", "compute", "merge", "encode", "total")
 PROBE_KEYS = 4096

@@ -2,7 +2,7 @@
 
 Routes are thin (``service/routes/``): they read a body, decode it into a typed
 request (``service.wire``), call a service object of the :class:`Runtime`, and
-encode. Every error reaches the client through one place, :func:`service.errors.render`.
+encode. Every error reaches the client through one place, :func:`service.core.errors.render`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Match
 
-from service import request_id
-from service.admission import Admission
+from service.core import request_id
+from service.core.admission import Admission
 from service.attention import AttentionService
 from service.batch import BatchService
 from service.cluster.connect import connect, disconnect, start_reaper
@@ -32,8 +32,8 @@ from service.contexts.directory import Directory
 from service.contexts.orphans import Orphans
 from service.contexts.repair import Repairer
 from service.contexts.service import ContextService
-from service.drain import Drain
-from service.errors import (
+from service.core.drain import Drain
+from service.core.errors import (
     InvalidOption,
     MethodNotAllowed,
     RouteNotFound,
@@ -42,11 +42,11 @@ from service.errors import (
     render,
 )
 from service.hot_routes import Handler, HotRoutes
-from service.metrics import Metrics
+from service.core.metrics import Metrics
 from service.middleware import FRONTEND, ServiceMiddleware
 from service.routes import attention, batch, contexts, kserve, ops
 from service.runtime import AppState, Runtime
-from service.settings import ServiceSettings
+from service.core.settings import ServiceSettings
 from service.wire.body import ClientClosed
 from service.wire.rules import show
 
@@ -94,7 +94,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     """
     state: AppState = app.state.splitkey
     settings = state.settings
-    uvicorn_handlers = state.drain.saved_handlers()  # ray.init replaces them (service.drain)
+    uvicorn_handlers = state.drain.saved_handlers()  # ray.init replaces them (service.core.drain)
     started = connect(settings)
     reaper = start_reaper(started)  # the embedded Ray follows this process even after a SIGKILL
     state.drain.install(uvicorn_handlers)

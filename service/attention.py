@@ -20,9 +20,9 @@ from service.cluster.orchestrator import Job, Orchestrator, inline_shard_count, 
 from service.cluster.pool import InlineWork, WorkerPool
 from service.contexts.resolved import Resolved
 from service.contexts.service import ContextService
-from service.errors import BodyTooLarge, ContextLost, InvalidTensor, WorkersUnavailable
-from service.metrics import Timings
-from service.settings import ServiceSettings
+from service.core.errors import BodyTooLarge, ContextLost, InvalidTensor, WorkersUnavailable
+from service.core.metrics import Timings
+from service.core.settings import ServiceSettings
 from service.wire.request import AttentionRequest
 from workers.dtypes import accumulation_dtype
 from workers.problem import Arange, check_positions, end_of, last_positions

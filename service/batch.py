@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from merge import State, finalize, merge_all
-from service import request_id
+from service.core import request_id
 from service.attention import (
     AttentionService,
     answer_elements,
@@ -49,9 +49,9 @@ from service.cluster.pool import WorkerPool
 from service.contexts.records import ContextRecord
 from service.contexts.resolved import Resolved
 from service.contexts.service import ContextService
-from service.errors import BodyTooLarge, ContextNotFound, Internal, InvalidTensor, ServiceError, WorkersUnavailable
-from service.metrics import Timings
-from service.settings import ServiceSettings
+from service.core.errors import BodyTooLarge, ContextNotFound, Internal, InvalidTensor, ServiceError, WorkersUnavailable
+from service.core.metrics import Timings
+from service.core.settings import ServiceSettings
 from service.wire.batch import Answer, Item, ItemError
 from service.wire.request import AttentionRequest
 from workers.dtypes import accumulation_dtype

@@ -19,7 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from service.app import create_app
     from service.http_protocol import JsonErrorsProtocol
-    from service.settings import ServiceSettings
+    from service.core.settings import ServiceSettings
 
     try:
         settings = ServiceSettings(**cli_settings.given(args))
@@ -61,7 +61,7 @@ def _serve(args: argparse.Namespace) -> int:
                                                check_s=settings.body_grace_s, min_rate=settings.min_body_rate,
                                                head_timeout_s=settings.body_timeout_s)))
 
-    def stop() -> None:  # after the drain (service.drain): exit without re-raising the signal, status 0
+    def stop() -> None:  # after the drain (service.core.drain): exit without re-raising the signal, status 0
         server.should_exit = True
 
     def force() -> None:  # a signal after the drain: uvicorn waits no more for answers in progress

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from service.settings import GROUPS, ServiceSettings
+from service.core.settings import GROUPS, ServiceSettings
 
 ENV_PREFIX = "SPLITKEY_"
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import grpc
 
-from service import request_id
-from service.errors import Unauthorized
-from service.metrics import Metrics
+from service.core import request_id
+from service.core.errors import Unauthorized
+from service.core.metrics import Metrics
 
 SERVICE = "/inference.GRPCInferenceService/"
 #: Methods answered without the key: the health probes, open as their HTTP forms are.

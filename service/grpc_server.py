@@ -27,10 +27,10 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from service import request_id
+from service.core import request_id
 from service.grpc_auth import KeyFirst
-from service.errors import ERRORS, Internal, RouteNotFound, ServiceError, ShuttingDown, internals
-from service.metrics import Timings
+from service.core.errors import ERRORS, Internal, RouteNotFound, ServiceError, ShuttingDown, internals
+from service.core.metrics import Timings
 from service.routes.common import off_loop, with_deadline
 from service.runtime import AppState
 from service.wire.kserve import MODEL_NAME, MODEL_VERSION, PLATFORM, decode_infer_request, model_metadata
@@ -135,7 +135,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except asyncio.CancelledError:
             if not state.drain.cutting:
                 raise
-            # Cut by the end of the shutdown grace period (service.drain): answered, not dropped.
+            # Cut by the end of the shutdown grace period (service.core.drain): answered, not dropped.
             cut = ShuttingDown(f"the request must finish within the {state.drain.grace_s:g} s shutdown grace "
                                "period, got cut")
             code = cut.status
@@ -157,7 +157,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @staticmethod
     async def _abort(context: Any, err: ServiceError, rid: str) -> None:
         """End the call with ``err``'s gRPC status, its message (machine internals withheld, as
-        ``service.errors.render`` does) and its contract code in the trailing metadata."""
+        ``service.core.errors.render`` does) and its contract code in the trailing metadata."""
         detail = err.detail
         leak = internals(detail)
         if leak is not None:

@@ -16,7 +16,7 @@ answers are written here, as JSON with a request id like every other error, API.
 
 And one for answers. While an answer waits unsent over the transport's high-water mark (the
 client reads it slower than it is written, or not at all), its bytes count against the
-in-flight byte budget (``service.admission``), and every ``answer_check_s`` seconds at least
+in-flight byte budget (``service.core.admission``), and every ``answer_check_s`` seconds at least
 ``answer_min_rate`` bytes/s of it must have left, else the connection is aborted, which frees
 them. uvicorn kept such bytes, and ``close`` waits for them to be read: a client that never
 read pinned its answer, up to GiBs, outside every limit, for as long as it kept the socket
@@ -29,9 +29,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from service import request_id
-from service.admission import Admission
-from service.errors import HeadTooLarge, InvalidBody, RequestTimeout, ServiceError, render
+from service.core import request_id
+from service.core.admission import Admission
+from service.core.errors import HeadTooLarge, InvalidBody, RequestTimeout, ServiceError, render
 
 try:  # uvicorn's fast parser when installed (uvicorn[standard]), else its pure-Python one
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as BaseProtocol

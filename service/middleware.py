@@ -2,18 +2,18 @@
 
 Pure ASGI (not BaseHTTPMiddleware) so request bodies stream through untouched.
 
-* Request id: every response carries ``X-Request-Id`` (``service.request_id``); error
+* Request id: every response carries ``X-Request-Id`` (``service.core.request_id``); error
   bodies carry it too, and the log lines about the request name it. ``X-Splitkey-Frontend``
   names the front end (process) that answered.
 * Auth: when an API key is set, every path except the health probes needs
   ``Authorization: Bearer <key>`` (compared in constant time), else 401.
-* Admission (``service.admission``): each work request gets a ticket in its scope; one
+* Admission (``service.core.admission``): each work request gets a ticket in its scope; one
   without a body is admitted here, one with a body once the body has arrived. Past
   ``max_inflight`` (or the in-flight body budget) it gets 429 with ``Retry-After``
   immediately instead of queueing without bound.
 * Accounting: requests by route and status code (a path with no route: ``unmatched``), in-flight
   gauge, bytes out.
-* Shutdown: while the service drains (``service.drain``) new work is refused with 503
+* Shutdown: while the service drains (``service.core.drain``) new work is refused with 503
   ``shutting_down``, and work cut by the grace period is answered the same way.
 * Faults: an exception no handler turned into an answer is logged with its traceback
   under the request id and answered 500 ``internal_error`` naming the id, nothing more.
@@ -27,11 +27,11 @@ import logging
 import secrets
 from typing import Any
 
-from service import request_id
-from service.admission import TICKET, Admission
-from service.drain import Drain
-from service.errors import Internal, ServiceError, ShuttingDown, Unauthorized, render
-from service.metrics import Metrics
+from service.core import request_id
+from service.core.admission import TICKET, Admission
+from service.core.drain import Drain
+from service.core.errors import Internal, ServiceError, ShuttingDown, Unauthorized, render
+from service.core.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class ServiceMiddleware:
         except asyncio.CancelledError:
             if not (self.drain.cutting and not started["response"]):
                 raise
-            # Cut by the end of the grace period (service.drain): answered, not dropped.
+            # Cut by the end of the grace period (service.core.drain): answered, not dropped.
             await self._error(send_wrapper, path, route, ShuttingDown(
                 f"the request must finish within the {self.drain.grace_s:g} s shutdown grace period, got cut"))
             status["code"] = 0  # counted by _error

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from service.admission import Admission
+from service.core.admission import Admission
 from service.attention import AttentionService
 from service.batch import BatchService
 from service.cluster.pool import WorkerPool
 from service.contexts.repair import Repairer
 from service.contexts.service import ContextService
-from service.drain import Drain
-from service.metrics import Metrics
-from service.settings import ServiceSettings
+from service.core.drain import Drain
+from service.core.metrics import Metrics
+from service.core.settings import ServiceSettings
 from service.wire.body import Pace
 from service.wire.rules import Limits
 

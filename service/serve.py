@@ -28,7 +28,7 @@ from ray import serve
 from ray.serve import Deployment
 
 from service.app import create_app
-from service.settings import ServiceSettings
+from service.core.settings import ServiceSettings
 
 #: The Serve deployment's name (deploy/k8s/rayservice.yaml configures it under this name).
 DEPLOYMENT = "SplitkeyIngress"

@@ -8,12 +8,12 @@ from contextlib import contextmanager
 
 import pytest
 
-from service.errors import ServiceError
+from service.core.errors import ServiceError
 from service.wire.rules import RequestOptions
 from workers.options import AttentionOptions
 
 #: The error codes and statuses docs/API.md section 7 promises (written out here, not
-#: read from the code, so that a wrong entry in service.errors.ERRORS fails the tests).
+#: read from the code, so that a wrong entry in service.core.errors.ERRORS fails the tests).
 CONTRACT_STATUS = {
     "invalid_body": 400, "unauthorized": 401, "context_not_found": 404, "route_not_found": 404,
     "method_not_allowed": 405, "request_timeout": 408,

@@ -35,7 +35,7 @@ import pytest
 import yaml
 
 from service.cli import build_parser
-from service.settings import ServiceSettings
+from service.core.settings import ServiceSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -1,10 +1,10 @@
-"""Admission control: request slots and the in-flight body budget (service.admission)."""
+"""Admission control: request slots and the in-flight body budget (service.core.admission)."""
 
 import pytest
 
-from service.admission import Admission
-from service.errors import Overloaded
-from service.metrics import Metrics
+from service.core.admission import Admission
+from service.core.errors import Overloaded
+from service.core.metrics import Metrics
 
 
 def admission(max_inflight: int = 2, max_inflight_bytes: int = 100) -> Admission:

@@ -8,7 +8,7 @@ import ray
 
 from service.app import create_app
 from service.middleware import ServiceMiddleware
-from service.settings import ServiceSettings
+from service.core.settings import ServiceSettings
 
 
 def request(app, method: str, path: str, **kwargs) -> httpx.Response:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from service import cli_settings
 from service.cli import build_parser
 from service.cli_settings import env_var, flag
-from service.settings import GROUPS, ServiceSettings
+from service.core.settings import GROUPS, ServiceSettings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FIELDS = ServiceSettings.model_fields

@@ -142,7 +142,7 @@ def ray_cluster():
 def pool_call(ray_cluster, rng, channel: bool, act) -> None:
     """Start a one-worker pool, store a shard on it, run ``act(pool, q, query, work, want)`` in its loop."""
     from service.cluster.pool import ResidentWork, WorkerPool
-    from service.settings import ServiceSettings
+    from service.core.settings import ServiceSettings
 
     settings = ServiceSettings(workers=1, worker_cpus=1, worker_channel=channel, ray_namespace="channel-test")
     k, v = keys(rng)
@@ -238,11 +238,11 @@ def test_work_sent_with_no_time_left_is_not_computed_and_the_request_gets_deadli
                                                                                             channel):
     """Calls sent once the request's deadline passed (budget 0) are refused by the worker, over the channel
     and over Ray alike (inline shards, resident queries, batch items); the orchestrator answers 504."""
-    from service import deadline
+    from service.core import deadline
     from service.cluster.orchestrator import Job, Orchestrator
     from service.cluster.pool import InlineWork
-    from service.errors import DeadlineExceeded
-    from service.metrics import Timings
+    from service.core.errors import DeadlineExceeded
+    from service.core.metrics import Timings
     from workers.store import Expired
     from workers.tasks import ResidentQuery
 
@@ -275,8 +275,8 @@ def test_a_query_the_worker_fails_is_a_500_naming_the_worker_not_a_lost_context(
     several reads and an inline shard; not ContextLost (503, "retry"), and the worker still serves."""
     from service.cluster.orchestrator import Job, Orchestrator
     from service.cluster.pool import InlineWork, ResidentWork
-    from service.errors import ERRORS, Internal
-    from service.metrics import Timings
+    from service.core.errors import ERRORS, Internal
+    from service.core.metrics import Timings
 
     async def act(pool, q, query, work, want) -> None:
         k, v = keys(rng)

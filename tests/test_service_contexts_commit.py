@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from reference import assert_close_to_reference
 
-from service.errors import WorkersUnavailable
-from service.metrics import Timings
+from service.core.errors import WorkersUnavailable
+from service.core.metrics import Timings
 from service.wire.request import ContextWrite, InlineKV
 from workers.options import AttentionOptions
 from workers.problem import KVDims
@@ -68,7 +68,7 @@ async def read_all(pool, contexts, ctx, q, k_pos_q):
 def test_an_append_whose_lease_lapsed_is_refused_never_taken_by_a_rebuild_and_its_shard_reused(ray_cluster,
                                                                                                monkeypatch, rng):
     import service.contexts.service as contexts_service
-    from service.settings import ServiceSettings
+    from service.core.settings import ServiceSettings
 
     settings = ServiceSettings(workers=1, worker_cpus=1, context_shard_keys=4, ray_namespace=NAMESPACE)
     k = rng.standard_normal((10, 1, 8)).astype(np.float32)  # [n_k, h_kv, d]
@@ -107,7 +107,7 @@ def test_an_append_whose_directory_restarted_before_the_workers_were_told_is_not
     """The directory dies right after an append's commit, before any holder keeps the new record: the
     rebuilt directory has the record before the append. The append must not be answered as stored
     (before 2026-12-06 it was: an acknowledged append the context did not hold)."""
-    from service.settings import ServiceSettings
+    from service.core.settings import ServiceSettings
 
     settings = ServiceSettings(workers=1, worker_cpus=1, context_shard_keys=4, ray_namespace=NAMESPACE)
     k = rng.standard_normal((10, 1, 8)).astype(np.float32)  # [n_k, h_kv, d]
@@ -153,7 +153,7 @@ def test_an_append_whose_directory_restarted_before_the_workers_were_told_is_not
 def test_an_append_whose_directory_restarted_after_the_workers_were_told_stands(ray_cluster, rng):
     """The directory dies after every holder keeps the append's record, before the lease is given back:
     the rebuilt directory takes the append from the holders, and the append is answered as stored."""
-    from service.settings import ServiceSettings
+    from service.core.settings import ServiceSettings
 
     settings = ServiceSettings(workers=1, worker_cpus=1, context_shard_keys=4, ray_namespace=NAMESPACE)
     k = rng.standard_normal((9, 1, 8)).astype(np.float32)  # [n_k, h_kv, d]

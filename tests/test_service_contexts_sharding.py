@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from service.contexts.sharding import open_shards, plan_shards, reserve_of
-from service.errors import InvalidOption
+from service.core.errors import InvalidOption
 from service.wire.request import ContextWrite, InlineKV
 from workers.problem import KVDims
 

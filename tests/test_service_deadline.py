@@ -16,10 +16,10 @@ import pytest
 from reference import assert_close_to_reference
 from server import Server
 
-from service import deadline
+from service.core import deadline
 from service.client import AsyncClient, Client, SplitkeyError
 from service.client.retry import timeout_text
-from service.errors import DeadlineExceeded, InvalidOption
+from service.core.errors import DeadlineExceeded, InvalidOption
 from service.routes.common import query_deadline, with_deadline
 from service.wire.rules import timeout_header
 

@@ -18,7 +18,7 @@ import pytest
 from server import Server, read_response
 
 from service.client import Client, SplitkeyError
-from service.errors import internals
+from service.core.errors import internals
 from service.wire.safetensors import encode_safetensors, to_bytes
 
 pytestmark = pytest.mark.ray

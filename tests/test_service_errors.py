@@ -7,8 +7,8 @@ import json
 import pytest
 from expect import CONTRACT_STATUS
 
-from service import errors, request_id
-from service.errors import (
+from service.core import errors, request_id
+from service.core.errors import (
     ERRORS,
     MethodNotAllowed,
     Overloaded,
@@ -114,7 +114,7 @@ def test_a_detail_in_the_services_words_is_kept(detail):
 
 def test_a_detail_with_internals_is_withheld_and_logged_under_the_request_id(caplog):
     rid = request_id.assign([])
-    with caplog.at_level("WARNING", logger="service.errors"):
+    with caplog.at_level("WARNING", logger="service.core.errors"):
         status, body, _ = render(errors.InsufficientCapacity(RAY_TRACEBACK), "/v2/models/attention/infer")
     doc = json.loads(body)
     assert status == 507 and doc["code"] == "insufficient_capacity" and doc["request_id"] == rid

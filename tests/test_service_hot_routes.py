@@ -13,10 +13,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from service.app import create_app
-from service.errors import ContextNotFound, ServiceError
+from service.core.errors import ContextNotFound, ServiceError
 from service.hot_routes import HotRoutes
 from service.routes import attention, batch, kserve
-from service.settings import ServiceSettings
+from service.core.settings import ServiceSettings
 
 
 def send(app, method: str, path: str, *, root_path: str = "", **kwargs) -> httpx.Response:

@@ -11,7 +11,7 @@ from reference import assert_close_to_reference
 from server import Server
 
 from service.client import Client, SplitkeyError
-from service.errors import internals
+from service.core.errors import internals
 from service.wire.safetensors import decode_safetensors, encode_safetensors, to_bytes
 
 pytestmark = pytest.mark.ray

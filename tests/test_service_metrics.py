@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from service.metrics import BUCKETS, Metrics, Timings
+from service.core.metrics import BUCKETS, Metrics, Timings
 
 
 def test_timings_accumulate_and_render_server_timing():
@@ -50,7 +50,7 @@ def test_stage_histograms_render_as_prometheus_clients_histogram_would(rng):
     Histogram (whose ``_created`` series we do not export), values on bucket edges included."""
     m = Metrics()
     registry = CollectorRegistry()
-    ref = Histogram("splitkey_request_stage_seconds", "Seconds per request stage (service.metrics.STAGES).",
+    ref = Histogram("splitkey_request_stage_seconds", "Seconds per request stage (service.core.metrics.STAGES).",
                     ["route", "stage"], buckets=BUCKETS, registry=registry)
     values = [*BUCKETS, 0.0, 1e-9, 500.0, *rng.exponential(0.01, 200)]
     for i, sec in enumerate(values):

@@ -1,7 +1,6 @@
 """`splitkey serve --ray-address auto` joins a cluster started by `ray start --head`."""
 
 import os
-import signal
 import subprocess
 import sys
 import time

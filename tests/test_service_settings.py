@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from service.settings import ServiceSettings
+from service.core.settings import ServiceSettings
 
 
 def test_defaults_are_safe():

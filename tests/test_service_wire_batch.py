@@ -8,7 +8,7 @@ from expect import service_error
 
 from service.client.batch import decode_batch, encode_batch
 from service.client.errors import SplitkeyError
-from service.errors import InvalidBody
+from service.core.errors import InvalidBody
 from service.wire.batch import (
     ItemError,
     decode_binary_batch,

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from service.errors import ServiceError
+from service.core.errors import ServiceError
 from service.wire.body import ClientClosed, Pace, declared_length, paced, read_into_buffer
 
 

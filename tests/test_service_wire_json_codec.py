@@ -13,7 +13,7 @@ from expect import service_error as api_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.errors import ServiceError
+from service.core.errors import ServiceError
 from service.wire.json_codec import (
     AttentionRequestModel,
     AttentionResult,

@@ -7,7 +7,7 @@ from expect import service_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.errors import ServiceError
+from service.core.errors import ServiceError
 from service.wire.negotiation import (
     MEMO_ACCEPT_CHARS,
     _negotiate_memo,

@@ -8,7 +8,7 @@ from expect import given_options, service_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from service.errors import ServiceError
+from service.core.errors import ServiceError
 from service.wire.rules import (
     ATTENTION,
     CONTEXT_APPEND,
@@ -275,7 +275,7 @@ def test_query_options_accept_a_list_of_pairs():
     assert given_options(parse_query_options([("scale", "0.5"), ("window", "2,")])) == {"scale": 0.5, "window": (2, None)}
 
 
-def test_values_too_long_to_print_are_shown_by_type():
+def test_an_option_too_long_to_print_is_named_by_type():
     with service_error("invalid_option", "scale must be a number, got a list"):
         check_options({"scale": [10**5000]}, ATTENTION, Limits())
 

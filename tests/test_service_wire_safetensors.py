@@ -14,7 +14,7 @@ from expect import service_error as api_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.errors import ServiceError
+from service.core.errors import ServiceError
 from service.wire.rules import ATTENTION, CONTEXT_CREATE, Limits
 from service.wire.safetensors import (
     MEMO_HEADER_BYTES,

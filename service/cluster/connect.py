@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import ray
 from ray._private import ray_constants
 
-from service.settings import ServiceSettings
+from service.core.settings import ServiceSettings
 
 
 def connect(settings: ServiceSettings) -> bool:

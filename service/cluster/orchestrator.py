@@ -28,8 +28,8 @@ import ray
 
 from merge import State, finalize, merge_all, tree_levels
 from service.cluster.pool import InlineWork, ResidentWork, WorkerPool
-from service.errors import ContextLost, DeadlineExceeded, WorkersUnavailable
-from service.metrics import Timings
+from service.core.errors import ContextLost, DeadlineExceeded, WorkersUnavailable
+from service.core.metrics import Timings
 from workers.store import Expired, ShardMissing
 from workers.tasks import ComputeStatus, ShardQuery
 

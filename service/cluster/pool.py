@@ -10,9 +10,9 @@ directory has forgotten what the dead one held, and rebuilds its replicas elsewh
 
 This is the only module that calls ``workers.actor.ShardWorker``'s methods: the
 typed methods below are its remote API. A worker that dies mid-call is marked
-dead and the call raises :class:`service.errors.WorkersUnavailable`. A worker that *answers* a
+dead and the call raises :class:`service.core.errors.WorkersUnavailable`. A worker that *answers* a
 query with an exception other than a domain one (:data:`DOMAIN_ERRORS`) is alive and holds its
-shards: that is a fault of the service, :class:`service.errors.Internal` (500) with the worker and
+shards: that is a fault of the service, :class:`service.core.errors.Internal` (500) with the worker and
 the exception's kind, the same over the direct channel and over Ray, and not retried elsewhere.
 """
 
@@ -31,7 +31,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from merge import State
-from service import deadline, request_id
+from service.core import deadline, request_id
 from service.cluster.channel import MAX_CALL_BYTES, ChannelClosed, WorkerChannel
 from service.cluster.startup import (
     WORKER_PREFIX,
@@ -41,8 +41,8 @@ from service.cluster.startup import (
     resolve_device,
     worker_config,
 )
-from service.errors import Internal, WorkersUnavailable
-from service.settings import ServiceSettings
+from service.core.errors import Internal, WorkersUnavailable
+from service.core.settings import ServiceSettings
 from workers.actor import ShardWorker
 from workers.config import settings_of
 from workers.options import CpuKernels
@@ -386,7 +386,7 @@ class WorkerPool:
         worker's direct channel when it has one and the query fits it; through Ray otherwise,
         and whenever the channel breaks before the answer (the query is read-only: running it
         again is safe). Within a request the query carries the seconds left of its deadline
-        (``service.deadline``); work the worker could not start in time raises ``Expired``.
+        (``service.core.deadline``); work the worker could not start in time raises ``Expired``.
         """
         if isinstance(work, ResidentWork) and len(work.reads) > 1:
             if keep_state:

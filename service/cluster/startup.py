@@ -10,8 +10,8 @@ from pathlib import Path
 
 import ray
 
-from service.errors import WorkersUnavailable
-from service.settings import ServiceSettings
+from service.core.errors import WorkersUnavailable
+from service.core.settings import ServiceSettings
 from workers.config import WorkerConfig
 from workers.options import KernelOptions
 

@@ -23,8 +23,8 @@ from typing import Any, cast
 import ray
 
 from service.contexts.records import ContextRecord
-from service.errors import WorkersUnavailable
-from service.settings import ServiceSettings
+from service.core.errors import WorkersUnavailable
+from service.core.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from service.contexts.orphans import Orphans
 from service.contexts.records import ContextRecord, ShardEntry
 from service.contexts.service import ContextService
 from service.contexts.sharding import reserve_of
-from service.errors import ContextNotFound, WorkersUnavailable, internals
+from service.core.errors import ContextNotFound, WorkersUnavailable, internals
 from workers.store import CapacityError, ShardMissing
 from workers.tasks import ShardWrite
 
@@ -55,7 +55,7 @@ class RepairStats:
 
 def shown(exc: BaseException) -> str:
     """``exc`` as ``/v1/cluster`` shows it: its class, and its message unless that holds machine
-    internals (service.errors.internals), which stay in the log."""
+    internals (service.core.errors.internals), which stay in the log."""
     message = str(exc)
     return type(exc).__name__ if internals(message) else f"{type(exc).__name__}: {message}"
 

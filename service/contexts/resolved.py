@@ -11,7 +11,7 @@ import numpy as np
 from service.cluster.orchestrator import Job
 from service.cluster.pool import ResidentWork, WorkerPool
 from service.contexts.records import ContextRecord
-from service.errors import InvalidTensor
+from service.core.errors import InvalidTensor
 from service.wire.request import AttentionRequest
 from workers.problem import KVDims, check_heads
 from workers.tasks import ShardRead

@@ -40,7 +40,7 @@ from service.contexts.records import (
 )
 from service.contexts.resolved import Resolved
 from service.contexts.sharding import open_shards, plan_shards, reserve_of
-from service.errors import (
+from service.core.errors import (
     ContextLost,
     ContextNotFound,
     InsufficientCapacity,
@@ -49,8 +49,8 @@ from service.errors import (
     LengthMismatch,
     WorkersUnavailable,
 )
-from service.metrics import Timings
-from service.settings import ServiceSettings
+from service.core.metrics import Timings
+from service.core.settings import ServiceSettings
 from service.wire.request import ContextWrite, InlineKV
 from workers.dtypes import dtype_name, dtype_of
 from workers.problem import Arange, KVDims, check_positions

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from service.cluster.orchestrator import shard_bounds
 from service.contexts.records import ContextRecord, ShardEntry
-from service.errors import InvalidOption
+from service.core.errors import InvalidOption
 from service.wire.request import ContextWrite
 
 

@@ -6,8 +6,8 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
-from service.errors import error_responses
-from service.metrics import Timings
+from service.core.errors import error_responses
+from service.core.metrics import Timings
 from service.routes.common import (
     app_state,
     body_limit,

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.errors import error_responses
-from service.metrics import Timings
+from service.core.errors import error_responses
+from service.core.metrics import Timings
 from service.routes.common import (
     answer_limit,
     app_state,

@@ -11,11 +11,11 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 from fastapi import Request, Response
 
-from service import deadline
-from service.admission import TICKET, Ticket
+from service.core import deadline
+from service.core.admission import TICKET, Ticket
 from service.attention import V1_BINARY, JsonAnswerLimit
-from service.errors import DeadlineExceeded, RequestTimeout, UnsupportedMediaType, WorkersUnavailable
-from service.metrics import Timings
+from service.core.errors import DeadlineExceeded, RequestTimeout, UnsupportedMediaType, WorkersUnavailable
+from service.core.metrics import Timings
 from service.runtime import AppState, Runtime
 from service.wire.body import declared_length, paced, read_into_buffer
 from service.wire.json_codec import decode_json_request, json_result
@@ -53,7 +53,7 @@ async def read_body(request: Request, limit: int, route: str,
                     before_read: Callable[[int], None] | None = None) -> memoryview:
     """The whole body, within ``limit`` bytes (checked from Content-Length before reading), at the
     settings' pace (408 when slower), charged to the in-flight body budget as it arrives; then
-    the request takes its admission slot (429 if none is free): service.admission.
+    the request takes its admission slot (429 if none is free): service.core.admission.
 
     ``before_read`` sees the declared length first, to refuse a body by its headers alone.
     """
@@ -150,7 +150,7 @@ async def with_deadline(work: Awaitable[T], seconds: float) -> T:
 
     In the request's own task (``asyncio.timeout``), not a task of its own as ``asyncio.wait_for``
     makes on Python 3.11: one task and one turn of the event loop less per query. The calls it
-    sends the workers carry the seconds left of the same deadline (``service.deadline``), so a
+    sends the workers carry the seconds left of the same deadline (``service.core.deadline``), so a
     worker does not start work this request has given up on; ``work`` is a coroutine, run in this
     task's context."""
     try:
@@ -166,7 +166,7 @@ async def to_completion(work: Awaitable[T]) -> T:
 
     Cancelling it half way would leave replicas out of step, so writes are not cut by the
     request deadline (their size is bounded by the body limit instead), nor by a client that
-    goes away, nor by the end of the shutdown's grace period (``service.drain``): a write cut
+    goes away, nor by the end of the shutdown's grace period (``service.core.drain``): a write cut
     there used to be answered 503 ``shutting_down`` while it went on to commit, and a client
     retrying it (without ``after``) stored its keys twice. A cancel that arrives here is taken
     back and the write awaited; uvicorn waits for every answer in progress before the

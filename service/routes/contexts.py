@@ -7,8 +7,8 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from service.errors import ContextNotFound, InvalidOption, error_responses
-from service.metrics import Timings
+from service.core.errors import ContextNotFound, InvalidOption, error_responses
+from service.core.metrics import Timings
 from service.routes.common import app_state, body_limit, decode_body, off_loop, read_body, runtime, to_completion
 from service.runtime import AppState
 from service.wire.json_codec import ContextAppendRequestModel, ContextCreateRequestModel, ContextWriteModel

@@ -2,7 +2,7 @@
 
 One model, ``attention`` (version ``1``), over the same ``AttentionService`` as
 ``POST /v1/attention``. Decoding and encoding are in ``service.wire.kserve``;
-errors are written by ``service.errors.render``, which adds the protocol's
+errors are written by ``service.core.errors.render``, which adds the protocol's
 ``error`` key on these routes.
 """
 
@@ -14,8 +14,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from service.attention import KSERVE_BINARY, JsonAnswerLimit
-from service.errors import error_responses
-from service.metrics import Timings
+from service.core.errors import error_responses
+from service.core.metrics import Timings
 from service.routes.common import (
     app_state,
     client_timeout,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from service.errors import error_responses
+from service.core.errors import error_responses
 from service.routes.common import app_state
 
 router = APIRouter(tags=["operations"])

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from service import request_id
-from service.errors import ERRORS, BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor, ServiceError, internals
+from service.core import request_id
+from service.core.errors import ERRORS, BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor, ServiceError, internals
 from service.wire.json_codec import decode_json_object
 from service.wire.request import AttentionRequest, Decoded, attention_request
 from service.wire.rules import (
@@ -66,7 +66,7 @@ class ItemError:
     @classmethod
     def of(cls, index: int, exc: ServiceError) -> ItemError:
         """Item ``index``'s error; a detail with machine internals is logged and withheld, as
-        ``service.errors.render`` does for a whole request."""
+        ``service.core.errors.render`` does for a whole request."""
         kind = ERRORS[type(exc)]
         detail = exc.detail
         leak = internals(detail)

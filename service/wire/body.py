@@ -17,12 +17,12 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from service.errors import BodyTooLarge, InvalidBody, RequestTimeout
+from service.core.errors import BodyTooLarge, InvalidBody, RequestTimeout
+from service.core.limits import Pace
 
 FIRST_CHUNKED_ALLOCATION = 1 << 20
 
@@ -31,32 +31,6 @@ class ClientClosed(Exception):
     """The client closed the connection before its body had arrived (nobody is left to answer)."""
 
 
-@dataclass(frozen=True)
-class Pace:
-    """How fast a body must arrive (docs/SECURITY.md).
-
-    All of it within ``timeout_s`` of the request's head; and at every moment ``t``
-    seconds after the head, at least ``min_rate * (t - grace_s)`` bytes (``min_rate``
-    in bytes/s; 0 turns the rate off), which allows a slow start and pauses but not a
-    trickle.
-    """
-
-    timeout_s: float
-    min_rate: float
-    grace_s: float
-
-    def __post_init__(self) -> None:
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
-        if not (self.min_rate >= 0 and self.grace_s >= 0):
-            raise ValueError(f"min_rate and grace_s must be >= 0, got {self.min_rate!r} and {self.grace_s!r}")
-
-    def deadline(self, started: float, received: int) -> float:
-        """When the next bytes must have come, ``received`` bytes having come since ``started``."""
-        end = started + self.timeout_s
-        if self.min_rate > 0:
-            end = min(end, started + self.grace_s + received / self.min_rate)
-        return end
 
     def too_slow(self, received: int, elapsed: float) -> RequestTimeout:
         """The error naming the limit that was missed: the one whose deadline came first for these

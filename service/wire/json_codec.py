@@ -21,7 +21,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.errors import BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor
+from service.core.errors import BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor
 from service.wire.request import Decoded
 from service.wire.rules import (
     ATTENTION,

@@ -5,7 +5,7 @@ See docs/KSERVE.md. A request is a JSON header ``{"id"?, "inputs", "outputs"?,
 little-endian bytes of every input whose ``parameters.binary_data_size`` is set, in
 input order; ``Inference-Header-Content-Length`` says where the JSON ends.
 
-Errors follow the rest of the service (``service.errors``): a request that breaks
+Errors follow the rest of the service (``service.core.errors``): a request that breaks
 the protocol's structure (not JSON, ``inputs`` not a list, a binary section that
 does not add up) is 400 ``invalid_body``; a well-formed one with a wrong tensor
 (unknown name, datatype, rank, element count, value) is 422 ``invalid_tensor``; a
@@ -13,7 +13,7 @@ wrong option or parameter is 422 ``invalid_option``; sizes over
 :class:`service.wire.rules.Limits` are 413 ``body_too_large``. Every size is checked
 against the body and the shape before any array is built; binary tensors are
 zero-copy views of the body. Error bodies carry the protocol's ``error`` key as
-well as the contract's ``detail`` and ``code`` (``service.errors.render``).
+well as the contract's ``detail`` and ``code`` (``service.core.errors.render``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor
+from service.core.errors import BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor
 from service.wire.request import Decoded
 from service.wire.rules import (
     ATTENTION,

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor
+from service.core.errors import BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor
 from service.wire.kserve import MODEL_NAME, MODEL_VERSION, RequestedOutput
 from service.wire.rules import DEFAULT_LIMITS, Limits, show
 from service.wire.values import KSERVE, array_bytes, wire_of

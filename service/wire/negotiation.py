@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Literal
 
-from service.errors import UnsupportedMediaType
+from service.core.errors import UnsupportedMediaType
 from service.wire.rules import show
 
 Format = Literal["json", "safetensors"]

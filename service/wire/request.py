@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.errors import InvalidOption, InvalidTensor
+from service.core.errors import InvalidOption, InvalidTensor
 from service.wire.rules import RequestOptions
 from workers.dtypes import BFLOAT16, FLOAT16
 from workers.options import AttentionOptions

@@ -19,49 +19,14 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from service.errors import BodyTooLarge, InvalidOption, InvalidTensor
+from service.core.errors import BodyTooLarge, InvalidOption, InvalidTensor
+from service.core.limits import DEFAULT_LIMITS, Limits
 from workers.options import MAX_WINDOW, AttentionOptions
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Bounds checked before anything is allocated for a request (built once, from the settings)."""
-
-    max_body_bytes: int = 2 * 2**30  #: a whole binary body
-    max_json_body_bytes: int = 64 * 2**20  #: a whole JSON body (parsing costs ~10x its size)
-    max_header_bytes: int = 2**20  #: the JSON header of a safetensors body
-    max_elements: int = 2**28  #: elements of one tensor
-    max_dims: int = 3  #: dims of one tensor (tensors with a rule in TENSOR_RULES have their own rank)
-    max_contexts: int = 64  #: context ids in one attention request
-    max_context_id_chars: int = 128  #: characters of one context id
-    max_shards: int = 1024  #: shards a create cuts a context into (appends open more past its plan)
-    max_replicas: int = 8  #: replicas of one context
-    max_batch_items: int = 256  #: items of one batch request (``POST /v1/attention/batch``)
-    #: ``out`` elements of an answer written as JSON text (about 20 bytes and 0.9 us each here: 2**21
-    #: is ~40 MB, within the JSON body limit); larger answers go as safetensors (docs/API.md section 8)
-    max_json_answer_elements: int = 2**21
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{f.name} must be an int >= 1, got {value!r}")
-
-    def to_json(self) -> dict[str, int]:
-        """Every limit by name (``GET /v1/limits``, docs/API.md section 8)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> Limits:
-        """The limits a server advertised; names this version does not know are ignored, missing ones default."""
-        return cls(**{f.name: doc[f.name] for f in fields(cls) if f.name in doc})
-
-
-#: The limits used when a caller gives none.
-DEFAULT_LIMITS = Limits()
 
 #: Largest key count an option may name (``expected_length``, ``after``): far beyond any
 #: memory (docs/API.md section 8), and within int64 with room for a sum of two.

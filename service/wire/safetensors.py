@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import BodyTooLarge, InvalidBody, InvalidTensor, ServiceError
+from service.core.errors import BodyTooLarge, InvalidBody, InvalidTensor, ServiceError
 from service.wire.request import Decoded
 from service.wire.rules import (
     ATTENTION,

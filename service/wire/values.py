@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from service.errors import InvalidBody, InvalidTensor
+from service.core.errors import InvalidBody, InvalidTensor
 from service.wire.rules import show
 from workers.dtypes import BFLOAT16, DTYPES, FLOAT32, FLOAT64, bfloat16_from_bits
 

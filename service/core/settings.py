@@ -14,8 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.wire.body import Pace
-from service.wire.rules import Limits
+from service.core.limits import Limits, Pace
 from workers.options import CpuKernels, GpuKernels
 
 #: Ray counts resources in steps of 1e-4 and refuses a finer quantity (once it has started).
@@ -60,7 +59,7 @@ class ServiceSettings(BaseSettings):
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request deadline (504 past it).")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429, in seconds.")
     shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long requests in flight may "
-                                                            "run before they are cut with 503 (service.drain).")
+                                                            "run before they are cut with 503 (service.core.drain).")
 
     # Sharding and merge
     shards: int | None = Field(None, ge=1, description="Shards per inline request; default: the number of workers.")

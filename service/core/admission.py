@@ -19,8 +19,8 @@ event loop, so the counts need no lock.
 
 from __future__ import annotations
 
-from service.errors import Overloaded
-from service.metrics import Metrics
+from service.core.errors import Overloaded
+from service.core.metrics import Metrics
 
 #: Where the middleware leaves each work request's ticket, in the ASGI scope.
 TICKET = "splitkey.ticket"

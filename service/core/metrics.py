@@ -93,7 +93,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.stage_seconds = StageHistograms(
-            "splitkey_request_stage_seconds", "Seconds per request stage (service.metrics.STAGES).", BUCKETS, r)
+            "splitkey_request_stage_seconds", "Seconds per request stage (service.core.metrics.STAGES).", BUCKETS, r)
         self.requests = Counter("splitkey_requests", "Requests by route and status code.", ["route", "code"], registry=r)
         self.batch_items = Counter("splitkey_batch_items", "Items of batch requests by their own status code "
                                    "(200, or the item's error).", ["code"], registry=r)
@@ -101,7 +101,7 @@ class Metrics:
         self.bytes_out = Counter("splitkey_response_body_bytes", "Response body bytes written.", ["route"], registry=r)
         self.inflight = Gauge("splitkey_inflight_requests", "Requests admitted and not finished.", registry=r)
         self.inflight_body_bytes = Gauge("splitkey_inflight_body_bytes", "Request body bytes received and held "
-                                         "(service.admission).", registry=r)
+                                         "(service.core.admission).", registry=r)
         self.rejected = Counter("splitkey_rejected_requests", "Requests refused by admission control (inflight, "
                                 "body_bytes), closed for a slow body (slow_body), or whose answer was cut because the "
                                 "client read it too slowly (slow_answer).", ["reason"], registry=r)

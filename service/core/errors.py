@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from service import request_id
+from service.core import request_id
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,8 @@
+"""The service's foundations: what every other part of ``service`` builds on.
+
+``errors`` (every client-visible error and its status, one table), ``settings`` (deployment
+settings) and ``limits`` (the bounds they set), ``deadline`` (a request's time budget),
+``request_id``, ``metrics``, ``admission`` (slots and the in-flight body budget) and ``drain``
+(graceful shutdown). Nothing here imports another part of ``service``: the dependency test
+(tests/unit/test_dependencies.py) holds it to that.
+"""
