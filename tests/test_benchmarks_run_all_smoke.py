@@ -72,7 +72,7 @@ def test_the_repository_document_keeps_its_hand_written_sections(run_all, tmp_pa
     run_all.render(doc, out, manifest)
     head = original.split(run_all.SECTION)[0]
     assert doc.read_text().startswith(head)
-    assert "## Kernel (issue 2)" in head and "## Service (issue 3)" in head
+    assert "## CPU kernels (issues 2 and 16)" in head and "## Inline requests (issue 3)" in head
 
 
 @pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])

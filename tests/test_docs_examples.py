@@ -21,7 +21,7 @@ def test_ci_runs_exactly_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
     assert len(ci) == 1
-    assert ci[0] in readme, "the README's quickstart test command and .ci/run differ"
+    assert ci[0] in readme, "the README's test command (section Tests) and .ci/run differ"
     assert "Quickstart" in readme
 
 
