@@ -1,4 +1,4 @@
-"""benchmarks/run_all: the generated blocks of docs/BENCHMARKS.md, and one --quick run through it.
+"""benchmarks/run_all: the generated blocks of docs/BENCHMARKS-run_all.md, and one --quick run through it.
 
 The rendering is tested on a fixture (a manifest and reports written here). Every benchmark's
 --quick runs whole in its own smoke test (tests/test_benchmarks_*_smoke.py), except the contexts
@@ -64,15 +64,20 @@ def test_a_failed_run_leaves_its_block_as_it_was(run_all, tmp_path):
     assert "Not generated yet: `benchmarks/run_all --only kernel`" in doc.read_text()
 
 
-def test_the_repository_document_keeps_its_hand_written_sections(run_all, tmp_path):
-    doc = tmp_path / "BENCHMARKS.md"
-    shutil.copy(ROOT / "docs" / "BENCHMARKS.md", doc)
+def test_the_repository_document_keeps_its_hand_written_header(run_all, tmp_path):
+    doc = tmp_path / "BENCHMARKS-run_all.md"
+    shutil.copy(ROOT / run_all.DOC, doc)
     original = doc.read_text()
     out, manifest = fixture_run(tmp_path)
     run_all.render(doc, out, manifest)
     head = original.split(run_all.SECTION)[0]
     assert doc.read_text().startswith(head)
-    assert "## CPU kernels (issues 2 and 16)" in head and "## Inline requests (issue 3)" in head
+    assert "# Benchmarks: the last full `benchmarks/run_all` run" in head and "(BENCHMARKS.md)" in head
+    # Every block is there to be replaced (none appended); the hand-written document has none of them.
+    assert all(f"<!-- run_all:{name}:begin -->" in original for name in run_all.NAMES)
+    hand = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    assert run_all.SECTION not in hand and "<!-- run_all:" not in hand
+    assert "## CPU kernels (issues 2 and 16)" in hand and "## Inline requests (issue 3)" in hand
 
 
 @pytest.mark.parametrize("quick", [False, True], ids=["full", "quick"])
@@ -95,7 +100,7 @@ def test_quick_run_regenerates_its_block_and_the_model_from_the_results_folder(t
     # run_all also fits the model on it and rewrites SCALING.md and its plot, as after a full run.
     docs = tmp_path / "root" / "docs"
     docs.mkdir(parents=True)
-    for name in ("BENCHMARKS.md", "SCALING.md"):
+    for name in ("BENCHMARKS.md", "BENCHMARKS-run_all.md", "SCALING.md"):
         shutil.copy(ROOT / "docs" / name, docs / name)
     out = tmp_path / "results"
     out.mkdir()
@@ -109,11 +114,12 @@ def test_quick_run_regenerates_its_block_and_the_model_from_the_results_folder(t
     results = json.loads((out / "contexts.json").read_text())["results"]
     assert [r["n_k"] for r in results] == [8 * 1024, 32 * 1024]
     assert all(r["diff"] <= 1e-4 and all(level["errors"] == 0 for level in r["levels"]) for r in results)
-    text = (docs / "BENCHMARKS.md").read_text()
+    text = (docs / "BENCHMARKS-run_all.md").read_text()
     block = text.split("<!-- run_all:contexts:begin -->")[1].split("<!-- run_all:contexts:end -->")[0]
     assert "exit 0" in block and "#### Resident-context benchmark" in block
     kernel = text.split("<!-- run_all:kernel:begin -->")[1].split("<!-- run_all:kernel:end -->")[0]
-    original = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    original = (ROOT / "docs" / "BENCHMARKS-run_all.md").read_text()
     assert kernel in original  # a benchmark that did not run keeps its block as it was
+    assert (docs / "BENCHMARKS.md").read_text() == (ROOT / "docs" / "BENCHMARKS.md").read_text()  # hand-written
     assert "| cell | measured ms | model ms |" in (docs / "SCALING.md").read_text()
     assert (docs / "images" / "scaling-decode-latency.png").exists()
