@@ -1,4 +1,14 @@
-"""Shared fixtures. Test modules import helpers from this folder (``reference``, ``server``)."""
+"""Fixtures and settings every tier shares; helpers live beside this file (``reference``, ``server``,
+``expect``, ``faults``; on the path through ``pythonpath`` in pyproject.toml).
+
+The tiers (README, "Tests"):
+
+* ``tests/unit/``: no Ray, no server, no INET socket (its conftest fails a test that tries); the inner
+  loop, under a minute.
+* ``tests/e2e/``: a real ``splitkey serve`` on loopback, a real Ray (``ray.cluster_utils.Cluster`` for
+  several nodes), real clients. Marked ``e2e`` by their folder.
+* ``tests/bench/``: the benchmark scripts' smoke runs. Marked ``slow`` by their folder.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +28,17 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 # is off; with it off every test cluster stays on loopback, as tests must.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+#: The tier folders (this file's docstring).
+TIERS = ("unit", "e2e", "bench")
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:
-    """A generator seeded from the test's name: reproducible, different per test."""
-    seed = zlib.crc32(request.node.nodeid.encode())  # not hash(): str hashes change per process
+    """A generator seeded from the test's name: reproducible, different per test, the same in whichever
+    tier folder the test lives (``tests/unit/test_x.py::t`` draws as ``tests/test_x.py::t`` did)."""
+    nodeid = request.node.nodeid
+    for tier in TIERS:
+        nodeid = nodeid.replace(f"tests/{tier}/", "tests/", 1)
+    seed = zlib.crc32(nodeid.encode())  # not hash(): str hashes change per process
     return np.random.default_rng(seed)
 
 

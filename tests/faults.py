@@ -12,6 +12,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import json
+import struct
 import threading
 import urllib.parse
 from typing import Self
@@ -155,3 +156,11 @@ class Forward(http.server.BaseHTTPRequestHandler):
         conn.close()
 
     do_GET = do_POST = do_DELETE = forward
+
+
+def flip_data_byte(path):
+    """Flip one bit of the k tensor's bytes, past the header: a well-formed file with one wrong value."""
+    b = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", b[:8])[0]
+    b[8 + n + json.loads(b[8:8 + n])["k"]["data_offsets"][0] + 2] ^= 0x40
+    path.write_bytes(bytes(b))

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import psutil
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: The lines `splitkey serve` logs with the ports it bound (service.cli, service.grpc_server).
@@ -164,3 +165,15 @@ def read_response(sock: socket.socket) -> str:
             break
         body += chunk
     return (head + b"\r\n\r\n" + body).decode()
+
+
+def shard_worker_pids(root: int) -> list[int]:
+    """The ShardWorker processes among ``root``'s descendants (the embedded Ray's workers)."""
+    found = []
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            if "ShardWorker" in " ".join(p.cmdline()) or "ShardWorker" in p.name():
+                found.append(p.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return found

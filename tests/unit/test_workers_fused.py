@@ -1,0 +1,418 @@
+"""The fused CPU kernel (workers/fused.py): exact against float64, deterministic, batch-invariant,
+chosen explicitly, and replaced by the NumPy kernel when numba is missing or broken.
+
+The first run compiles the kernels (about 10 s per dtype and layout on 2 cores); numba caches
+them on disk next to the module, so later runs take seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import numpy as np
+import pytest
+from reference import assert_close_to_reference
+
+from merge import finalize, merge_all
+from workers import BFLOAT16, StreamingKV, fused
+from workers.api import partial_attention_resident, partial_attention_resident_many, partial_attention_shard
+from workers.layout import NaturalKV
+from workers.options import AttentionOptions, CpuKernels, KernelOptions
+from workers.problem import check_problem
+
+pytestmark = pytest.mark.skipif(fused.kernels() is None, reason="numba is not importable")
+
+DTYPES = [np.float32, BFLOAT16, np.float16, np.float64]
+LAYOUTS = ["inline", "resident"]
+#: (h_q, h_kv, d, d_v, n_q): MHA, GQA, MQA, d_v != d, several queries.
+SHAPES = {"gqa": (8, 2, 16, 12, 1), "mha": (2, 2, 8, 8, 2), "mqa": (6, 1, 16, 16, 1), "dv": (4, 2, 8, 20, 3)}
+CASES = {
+    "plain": {},
+    "causal": {"causal": True},
+    "window-softcap-alibi": {"window": (40, 2), "softcap": 3.0, "alibi": True},
+    "right-window": {"window": (None, 5), "scale": 0.3},
+}
+
+
+def fused_opts(**kw) -> KernelOptions:
+    return KernelOptions(cpu_kernels=CpuKernels.FUSED, **kw)
+
+
+def make(rng, shape="gqa", dtype=np.float32, n_k=300, gaps=True):
+    h_q, h_kv, d, d_v, n_q = SHAPES[shape]
+    q = rng.standard_normal((n_q, h_q, d)).astype(dtype)
+    k = rng.standard_normal((n_k, h_kv, d)).astype(dtype)
+    v = rng.standard_normal((n_k, h_kv, d_v)).astype(dtype)
+    k_pos = np.cumsum(rng.integers(1, 3, n_k)) if gaps else np.arange(n_k)
+    q_pos = rng.integers(int(k_pos[0]), int(k_pos[-1]) + 3, n_q) if n_k else np.zeros(n_q, dtype=np.int64)
+    return q, k, v, k_pos, q_pos
+
+
+def run(layout, q, k, v, k_pos, q_pos, opts, kernel, shards=1):
+    """``finalize(merge_all(states))`` over ``shards`` contiguous key ranges, on one layout."""
+    bounds = [len(k) * i // shards for i in range(shards + 1)]
+    states = []
+    for a, b in itertools.pairwise(bounds):
+        if layout == "inline":
+            states.append(partial_attention_shard(q, k[a:b], v[a:b], q_pos=q_pos, k_pos=k_pos[a:b], options=opts,
+                                                  kernel=kernel))
+        else:
+            view = StreamingKV.from_arrays(k[a:b], v[a:b], k_pos[a:b]).snapshot()
+            states.append(partial_attention_resident(q, view, q_pos=q_pos, options=opts, kernel=kernel))
+    return finalize(merge_all(states))
+
+
+def options_of(case, h_q, rng):
+    kw = dict(CASES[case])
+    alibi = rng.uniform(0.0, 0.2, h_q) if kw.pop("alibi", False) else None
+    return kw, AttentionOptions(alibi_slopes=alibi, **kw), alibi
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
+def test_every_dtype_option_and_layout_matches_reference(rng, layout, case, dtype):
+    q, k, v, k_pos, q_pos = make(rng, dtype=dtype)
+    kw, opts, alibi = options_of(case, q.shape[1], rng)
+    out, lse = run(layout, q, k, v, k_pos, q_pos, opts, fused_opts(threads=2), shards=2)
+    assert_close_to_reference(out, lse, q, k, v, q_pos=q_pos, k_pos=k_pos, alibi_slopes=alibi, **kw)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gqa_mqa_and_dv_shapes_match_reference(rng, layout, shape):
+    q, k, v, k_pos, q_pos = make(rng, shape=shape, dtype=BFLOAT16)
+    out, lse = run(layout, q, k, v, k_pos, q_pos, AttentionOptions(causal=True), fused_opts())
+    assert_close_to_reference(out, lse, q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_block_far_longer_than_the_keys_runs_fused_and_keeps_the_kernel(rng, layout):
+    q, k, v, k_pos, q_pos = make(rng, n_k=40)
+    want = run(layout, q, k, v, k_pos, q_pos, AttentionOptions(), fused_opts(block_size=40))
+    got = run(layout, q, k, v, k_pos, q_pos, AttentionOptions(), fused_opts(block_size=2**40))
+    assert fused.available()  # no scratch of 2**40 keys tried, so the compiled path was not given up
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("block", [1, 7, 64, 100, 1000, None])
+@pytest.mark.parametrize("shards", [1, 3, 5])
+def test_block_sizes_and_shard_counts_match_reference(rng, layout, block, shards):
+    # None: the default blocks (fused.RESIDENT_BLOCK, INLINE_BLOCK), several of them per shard.
+    q, k, v, k_pos, q_pos = make(rng, dtype=np.float16, n_k=257 if block else 5 * 1024 + 13)
+    opts = AttentionOptions(window=(60, 0))
+    out, lse = run(layout, q, k, v, k_pos, q_pos, opts, fused_opts(block_size=block, threads=2), shards=shards)
+    assert_close_to_reference(out, lse, q, k, v, q_pos=q_pos, k_pos=k_pos, window=(60, 0))
+
+
+def test_mixed_input_dtypes_accumulate_in_float64(rng):
+    q, k, v, k_pos, q_pos = make(rng, dtype=np.float16)
+    q = q.astype(np.float64)  # float64 sums over float16 keys: chosen for the NumPy kernel (fused.choose)
+    st = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
+    assert st.m.dtype == np.float64
+    assert_close_to_reference(*finalize(st), q, k, v, q_pos=q_pos, k_pos=k_pos)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fully_masked_shard_is_exactly_empty_and_blocks_of_it_are_skipped(rng, layout):
+    q, k, v, k_pos, q_pos = make(rng, gaps=False)
+    q_pos = np.array([-10])  # before every key: causal sees nothing
+    opts = AttentionOptions(causal=True)
+    kernel = fused_opts(block_size=16)
+    if layout == "inline":
+        st = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=opts, kernel=kernel)
+    else:
+        view = StreamingKV.from_arrays(k, v, k_pos).snapshot()
+        st = partial_attention_resident(q, view, q_pos=q_pos, options=opts, kernel=kernel)
+    assert np.all(st.m == -np.inf) and np.all(st.l == 0) and np.all(st.acc == 0)
+    out, lse = finalize(st)
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+
+
+def test_rows_that_see_no_key_beside_rows_that_do(rng):
+    q, k, v, k_pos, q_pos = make(rng, shape="dv", gaps=False)
+    q_pos = np.array([-3, 150, 299])  # the first query sees no key under causal
+    out, lse = run("inline", q, k, v, k_pos, q_pos, AttentionOptions(causal=True), fused_opts(block_size=32))
+    assert np.all(lse[0] == -np.inf) and np.all(out[0] == 0)
+    assert_close_to_reference(out, lse, q, k, v, q_pos=q_pos, k_pos=k_pos, causal=True)
+
+
+def test_empty_keys_give_the_empty_state(rng):
+    q, k, v, k_pos, q_pos = make(rng, n_k=0)
+    st = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
+    assert np.all(st.m == -np.inf) and np.all(st.l == 0) and np.all(st.acc == 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_same_call_twice_is_bitwise_identical(rng, layout, threads):
+    q, k, v, k_pos, q_pos = make(rng, dtype=BFLOAT16, n_k=2000)
+    opts = AttentionOptions(softcap=5.0)
+    a = run(layout, q, k, v, k_pos, q_pos, opts, fused_opts(threads=threads))
+    b = run(layout, q, k, v, k_pos, q_pos, opts, fused_opts(threads=threads))
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=lambda t: np.dtype(t).name)
+@pytest.mark.parametrize(("block", "n_k"), [(128, 1500), (None, 2603)], ids=["block-128", "default-block"])
+def test_batched_decode_is_bitwise_each_query_alone(rng, dtype, block, n_k):
+    # The default block (RESIDENT_BLOCK) over 2603 keys: two full blocks and a tail whose
+    # quarters leave keys over; the batch stacks the five queries' rows, alone each has its own.
+    _, k, v, k_pos, _ = make(rng, dtype=dtype, n_k=n_k)
+    view = StreamingKV.from_arrays(k, v, k_pos).snapshot()
+    queries = []
+    for i, case in enumerate(["plain", "causal", "window-softcap-alibi", "right-window", "causal"]):
+        q = rng.standard_normal((1, 8, 16)).astype(dtype)
+        _, opts, _ = options_of(case, 8, rng)
+        q_pos = np.array([int(k_pos[0]) - 5 if i == 4 else int(rng.integers(k_pos[0], k_pos[-1]))])
+        queries.append((q, q_pos, opts))
+    kernel = fused_opts(threads=2, block_size=block)
+    batch = partial_attention_resident_many(queries, view, kernel=kernel)
+    for (q, q_pos, opts), st in zip(queries, batch):
+        alone = partial_attention_resident(q, view, q_pos=q_pos, options=opts, kernel=kernel)
+        for a, b in zip((st.m, st.l, st.acc), (alone.m, alone.l, alone.acc)):
+            assert np.array_equal(a, b)
+
+
+# -- selection and fallback ---------------------------------------------------------------------
+
+def problem_and_kv(rng, n_q=1, layout="inline"):
+    q, k, v, k_pos, q_pos = make(rng)
+    q = rng.standard_normal((n_q, q.shape[1], q.shape[2])).astype(np.float32)
+    q_pos = np.full(n_q, int(k_pos[-1]))
+    p = check_problem(q, k, v, q_pos, k_pos, AttentionOptions())
+    kv = NaturalKV(k, v, p.k_pos) if layout == "inline" else StreamingKV.from_arrays(k, v, k_pos).snapshot()
+    return q, p, kv
+
+
+def test_choose_runs_fused_only_where_asked_and_decode_shaped(rng):
+    _, p, kv = problem_and_kv(rng)
+    assert fused.choose([p], kv, KernelOptions()) is fused.CpuPath.NUMPY  # the default
+    assert fused.choose([p], kv, fused_opts()) is fused.CpuPath.FUSED
+    _, p, view = problem_and_kv(rng, layout="resident")
+    assert fused.choose([p], view, fused_opts()) is fused.CpuPath.FUSED
+    _, p, kv = problem_and_kv(rng, n_q=5)  # 5 x 4 = 20 rows per kv head: still decode-shaped
+    assert fused.choose([p], kv, fused_opts()) is fused.CpuPath.FUSED
+    _, p, kv = problem_and_kv(rng, n_q=9)  # 36 rows: prefill-shaped, BLAS
+    assert fused.choose([p], kv, fused_opts()) is fused.CpuPath.NUMPY
+
+
+def test_choose_falls_back_for_keys_whose_inner_axis_is_strided(rng):
+    q, k, v, k_pos, q_pos = make(rng)
+    k2 = np.repeat(k, 2, axis=2)[:, :, ::2]  # same values, dim stride 2
+    p = check_problem(q, k2, v, q_pos, k_pos, AttentionOptions())
+    assert fused.choose([p], NaturalKV(k2, v, p.k_pos), fused_opts()) is fused.CpuPath.NUMPY
+    st = partial_attention_shard(q, k2, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
+    assert_close_to_reference(*finalize(st), q, k, v, q_pos=q_pos, k_pos=k_pos)
+
+
+def test_choose_sends_to_numpy_the_dtype_mixes_that_warm_does_not_compile(rng):
+    q, k, v, k_pos, q_pos = make(rng, dtype=np.float16)
+    for q_dt, k_dt, v_dt, path in [(np.float16, np.float16, np.float16, fused.CpuPath.FUSED),
+                                   (np.float32, BFLOAT16, BFLOAT16, fused.CpuPath.FUSED),
+                                   (np.float64, np.float64, np.float64, fused.CpuPath.FUSED),
+                                   (np.float64, np.float16, np.float16, fused.CpuPath.NUMPY),  # float64 sums
+                                   (np.float32, np.float16, np.float32, fused.CpuPath.NUMPY),  # k, v apart
+                                   (np.float32, np.float64, np.float64, fused.CpuPath.FUSED)]:
+        qq, kk, vv = q.astype(q_dt), k.astype(k_dt), v.astype(v_dt)
+        p = check_problem(qq, kk, vv, q_pos, k_pos, AttentionOptions())
+        assert fused.choose([p], NaturalKV(kk, vv, p.k_pos), fused_opts()) is path, (q_dt, k_dt, v_dt)
+        if k_dt is v_dt:  # a resident context holds K and V in one dtype
+            view = StreamingKV.from_arrays(kk, vv, k_pos).snapshot()
+            assert fused.choose([p], view, fused_opts()) is path, (q_dt, k_dt, v_dt)
+
+
+def test_no_call_the_fused_kernel_serves_compiles_after_warm(rng):
+    """Every mix of q, K and V dtypes that ``choose`` sends to the fused kernel was compiled by ``warm``
+    (a worker's start): no request pays for a compile. Before 2026-12-06 a float64 query over a
+    float16 context compiled on its first request (41 s on 2 cores)."""
+    mod = fused.kernels()
+    fused.warm()
+    kernels = (mod.inline_kernel, mod.resident_kernel)
+    compiled = [len(fn.signatures) for fn in kernels]
+    q, k, v, k_pos, q_pos = make(rng, n_k=40)
+    for q_dt, k_dt, v_dt in itertools.product(DTYPES, repeat=3):
+        qq, kk, vv = q.astype(q_dt), k.astype(k_dt), v.astype(v_dt)
+        p = check_problem(qq, kk, vv, q_pos, k_pos, AttentionOptions())
+        layouts = [NaturalKV(kk, vv, p.k_pos)]
+        if k_dt is v_dt:  # a resident context holds K and V in one dtype
+            layouts.append(StreamingKV.from_arrays(kk, vv, k_pos).snapshot())
+        for kv in layouts:
+            if fused.choose([p], kv, fused_opts()) is fused.CpuPath.FUSED:
+                assert fused.try_fused([(qq, p)], kv, fused_opts()) is not None
+    assert [len(fn.signatures) for fn in kernels] == compiled
+
+
+def test_cpu_kernels_option_is_validated():
+    assert KernelOptions(cpu_kernels="fused").cpu_kernels is CpuKernels.FUSED
+    with pytest.raises(ValueError, match="cpu_kernels must be one of 'numpy', 'fused', got 'fast'"):
+        KernelOptions(cpu_kernels="fast")
+
+
+def test_missing_numba_falls_back_to_numpy_with_one_log_line(rng, monkeypatch, caplog):
+    q, k, v, k_pos, q_pos = make(rng)
+    fused.kernels.cache_clear()
+
+    def no_numba(name, *args, **kwargs):
+        if name == "workers.fused_kernels" or (name == "workers" and "fused_kernels" in (args[2] or ())):
+            raise ImportError("No module named 'numba'")
+        return real_import(name, *args, **kwargs)
+
+    import builtins
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", no_numba)
+    try:
+        with caplog.at_level(logging.WARNING, logger="workers.fused"):
+            assert fused.kernels() is None
+            st = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(),
+                                         kernel=fused_opts())
+            assert fused.warm() == {}
+    finally:
+        monkeypatch.undo()
+        fused.kernels.cache_clear()
+    assert len([r for r in caplog.records if "NumPy kernel" in r.message]) == 1
+    ref = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(),
+                                  kernel=KernelOptions())
+    assert np.array_equal(st.acc, ref.acc) and np.array_equal(st.m, ref.m)  # NumPy answered
+    assert fused.kernels() is not None
+
+
+def test_broken_compiled_kernel_falls_back_to_numpy_once(rng, monkeypatch, caplog):
+    q, k, v, k_pos, q_pos = make(rng)
+    mod = fused.kernels()
+
+    class Broken:
+        def __getattr__(self, name):
+            def fail(*args):
+                raise RuntimeError("LLVM ERROR: simulated")
+            return fail
+
+    monkeypatch.setattr(fused, "kernels", lambda: Broken() if mod else None)
+    monkeypatch.setitem(fused._state, "broken", False)
+    with caplog.at_level(logging.WARNING, logger="workers.fused"):
+        a = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
+        b = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
+        assert not fused.available()
+    assert len([r for r in caplog.records if "fused CPU kernel failed" in r.message]) == 1
+    ref = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=KernelOptions())
+    for st in (a, b):
+        assert np.array_equal(st.acc, ref.acc) and np.array_equal(st.l, ref.l)
+
+
+def test_a_call_out_of_memory_runs_on_numpy_and_leaves_the_fused_path_on(rng, monkeypatch, caplog):
+    q, k, v, k_pos, q_pos = make(rng)
+    real = fused.run_fused
+    calls = []
+
+    def short_of_memory(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError()
+        return real(*args)
+
+    monkeypatch.setattr(fused, "run_fused", short_of_memory)
+    monkeypatch.setitem(fused._state, "broken", False)
+    with caplog.at_level(logging.WARNING, logger="workers.fused"):
+        a = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
+        assert fused.available()  # not a broken kernel: the next call takes the fused path again
+        b = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=fused_opts())
+    assert len(calls) == 2 and any("out of memory" in r.message for r in caplog.records)
+    ref = partial_attention_shard(q, k, v, q_pos=q_pos, k_pos=k_pos, options=AttentionOptions(), kernel=KernelOptions())
+    assert np.array_equal(a.acc, ref.acc) and np.array_equal(a.l, ref.l)  # NumPy answered the first
+    np.testing.assert_allclose(b.acc, ref.acc, rtol=1e-5, atol=1e-6)
+
+
+def test_disabled_jit_is_named_in_the_one_log_line(monkeypatch, caplog):
+    import numba
+
+    fused.kernels.cache_clear()
+    monkeypatch.setattr(numba.config, "DISABLE_JIT", True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="workers.fused"):
+            assert fused.kernels() is None
+    finally:
+        monkeypatch.undo()
+        fused.kernels.cache_clear()
+    assert [r.message for r in caplog.records if "NumPy kernel" in r.message] == [
+        "fused CPU kernel unavailable, using the NumPy kernel: numba's JIT is disabled (NUMBA_DISABLE_JIT)"]
+    assert fused.kernels() is not None
+
+
+def test_warm_compiles_each_dtype_for_both_layouts():
+    took = fused.warm(("float32", "bfloat16"))
+    assert set(took) == {"float32", "bfloat16"} and all(t >= 0 for t in took.values())
+
+
+def test_kernel_file_names_the_digest_of_the_micro_kernels_it_compiles_in():
+    # numba's disk cache checks only fused_kernels.py's stamp: a change to the micro-kernels
+    # must come with a new digest there, so that no worker loads stale machine code.
+    import hashlib
+    from pathlib import Path
+
+    workers_dir = Path(fused.__file__).parent
+    digest = hashlib.sha256()
+    for name in ("fused_dots.py", "fused_micro.py", "fused_simd.py"):
+        digest.update((workers_dir / name).read_bytes())
+    assert fused.kernels().COMPILED_IN_DIGEST == digest.hexdigest()[:16]
+
+
+def test_resident_values_take_the_register_tiles_for_every_dtype_and_inline_float32_the_loop():
+    # workers.fused_kernels.pv_dense (resident: value rows d_v apart) runs float32 on the tiles too;
+    # pv (inline: value rows a whole key apart) keeps float32 on the loop (docs/BENCHMARKS.md).
+    from numba.core import types
+
+    mod = fused.kernels()
+    f32 = types.Array(types.float32, 2, "C")  # s [R, B] and acc [R, d_v]
+    for bits, dense, want in ((types.float32, True, "micro"), (types.float32, False, "loop"),
+                              (types.uint16, True, "micro"), (types.uint16, False, "micro"),
+                              (types.int16, True, "micro"), (types.int16, False, "micro"),
+                              (types.float64, True, "loop")):
+        values = types.Array(bits, 1, "C")  # flat values as the kernels get them
+        acc = types.Array(types.float64, 2, "C") if bits == types.float64 else f32
+        assert mod._pv_choice(acc, acc, values, dense).__name__ == want, (bits, dense)
+
+
+def test_resident_scores_take_the_register_tiles_for_float32_and_16_bit_keys_and_float64_the_loop():
+    # workers.fused_kernels._dense_choice: d-major keys (the resident layout) run float32 on the
+    # tiles too, which prefetch along each run (docs/BENCHMARKS.md); float64 and mixed dtypes,
+    # and arrays that are not C-contiguous, take the loop.
+    from numba.core import types
+
+    mod = fused.kernels()
+    f32, f64 = types.Array(types.float32, 2, "C"), types.Array(types.float64, 2, "C")  # q [R, d], s [R, B]
+    for rows, keys, want in ((f32, types.Array(types.float32, 1, "C"), True),
+                             (f32, types.Array(types.uint16, 1, "C"), True),
+                             (f32, types.Array(types.int16, 1, "C"), True),
+                             (f64, types.Array(types.float64, 1, "C"), False),
+                             (f32, types.Array(types.float64, 1, "C"), False),
+                             (f32, types.Array(types.float32, 1, "A"), False)):
+        assert mod._dense_choice(rows, rows, keys) is want, (rows, keys)
+
+
+P = 2**61  # workers.options.MAX_POSITION: the range's ends
+
+
+@pytest.mark.parametrize("kernel", ["numpy", "fused"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case, q_pos, k_pos, opts, want_out, want_lse", [
+    # ALiBi's distance 2P: the far key gets a penalty of 2P, not a wrapped-around bonus.
+    ("alibi", [P], [-P, P], dict(alibi_slopes=np.array([1.0])), [20.0], [1.0]),
+    ("window", [P], [-P, P], dict(window=(0, None)), [20.0], [1.0]),
+    ("window_right", [-P], [-P, P], dict(window=(None, 0)), [10.0], [1.0]),
+    ("wide_window", [P], [-P, P], dict(window=(2**62, 2**62)), [15.0], [1.0 + np.log(2.0)]),
+    ("causal", [0, P], [P, 0, -P], dict(causal=True), [30.0, 70.0 / 3], [1.0 + np.log(2.0), 1.0 + np.log(3.0)]),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_positions_at_the_ends_of_their_range_mask_and_bias_exactly(layout, kernel, case, q_pos, k_pos, opts,
+                                                                   want_out, want_lse):
+    """Every q_pos - k_pos within +-2**61 positions fits int64 (docs/API.md section 2, "Position range")."""
+    n_q, n_k = len(q_pos), len(k_pos)
+    q = np.ones((n_q, 1, 1))
+    k = np.ones((n_k, 1, 1))
+    v = np.array([10.0, 20.0, 40.0][:n_k]).reshape(n_k, 1, 1)
+    chosen = fused_opts() if kernel == "fused" else KernelOptions()
+    out, lse = run(layout, q, k, v, np.array(k_pos), np.array(q_pos), AttentionOptions(scale=1.0, **opts), chosen)
+    np.testing.assert_allclose(out[:, 0, 0], want_out, rtol=1e-12)
+    np.testing.assert_allclose(lse[:, 0], want_lse, rtol=1e-12)
