@@ -17,7 +17,7 @@ case to ``OUT/gpu_bench.json`` and ``OUT/gpu_bench.md``, so a run cut short keep
 what it measured.
 
 Argument parsing and the report are plain Python: this module imports without
-cupy or torch (tests/test_workers_gpu_bench.py).
+cupy or torch (tests/unit/test_workers_gpu_bench.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Malformed requests for tests/test_service_fuzz.py, built in code (no binary fixtures).
+"""Malformed requests for tests/e2e/test_service_fuzz.py, built in code (no binary fixtures).
 
 * :class:`Probe`: one request and the answer the contract (docs/API.md sections 6-8,
   docs/KSERVE.md) promises for it: a status, and the error code where it is clear.

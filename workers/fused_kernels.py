@@ -62,7 +62,7 @@ _U = np.uint64
 #: ``workers/fused_simd.py``, in that order, which the kernels below compile in. numba's disk
 #: cache (``cache=True``) checks only this file's stamp, so a change to those files must change
 #: this one too, or a worker would load machine code built from the old micro-kernels;
-#: tests/test_workers_fused.py recomputes the digest.
+#: tests/unit/test_workers_fused.py recomputes the digest.
 COMPILED_IN_DIGEST = "470eb312b90a11b0"
 
 

@@ -16,7 +16,7 @@ exact as well):
 
 (a power-of-two multiply is exact and turns f16 subnormals into the right normal
 float32; exponent 31, infinities and NaNs, gets the float32 exponent 255 first).
-tests/test_workers_widen.py checks both against ``astype`` on all 65,536 float16s.
+tests/unit/test_workers_widen.py checks both against ``astype`` on all 65,536 float16s.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def _loopback_node() -> Iterator[None]:
     Ray's servers (GCS, raylet, workers, agents) then listen on every interface, unless
     cluster mode is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, what Ray does on macOS
     and Windows). Ray reads that variable once, at import, into this constant; it is
-    consulted only to choose the node's IP. tests/test_service_exposure.py lists the
+    consulted only to choose the node's IP. tests/e2e/test_service_exposure.py lists the
     listening sockets of an embedded instance, so a Ray that changes this shows up there.
     """
     before = ray_constants.ENABLE_RAY_CLUSTER

@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 #: What a call made through :meth:`WorkerPool._call` raises when the worker is gone (WorkersUnavailable)
 #: or its method failed (Ray's error around the worker's exception): for callers outside this
-#: package, which do not import Ray (tests/test_dependencies.py).
+#: package, which do not import Ray (tests/unit/test_dependencies.py).
 CALL_ERRORS: tuple[type[Exception], ...] = (WorkersUnavailable, ray.exceptions.RayError)
 #: Seconds a new worker has to answer its first ping (its constructor runs first: imports, and
 #: loading its --persist-dir store).

@@ -1,6 +1,6 @@
 """What travels over HTTP: body formats, request rules, the typed requests, content negotiation.
 
-Imports neither Ray nor the worker pool (``tests/test_dependencies.py`` checks it):
+Imports neither Ray nor the worker pool (``tests/unit/test_dependencies.py`` checks it):
 everything here is pure, testable on bytes.
 
 * ``rules``: limits, the named tensors, body kinds, required tensors, and the options,

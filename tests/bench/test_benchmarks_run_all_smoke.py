@@ -1,7 +1,7 @@
 """benchmarks/run_all: the generated blocks of docs/BENCHMARKS-run_all.md, and one --quick run through it.
 
 The rendering is tested on a fixture (a manifest and reports written here). Every benchmark's
---quick runs whole in its own smoke test (tests/test_benchmarks_*_smoke.py), except the contexts
+--quick runs whole in its own smoke test (tests/bench/test_benchmarks_*_smoke.py), except the contexts
 benchmark's: that one runs here, through run_all, with the model fitted on a stored scaling run,
 against copies of the documents in a temporary folder. What run_all passes to the others is
 checked against their argument parsers.

@@ -69,7 +69,7 @@ def test_concurrent_queries_on_one_context_share_passes_and_answer_as_alone(serv
 
 
 def test_queries_over_suffixes_of_one_shared_prefix_batch_and_stay_exact(server, client, rng):
-    # Which queries shared a pass is checked on a worker (tests/test_workers_batch.py); here the
+    # Which queries shared a pass is checked on a worker (tests/e2e/test_workers_batch.py); here the
     # service answers each suffix's queries, batched, to the bit of their answers alone.
     pk, pv = kv(rng, 32768)
     prefix = client.create_context(pk, pv)

@@ -1,5 +1,5 @@
 """benchmarks/model_fit.py and benchmarks/model.py: the fit recovers known constants, the predictions
-are tables, without running anything (the terms: tests/test_benchmarks_model_terms.py)."""
+are tables, without running anything (the terms: tests/unit/test_benchmarks_model_terms.py)."""
 
 from dataclasses import replace
 

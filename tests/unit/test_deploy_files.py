@@ -423,7 +423,7 @@ def test_build_context_lets_in_only_what_pip_install_reads():
     for wanted in ("pyproject.toml", "README.md", "service/app.py", "workers/gpu/kernels/attention.cu",
                    "merge/__init__.py"):
         assert _dockerignore_included(patterns, wanted), wanted
-    for unwanted in (".git/HEAD", ".venv/bin/python", "tests/test_deploy_files.py", "benchmarks/kernel.py",
+    for unwanted in (".git/HEAD", ".venv/bin/python", "tests/unit/test_deploy_files.py", "benchmarks/kernel.py",
                      "docs/API.md", "deploy/docker/secrets/splitkey-api-key",
                      "service/__pycache__/app.cpython-311.pyc"):
         assert not _dockerignore_included(patterns, unwanted), unwanted

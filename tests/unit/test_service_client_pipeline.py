@@ -2,7 +2,7 @@
 
 The senders here stand in for one context on a server: they apply a chunk only when
 its ``after`` is the context's length, as the server does under the context's lease,
-and answer 409 otherwise. The real server runs in tests/test_service_client_upload.py.
+and answer 409 otherwise. The real server runs in tests/e2e/test_service_client_upload.py.
 """
 
 import threading

@@ -6,7 +6,7 @@ g++ compiles it with attention.cu into a shared library. A stand-in for cupy's
 RawModule hands that library to the real ``Launcher``, so the whole fused path
 of ``workers.gpu.backend.launch_fused`` (strides, positions, argument packing, chunk
 kernel, combine) runs here on numpy arrays. What only a GPU can show (timing,
-the hardware's mma fragment layout) is in tests/test_workers_gpu_kernels.py.
+the hardware's mma fragment layout) is in tests/unit/test_workers_gpu_kernels.py.
 """
 
 from __future__ import annotations

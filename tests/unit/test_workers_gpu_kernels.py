@@ -1,7 +1,7 @@
 """GPU: the generic and fused paths against the float64 reference, over dtypes and options.
 
 Skipped as a whole, with the reason, without cupy or a CUDA device. Run on a GPU
-machine with ``python -m pytest -m gpu tests/test_workers_gpu_kernels.py`` (or
+machine with ``python -m pytest -m gpu tests/unit/test_workers_gpu_kernels.py`` (or
 benchmarks/gpu.sh, which also records the results).
 """
 

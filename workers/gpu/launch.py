@@ -123,7 +123,7 @@ def choose_fused(dtypes: tuple[Any, Any, Any], d: int, d_v: int, n_rows: int, h_
     return plan, key
 
 
-# Kernel parameters in order, as declared in attention.cu (tests/test_workers_gpu_launch.py
+# Kernel parameters in order, as declared in attention.cu (tests/unit/test_workers_gpu_launch.py
 # parses the source and compares): "ptr" is a device array, the rest C scalars.
 ATTEND_PARAMS = (
     ("q", "ptr"), ("q_sn", "i64"), ("q_sh", "i64"),
