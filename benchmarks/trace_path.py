@@ -17,7 +17,7 @@ through Ray's ``worker_process_setup_hook``, each call stamped with the wall clo
 Calls between the start and the end of the traced request (after one untimed
 warm-up request) are counted: distinct files and distinct functions, by process.
 
-It uses only ``service.app.create_app`` and ``service.core.settings.ServiceSettings`` of the
+It uses only ``service.app.create_app`` and ``ServiceSettings`` (``service.core.settings``) of the
 checkout (and the ``safetensors`` package for the bodies), so that one script measures
 any version of the code the same way.
 """
@@ -118,7 +118,10 @@ async def traced_request(root: str, trace_dir: str) -> tuple[FrontEndTrace, floa
     import httpx
 
     from service.app import create_app
-    from service.core.settings import ServiceSettings
+    try:
+        from service.core.settings import ServiceSettings
+    except ImportError:  # a checkout from before service.core (2026-12-06)
+        from service.settings import ServiceSettings  # type: ignore[no-redef]
 
     settings = ServiceSettings(workers=2, ray_namespace="splitkey-trace", heal_interval_s=3600.0,
                                context_shard_keys=N_K // 2)
