@@ -8,9 +8,12 @@ the settings can build them without importing the formats that check them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+from service.core.errors import RequestTimeout
 
 
 @dataclass(frozen=True)
@@ -77,3 +80,13 @@ class Pace:
         if self.min_rate > 0:
             end = min(end, started + self.grace_s + received / self.min_rate)
         return end
+
+    def too_slow(self, received: int, elapsed: float) -> RequestTimeout:
+        """The error naming the limit that was missed: the one whose deadline came first for these
+        bytes (not read from ``elapsed``, which a timer may stop a hair short of the deadline)."""
+        rate_end = self.grace_s + received / self.min_rate if self.min_rate > 0 else math.inf
+        if rate_end >= self.timeout_s:
+            return RequestTimeout(f"the request body must arrive within {self.timeout_s:g} s, got {received} "
+                                  f"bytes in {elapsed:.1f} s")
+        return RequestTimeout(f"the request body must arrive at {self.min_rate:g} bytes/s or more after the first "
+                              f"{self.grace_s:g} s, got {received} bytes in {elapsed:.1f} s")

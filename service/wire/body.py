@@ -14,14 +14,13 @@ connection closed, so a client that trickles bytes holds nothing for long.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 import numpy as np
 
-from service.core.errors import BodyTooLarge, InvalidBody, RequestTimeout
+from service.core.errors import BodyTooLarge, InvalidBody
 from service.core.limits import Pace
 
 FIRST_CHUNKED_ALLOCATION = 1 << 20
@@ -29,18 +28,6 @@ FIRST_CHUNKED_ALLOCATION = 1 << 20
 
 class ClientClosed(Exception):
     """The client closed the connection before its body had arrived (nobody is left to answer)."""
-
-
-
-    def too_slow(self, received: int, elapsed: float) -> RequestTimeout:
-        """The error naming the limit that was missed: the one whose deadline came first for these
-        bytes (not read from ``elapsed``, which a timer may stop a hair short of the deadline)."""
-        rate_end = self.grace_s + received / self.min_rate if self.min_rate > 0 else math.inf
-        if rate_end >= self.timeout_s:
-            return RequestTimeout(f"the request body must arrive within {self.timeout_s:g} s, got {received} "
-                                  f"bytes in {elapsed:.1f} s")
-        return RequestTimeout(f"the request body must arrive at {self.min_rate:g} bytes/s or more after the first "
-                              f"{self.grace_s:g} s, got {received} bytes in {elapsed:.1f} s")
 
 
 async def paced(receive: Callable[[], Awaitable[MutableMapping[str, Any]]], pace: Pace,
