@@ -4,8 +4,11 @@ Code anywhere in the service raises a :class:`ServiceError` subclass with a
 detail that names the field and the bad value ("q must be ..., got ...");
 :data:`ERRORS` gives each subclass its stable ``code`` and HTTP status
 (docs/API.md section 7), and :func:`render` writes the one body format for
-every route, the KServe ones included. No layer matches messages or builds a
-status of its own.
+every route, the KServe ones included. The library's checks raise typed errors
+of their own (``workers.errors``, ``ValueError`` subclasses): :data:`LIBRARY`
+gives each the row it is answered with, and :func:`client_input` applies it where
+the service checks what a client sent through them. No layer matches messages or
+builds a status of its own.
 
 A detail says what the client needs in the service's words and nothing about the
 machine: :func:`render` withholds one that carries a traceback, a file path, an
@@ -19,10 +22,12 @@ import json
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from service.core import request_id
+from workers.errors import InvalidAttentionOption, InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +177,34 @@ ERRORS: Mapping[type[ServiceError], ErrorKind] = {
     DeadlineExceeded: ErrorKind("deadline_exceeded", 504),
     InsufficientCapacity: ErrorKind("insufficient_capacity", 507),
 }
+
+#: The library's typed errors (``workers.errors``) and the error of :data:`ERRORS` each is answered
+#: with, the library's message (it names the argument and quotes the value) as its detail.
+LIBRARY: Mapping[type[ValueError], type[ServiceError]] = {
+    InvalidInput: InvalidTensor,
+    InvalidAttentionOption: InvalidOption,
+}
+
+
+def library_error(exc: ValueError) -> ServiceError | None:
+    """The :class:`ServiceError` a typed library error is answered with (:data:`LIBRARY`), or None for
+    another ``ValueError`` (a fault of the service, not the client's: it stays what it is)."""
+    answer = next((LIBRARY[cls] for cls in type(exc).__mro__ if cls in LIBRARY), None)
+    return None if answer is None else answer(str(exc))
+
+
+@contextmanager
+def client_input() -> Iterator[None]:
+    """Around library checks of what a client sent: a typed library error raised inside becomes its
+    :class:`ServiceError` (:func:`library_error`); anything else passes through unchanged."""
+    try:
+        yield
+    except tuple(LIBRARY) as exc:
+        answer = library_error(exc)
+        if answer is None:  # pragma: no cover - each class caught is a row
+            raise
+        raise answer from None
+
 
 #: Routes under this prefix speak the Open Inference Protocol, whose clients read an ``error`` key.
 KSERVE_PREFIX = "/v2"
