@@ -2,8 +2,9 @@
 
 Code anywhere in the service raises a :class:`ServiceError` subclass with a
 detail that names the field and the bad value ("q must be ..., got ...");
-:data:`ERRORS` gives each subclass its stable ``code`` and HTTP status
-(docs/API.md section 7), and :func:`render` writes the one body format for
+:data:`ERRORS` gives each subclass its stable ``code``, its HTTP status
+(docs/API.md section 7) and the name of its gRPC status (the KServe gRPC server,
+``service.grpc_server``), and :func:`render` writes the one body format for
 every route, the KServe ones included. The library's checks raise typed errors
 of their own (``workers.errors``, ``ValueError`` subclasses): :data:`LIBRARY`
 gives each the row it is answered with, and :func:`client_input` applies it where
@@ -41,12 +42,17 @@ class ServiceError(Exception):
         self.headers = dict(headers or {})
 
     @property
+    def kind(self) -> ErrorKind:
+        """This error's row of :data:`ERRORS`."""
+        return ERRORS[type(self)]
+
+    @property
     def code(self) -> str:
-        return ERRORS[type(self)].code
+        return self.kind.code
 
     @property
     def status(self) -> int:
-        return ERRORS[type(self)].status
+        return self.kind.status
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.detail!r})"
@@ -152,30 +158,35 @@ class Internal(ServiceError):
 @dataclass(frozen=True)
 class ErrorKind:
     code: str  #: stable snake_case name, part of the public contract: add, never rename
-    status: int
+    status: int  #: the HTTP status
+    #: the gRPC status the KServe gRPC server ends a call with: a ``grpc.StatusCode`` member's name
+    #: (this module does not import grpc; ``service.grpc_server`` looks the name up)
+    grpc: str
 
 
-#: The one table: each error's code and HTTP status (docs/API.md section 7).
+#: The one table: each error's code, HTTP status (docs/API.md section 7) and gRPC status (docs/KSERVE.md,
+#: "gRPC"). method_not_allowed and header_too_large are about HTTP methods and heads, which no gRPC call
+#: has: UNKNOWN, gRPC's status for an error it has no other word for.
 ERRORS: Mapping[type[ServiceError], ErrorKind] = {
-    InvalidBody: ErrorKind("invalid_body", 400),
-    Unauthorized: ErrorKind("unauthorized", 401),
-    ContextNotFound: ErrorKind("context_not_found", 404),
-    RouteNotFound: ErrorKind("route_not_found", 404),
-    MethodNotAllowed: ErrorKind("method_not_allowed", 405),
-    RequestTimeout: ErrorKind("request_timeout", 408),
-    LengthMismatch: ErrorKind("length_mismatch", 409),
-    BodyTooLarge: ErrorKind("body_too_large", 413),
-    UnsupportedMediaType: ErrorKind("unsupported_media_type", 415),
-    HeadTooLarge: ErrorKind("header_too_large", 431),
-    InvalidTensor: ErrorKind("invalid_tensor", 422),
-    InvalidOption: ErrorKind("invalid_option", 422),
-    Overloaded: ErrorKind("overloaded", 429),
-    Internal: ErrorKind("internal_error", 500),
-    WorkersUnavailable: ErrorKind("workers_unavailable", 503),
-    ContextLost: ErrorKind("context_lost", 503),
-    ShuttingDown: ErrorKind("shutting_down", 503),
-    DeadlineExceeded: ErrorKind("deadline_exceeded", 504),
-    InsufficientCapacity: ErrorKind("insufficient_capacity", 507),
+    InvalidBody: ErrorKind("invalid_body", 400, "INVALID_ARGUMENT"),
+    Unauthorized: ErrorKind("unauthorized", 401, "UNAUTHENTICATED"),
+    ContextNotFound: ErrorKind("context_not_found", 404, "NOT_FOUND"),
+    RouteNotFound: ErrorKind("route_not_found", 404, "NOT_FOUND"),
+    MethodNotAllowed: ErrorKind("method_not_allowed", 405, "UNKNOWN"),
+    RequestTimeout: ErrorKind("request_timeout", 408, "DEADLINE_EXCEEDED"),
+    LengthMismatch: ErrorKind("length_mismatch", 409, "FAILED_PRECONDITION"),
+    BodyTooLarge: ErrorKind("body_too_large", 413, "RESOURCE_EXHAUSTED"),
+    UnsupportedMediaType: ErrorKind("unsupported_media_type", 415, "INVALID_ARGUMENT"),
+    HeadTooLarge: ErrorKind("header_too_large", 431, "UNKNOWN"),
+    InvalidTensor: ErrorKind("invalid_tensor", 422, "INVALID_ARGUMENT"),
+    InvalidOption: ErrorKind("invalid_option", 422, "INVALID_ARGUMENT"),
+    Overloaded: ErrorKind("overloaded", 429, "RESOURCE_EXHAUSTED"),
+    Internal: ErrorKind("internal_error", 500, "INTERNAL"),
+    WorkersUnavailable: ErrorKind("workers_unavailable", 503, "UNAVAILABLE"),
+    ContextLost: ErrorKind("context_lost", 503, "UNAVAILABLE"),
+    ShuttingDown: ErrorKind("shutting_down", 503, "UNAVAILABLE"),
+    DeadlineExceeded: ErrorKind("deadline_exceeded", 504, "DEADLINE_EXCEEDED"),
+    InsufficientCapacity: ErrorKind("insufficient_capacity", 507, "RESOURCE_EXHAUSTED"),
 }
 
 #: The library's typed errors (``workers.errors``) and the error of :data:`ERRORS` each is answered
