@@ -20,7 +20,7 @@ from service.cluster.orchestrator import Job, Orchestrator, inline_shard_count, 
 from service.cluster.pool import InlineWork, WorkerPool
 from service.contexts.resolved import Resolved
 from service.contexts.service import ContextService
-from service.core.errors import BodyTooLarge, ContextLost, InvalidTensor, WorkersUnavailable
+from service.core.errors import BodyTooLarge, ContextLost, InvalidTensor, WorkersUnavailable, client_input
 from service.core.metrics import Timings
 from service.core.settings import ServiceSettings
 from service.wire.request import AttentionRequest
@@ -44,11 +44,9 @@ def union_positions(req: AttentionRequest, next_pos: int | None) -> tuple[Any, A
     # A default is named as one: the client sent no such tensor, and sending it is the way out.
     q_name = "q_pos" if req.q_pos is not None else "the default q_pos (ending one past the largest key position)"
     k_name = "k_pos" if req.kv is not None and req.kv.k_pos is not None else "the default k_pos of the inline keys"
-    try:  # the keys first: a default q_pos derives from them
+    with client_input():  # the keys first: a default q_pos derives from them
         k_pos = check_positions(k_name, k_pos, n_k)
         return check_positions(q_name, q_pos, req.n_q), k_pos
-    except ValueError as exc:
-        raise InvalidTensor(str(exc)) from None
 
 
 def request_dtypes(req: AttentionRequest, resolved: Resolved | None) -> list[Any]:

@@ -29,7 +29,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from service.core import request_id
 from service.grpc_auth import KeyFirst
-from service.core.errors import ERRORS, Internal, RouteNotFound, ServiceError, ShuttingDown, internals
+from service.core.errors import ERRORS, ErrorKind, Internal, RouteNotFound, ServiceError, ShuttingDown, internals
 from service.core.metrics import Timings
 from service.routes.common import off_loop, with_deadline
 from service.runtime import AppState
@@ -42,14 +42,11 @@ log = logging.getLogger(__name__)
 ROUTE = "grpc:ModelInfer"
 #: The largest message gRPC (protobuf) carries.
 MAX_MESSAGE_BYTES = 2**31 - 1
-#: The gRPC status of each HTTP status the service answers with.
-STATUS: dict[int, grpc.StatusCode] = {
-    400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED, 409: grpc.StatusCode.FAILED_PRECONDITION,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED, 415: grpc.StatusCode.INVALID_ARGUMENT,
-    422: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 500: grpc.StatusCode.INTERNAL,
-    503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED, 507: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
+
+
+def grpc_status(kind: ErrorKind) -> grpc.StatusCode:
+    """The gRPC status of an error's row in the one table (``service.core.errors.ERRORS``), which names it."""
+    return grpc.StatusCode[kind.grpc]
 
 
 class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -76,7 +73,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         if not _served(request):
             # Another model or version is not served: NOT_FOUND, as HTTP's 404 for its path (route_not_found).
             context.set_trailing_metadata((("splitkey-code", ERRORS[RouteNotFound].code),))
-            await context.abort(grpc.StatusCode.NOT_FOUND,
+            await context.abort(grpc_status(ERRORS[RouteNotFound]),
                                 f"name must be {MODEL_NAME} and version empty or {MODEL_VERSION}, got "
                                 f"{request.name[:64]!r} version {request.version[:64]!r}")
         meta = model_metadata()
@@ -103,7 +100,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if not served(request.model_name, request.model_version):
                 code = 404
                 context.set_trailing_metadata((("x-request-id", rid), ("splitkey-code", ERRORS[RouteNotFound].code)))
-                await context.abort(grpc.StatusCode.NOT_FOUND, not_served(request.model_name, request.model_version))
+                await context.abort(grpc_status(ERRORS[RouteNotFound]),
+                                    not_served(request.model_name, request.model_version))
             if state.drain.draining:
                 raise ShuttingDown("the service must be running to take work, got a request while it drains "
                                    "before it stops")
@@ -163,8 +161,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         if leak is not None:
             log.warning("request %s: %s detail withheld from the client (it held %s): %s", rid, err.code, leak, detail)
             detail = f"{err.code.replace('_', ' ')}: the server log has the details under request id {rid}"
-        context.set_trailing_metadata((("x-request-id", rid), ("splitkey-code", ERRORS[type(err)].code)))
-        await context.abort(STATUS.get(err.status, grpc.StatusCode.UNKNOWN), detail)
+        context.set_trailing_metadata((("x-request-id", rid), ("splitkey-code", err.code)))
+        await context.abort(grpc_status(err.kind), detail)
 
 
 def _not_served(name: str) -> Any:

@@ -17,6 +17,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from workers.errors import InvalidInput
+
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
 FLOAT32 = np.dtype(np.float32)
@@ -64,7 +66,7 @@ def check_input_dtype(name: str, dtype: Any) -> np.dtype:
     """Return ``dtype`` as a numpy dtype, or raise naming the argument."""
     dt = _input_dtype(dtype)
     if dt is None:
-        raise ValueError(f"{name} must have dtype {INPUT_DTYPE_NAMES}, got {_shown(dtype)}")
+        raise InvalidInput(f"{name} must have dtype {INPUT_DTYPE_NAMES}, got {_shown(dtype)}")
     return dt
 
 

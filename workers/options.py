@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from workers.errors import InvalidAttentionOption
+
 #: Positions lie within +-2**61 and window bounds within [0, 2**62], so that every
 #: difference the kernels form stays inside int64: q_pos - k_pos (causal, ALiBi's
 #: distance) within +-2**62, q_pos - left and q_pos + right within +-3 * 2**61.
@@ -50,13 +52,13 @@ def short_repr(x: Any, limit: int = 60) -> str:
 
 def _check_real(name: str, x: Any) -> float:
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise ValueError(f"{name} must be a finite number, got {short_repr(x)}")
+        raise InvalidAttentionOption(f"{name} must be a finite number, got {short_repr(x)}")
     try:
         value = float(x)
     except OverflowError:  # an int beyond the float range, e.g. 10**400
         value = math.inf
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {short_repr(x)}")
+        raise InvalidAttentionOption(f"{name} must be a finite number, got {short_repr(x)}")
     return value
 
 
@@ -83,25 +85,26 @@ class AttentionOptions:
         if self.scale is not None:
             s = _check_real("scale", self.scale)
             if s <= 0:
-                raise ValueError(f"scale must be a finite number > 0, got {short_repr(self.scale)}")
+                raise InvalidAttentionOption(f"scale must be a finite number > 0, got {short_repr(self.scale)}")
             object.__setattr__(self, "scale", s)
         if not isinstance(self.causal, (bool, np.bool_)):
-            raise ValueError(f"causal must be a bool, got {short_repr(self.causal)}")
+            raise InvalidAttentionOption(f"causal must be a bool, got {short_repr(self.causal)}")
         object.__setattr__(self, "causal", bool(self.causal))
         if self.window is not None:
             w = self.window
             if not isinstance(w, (tuple, list)) or len(w) != 2 or any(
                     b is not None and (not is_int(b) or not 0 <= b <= MAX_WINDOW) for b in w):
-                raise ValueError(f"window must be [left, right], each null or an int in [0, 2**62], "
-                                 f"got {short_repr(list(w) if isinstance(w, (tuple, list)) else w)}")
+                shown = short_repr(list(w) if isinstance(w, (tuple, list)) else w)
+                raise InvalidAttentionOption(f"window must be [left, right], each null or an int in [0, 2**62], "
+                                             f"got {shown}")
             object.__setattr__(self, "window", (None if w[0] is None else int(w[0]), None if w[1] is None else int(w[1])))
         if self.softcap is not None:
             c = _check_real("softcap", self.softcap)
             if c < 0:
-                raise ValueError(f"softcap must be a finite number >= 0, got {short_repr(self.softcap)}")
+                raise InvalidAttentionOption(f"softcap must be a finite number >= 0, got {short_repr(self.softcap)}")
             if c > FLOAT32_MAX:  # the scores' tanh is multiplied by it in float32: past the range, inf * tanh
-                raise ValueError(f"softcap must be at most {FLOAT32_MAX:.4g} (float32's range), got "
-                                 f"{short_repr(self.softcap)}")
+                raise InvalidAttentionOption(f"softcap must be at most {FLOAT32_MAX:.4g} (float32's range), got "
+                                             f"{short_repr(self.softcap)}")
             object.__setattr__(self, "softcap", c if c > 0 else None)
 
     @property

@@ -21,6 +21,7 @@ import numpy as np
 
 from merge import array_module
 from workers.dtypes import BFLOAT16, accumulation_dtype, check_input_dtype
+from workers.errors import InvalidInput
 from workers.options import FLOAT32_MAX, MAX_POSITION, AttentionOptions
 
 # -- positions -------------------------------------------------------------------------------
@@ -93,16 +94,16 @@ def host_array(name: str, value: Any, shape: str) -> Any:
     try:
         return np.asarray(value)
     except (ValueError, TypeError):
-        raise ValueError(f"{name} must have shape {shape}, got a ragged sequence") from None
+        raise InvalidInput(f"{name} must have shape {shape}, got a ragged sequence") from None
 
 
 def check_positions(name: str, pos: Any, n: int, xp: Any = np) -> Any:
     """Return ``pos`` as an int64 ``[n]`` array of ``xp`` (an :class:`Arange` stays one), or raise naming it."""
     if isinstance(pos, Arange):
         if pos.n != n:
-            raise ValueError(f"{name} must have shape [{n}], got ({pos.n},)")
+            raise InvalidInput(f"{name} must have shape [{n}], got ({pos.n},)")
         if n and (pos.max() > MAX_POSITION or pos.min() < -MAX_POSITION):
-            raise ValueError(f"{name} must lie within +-2**61, got values in [{pos.min()}, {pos.max()}]")
+            raise InvalidInput(f"{name} must lie within +-2**61, got values in [{pos.min()}, {pos.max()}]")
         return pos
     if not hasattr(pos, "shape"):
         pos = host_array(name, pos, f"[{n}]")
@@ -110,16 +111,16 @@ def check_positions(name: str, pos: Any, n: int, xp: Any = np) -> Any:
             pos = pos.astype(np.int64)
         if pos.dtype == object and pos.ndim == 1 and all(isinstance(x, int) for x in pos.tolist()):
             # Python ints past int64 (NumPy keeps them as objects): out of range, not "not integers".
-            raise ValueError(f"{name} must lie within +-2**61, got values in [{min(pos.tolist())}, "
+            raise InvalidInput(f"{name} must lie within +-2**61, got values in [{min(pos.tolist())}, "
                              f"{max(pos.tolist())}]")
     if array_module(pos) is not xp:
         pos = xp.asarray(pos)
     if pos.ndim != 1 or pos.shape[0] != n:
-        raise ValueError(f"{name} must have shape [{n}], got {tuple(pos.shape)}")
+        raise InvalidInput(f"{name} must have shape [{n}], got {tuple(pos.shape)}")
     if np.dtype(pos.dtype).kind not in "iu":
-        raise ValueError(f"{name} must be an integer array, got dtype {pos.dtype}")
+        raise InvalidInput(f"{name} must be an integer array, got dtype {pos.dtype}")
     if n and (int(pos.max()) > MAX_POSITION or int(pos.min()) < -MAX_POSITION):
-        raise ValueError(f"{name} must lie within +-2**61, got values in [{int(pos.min())}, {int(pos.max())}]")
+        raise InvalidInput(f"{name} must lie within +-2**61, got values in [{int(pos.min())}, {int(pos.max())}]")
     return pos.astype(xp.int64, copy=False)
 
 
@@ -162,19 +163,19 @@ def check_arrays(**arrays: Any) -> Any:
     xp = None
     for name, x in arrays.items():
         if not hasattr(x, "ndim") or not hasattr(x, "dtype"):
-            raise ValueError(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
+            raise InvalidInput(f"{name} must be a numpy or cupy array, got {type(x).__name__}")
         if xp is None:
             xp = array_module(x)
             first = name
         elif array_module(x) is not xp:
-            raise ValueError(f"{name} must live where {first} lives ({xp.__name__}), got {type(x).__module__}")
+            raise InvalidInput(f"{name} must live where {first} lives ({xp.__name__}), got {type(x).__module__}")
     return xp
 
 
 def check_q(q: Any) -> tuple[int, int, int]:
     """``q [n_q, h_q, d]`` of an input dtype; returns ``(n_q, h_q, d)`` (sizes: :func:`check_heads`)."""
     if q.ndim != 3:
-        raise ValueError(f"q must be [n_q, h_q, d], got shape {tuple(q.shape)}")
+        raise InvalidInput(f"q must be [n_q, h_q, d], got shape {tuple(q.shape)}")
     check_input_dtype("q", q.dtype)
     n_q, h_q, d = (int(s) for s in q.shape)
     return n_q, h_q, d
@@ -183,19 +184,20 @@ def check_q(q: Any) -> tuple[int, int, int]:
 def check_kv(k: Any, v: Any) -> KVDims:
     """``k [n_k, h_kv, d]`` and ``v [n_k, h_kv, d_v]`` of input dtypes, agreeing on ``n_k, h_kv``."""
     if k.ndim != 3:
-        raise ValueError(f"k must be [n_k, h_kv, d], got shape {tuple(k.shape)}")
+        raise InvalidInput(f"k must be [n_k, h_kv, d], got shape {tuple(k.shape)}")
     if v.ndim != 3:
-        raise ValueError(f"v must be [n_k, h_kv, d_v], got shape {tuple(v.shape)}")
+        raise InvalidInput(f"v must be [n_k, h_kv, d_v], got shape {tuple(v.shape)}")
     check_input_dtype("k", k.dtype)
     check_input_dtype("v", v.dtype)
     n_k, h_kv, d = (int(s) for s in k.shape)
     if tuple(v.shape[:2]) != (n_k, h_kv):
-        raise ValueError(f"v must be [n_k, h_kv, d_v] with [n_k, h_kv] = [{n_k}, {h_kv}] as in k, got {tuple(v.shape)}")
+        raise InvalidInput(f"v must be [n_k, h_kv, d_v] with [n_k, h_kv] = [{n_k}, {h_kv}] as in k, "
+                           f"got {tuple(v.shape)}")
     d_v = int(v.shape[2])
     if d < 1 or d_v < 1:
-        raise ValueError(f"head dims must be >= 1, got d = {d}, d_v = {d_v}")
+        raise InvalidInput(f"head dims must be >= 1, got d = {d}, d_v = {d_v}")
     if h_kv < 1:
-        raise ValueError(f"h_kv must be >= 1, got k of shape {tuple(k.shape)}")
+        raise InvalidInput(f"h_kv must be >= 1, got k of shape {tuple(k.shape)}")
     return KVDims(n_k, h_kv, d, d_v)
 
 
@@ -203,10 +205,10 @@ def check_heads(h_q: int, d: int, kv: KVDims, keys: str = "k") -> None:
     """Queries of ``h_q`` heads of dim ``d`` can read ``kv`` (named ``keys`` in messages)."""
     if kv.d != d:
         if keys == "k":
-            raise ValueError(f"k must have head dim d = {d} as q, got {kv.d}")
-        raise ValueError(f"q must have head dim d = {kv.d} as {keys}, got {d}")
+            raise InvalidInput(f"k must have head dim d = {d} as q, got {kv.d}")
+        raise InvalidInput(f"q must have head dim d = {kv.d} as {keys}, got {d}")
     if h_q < 1 or kv.h_kv < 1 or h_q % kv.h_kv:
-        raise ValueError(f"h_q must be a positive multiple of h_kv, got h_q = {h_q}, h_kv = {kv.h_kv}"
+        raise InvalidInput(f"h_q must be a positive multiple of h_kv, got h_q = {h_q}, h_kv = {kv.h_kv}"
                          + ("" if keys == "k" else f" of {keys}"))
 
 
@@ -218,15 +220,15 @@ def check_alibi(slopes: Any, h_q: int) -> None:
     if not hasattr(slopes, "shape"):
         slopes = host_array("alibi_slopes", slopes, f"[{h_q}]")
     if slopes.ndim != 1 or slopes.shape[0] != h_q:
-        raise ValueError(f"alibi_slopes must have shape [{h_q}], got {tuple(slopes.shape)}")
+        raise InvalidInput(f"alibi_slopes must have shape [{h_q}], got {tuple(slopes.shape)}")
     if np.dtype(slopes.dtype).kind not in "fiu" and np.dtype(slopes.dtype) != BFLOAT16:
-        raise ValueError(f"alibi_slopes must be a float array, got dtype {slopes.dtype}")
+        raise InvalidInput(f"alibi_slopes must be a float array, got dtype {slopes.dtype}")
     host = slopes.get() if hasattr(slopes, "get") else slopes
     if not bool(np.all(np.isfinite(np.asarray(host, dtype=np.float64)))):
-        raise ValueError("alibi_slopes must be finite, got NaN or infinity")
+        raise InvalidInput("alibi_slopes must be finite, got NaN or infinity")
     biggest = float(np.max(np.abs(np.asarray(host, dtype=np.float64)), initial=0.0))
     if biggest > FLOAT32_MAX:
-        raise ValueError(f"alibi_slopes must lie within +-{FLOAT32_MAX:.4g} (float32's range), got a slope of "
+        raise InvalidInput(f"alibi_slopes must lie within +-{FLOAT32_MAX:.4g} (float32's range), got a slope of "
                          f"magnitude {biggest:.4g}")
 
 

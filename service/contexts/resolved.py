@@ -11,7 +11,7 @@ import numpy as np
 from service.cluster.orchestrator import Job
 from service.cluster.pool import ResidentWork, WorkerPool
 from service.contexts.records import ContextRecord
-from service.core.errors import InvalidTensor
+from service.core.errors import InvalidTensor, client_input
 from service.wire.request import AttentionRequest
 from workers.problem import KVDims, check_heads
 from workers.tasks import ShardRead
@@ -35,10 +35,8 @@ class Resolved:
     def check(self, req: AttentionRequest) -> None:
         """The query's heads read these contexts, and inline keys have their shape."""
         dims = self.dims
-        try:
+        with client_input():
             check_heads(req.h_q, req.d, dims, keys="the contexts")
-        except ValueError as exc:
-            raise InvalidTensor(str(exc)) from None
         if req.kv is not None:
             inline = req.kv.dims
             if (inline.h_kv, inline.d, inline.d_v) != (dims.h_kv, dims.d, dims.d_v):

@@ -48,6 +48,7 @@ from service.core.errors import (
     InvalidTensor,
     LengthMismatch,
     WorkersUnavailable,
+    client_input,
 )
 from service.core.metrics import Timings
 from service.core.settings import ServiceSettings
@@ -364,10 +365,8 @@ class ContextService:
         """The keys' positions: as given (checked at the edge), or continuing from ``start``."""
         if kv.k_pos is not None:
             return kv.k_pos
-        try:
+        with client_input():
             default = check_positions("k_pos", Arange(start, kv.dims.n_k), kv.dims.n_k)
-        except ValueError as exc:
-            raise InvalidTensor(str(exc)) from None
         return default.materialize()
 
     async def _place(self, sizes: list[int], record: ContextRecord) -> list[list[int]]:

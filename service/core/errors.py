@@ -2,10 +2,14 @@
 
 Code anywhere in the service raises a :class:`ServiceError` subclass with a
 detail that names the field and the bad value ("q must be ..., got ...");
-:data:`ERRORS` gives each subclass its stable ``code`` and HTTP status
-(docs/API.md section 7), and :func:`render` writes the one body format for
-every route, the KServe ones included. No layer matches messages or builds a
-status of its own.
+:data:`ERRORS` gives each subclass its stable ``code``, its HTTP status
+(docs/API.md section 7) and the name of its gRPC status (the KServe gRPC server,
+``service.grpc_server``), and :func:`render` writes the one body format for
+every route, the KServe ones included. The library's checks raise typed errors
+of their own (``workers.errors``, ``ValueError`` subclasses): :data:`LIBRARY`
+gives each the row it is answered with, and :func:`client_input` applies it where
+the service checks what a client sent through them. No layer matches messages or
+builds a status of its own.
 
 A detail says what the client needs in the service's words and nothing about the
 machine: :func:`render` withholds one that carries a traceback, a file path, an
@@ -19,10 +23,12 @@ import json
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from service.core import request_id
+from workers.errors import InvalidAttentionOption, InvalidInput
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +42,17 @@ class ServiceError(Exception):
         self.headers = dict(headers or {})
 
     @property
+    def kind(self) -> ErrorKind:
+        """This error's row of :data:`ERRORS`."""
+        return ERRORS[type(self)]
+
+    @property
     def code(self) -> str:
-        return ERRORS[type(self)].code
+        return self.kind.code
 
     @property
     def status(self) -> int:
-        return ERRORS[type(self)].status
+        return self.kind.status
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.detail!r})"
@@ -147,31 +158,64 @@ class Internal(ServiceError):
 @dataclass(frozen=True)
 class ErrorKind:
     code: str  #: stable snake_case name, part of the public contract: add, never rename
-    status: int
+    status: int  #: the HTTP status
+    #: the gRPC status the KServe gRPC server ends a call with: a ``grpc.StatusCode`` member's name
+    #: (this module does not import grpc; ``service.grpc_server`` looks the name up)
+    grpc: str
 
 
-#: The one table: each error's code and HTTP status (docs/API.md section 7).
+#: The one table: each error's code, HTTP status (docs/API.md section 7) and gRPC status (docs/KSERVE.md,
+#: "gRPC"). method_not_allowed and header_too_large are about HTTP methods and heads, which no gRPC call
+#: has: UNKNOWN, gRPC's status for an error it has no other word for.
 ERRORS: Mapping[type[ServiceError], ErrorKind] = {
-    InvalidBody: ErrorKind("invalid_body", 400),
-    Unauthorized: ErrorKind("unauthorized", 401),
-    ContextNotFound: ErrorKind("context_not_found", 404),
-    RouteNotFound: ErrorKind("route_not_found", 404),
-    MethodNotAllowed: ErrorKind("method_not_allowed", 405),
-    RequestTimeout: ErrorKind("request_timeout", 408),
-    LengthMismatch: ErrorKind("length_mismatch", 409),
-    BodyTooLarge: ErrorKind("body_too_large", 413),
-    UnsupportedMediaType: ErrorKind("unsupported_media_type", 415),
-    HeadTooLarge: ErrorKind("header_too_large", 431),
-    InvalidTensor: ErrorKind("invalid_tensor", 422),
-    InvalidOption: ErrorKind("invalid_option", 422),
-    Overloaded: ErrorKind("overloaded", 429),
-    Internal: ErrorKind("internal_error", 500),
-    WorkersUnavailable: ErrorKind("workers_unavailable", 503),
-    ContextLost: ErrorKind("context_lost", 503),
-    ShuttingDown: ErrorKind("shutting_down", 503),
-    DeadlineExceeded: ErrorKind("deadline_exceeded", 504),
-    InsufficientCapacity: ErrorKind("insufficient_capacity", 507),
+    InvalidBody: ErrorKind("invalid_body", 400, "INVALID_ARGUMENT"),
+    Unauthorized: ErrorKind("unauthorized", 401, "UNAUTHENTICATED"),
+    ContextNotFound: ErrorKind("context_not_found", 404, "NOT_FOUND"),
+    RouteNotFound: ErrorKind("route_not_found", 404, "NOT_FOUND"),
+    MethodNotAllowed: ErrorKind("method_not_allowed", 405, "UNKNOWN"),
+    RequestTimeout: ErrorKind("request_timeout", 408, "DEADLINE_EXCEEDED"),
+    LengthMismatch: ErrorKind("length_mismatch", 409, "FAILED_PRECONDITION"),
+    BodyTooLarge: ErrorKind("body_too_large", 413, "RESOURCE_EXHAUSTED"),
+    UnsupportedMediaType: ErrorKind("unsupported_media_type", 415, "INVALID_ARGUMENT"),
+    HeadTooLarge: ErrorKind("header_too_large", 431, "UNKNOWN"),
+    InvalidTensor: ErrorKind("invalid_tensor", 422, "INVALID_ARGUMENT"),
+    InvalidOption: ErrorKind("invalid_option", 422, "INVALID_ARGUMENT"),
+    Overloaded: ErrorKind("overloaded", 429, "RESOURCE_EXHAUSTED"),
+    Internal: ErrorKind("internal_error", 500, "INTERNAL"),
+    WorkersUnavailable: ErrorKind("workers_unavailable", 503, "UNAVAILABLE"),
+    ContextLost: ErrorKind("context_lost", 503, "UNAVAILABLE"),
+    ShuttingDown: ErrorKind("shutting_down", 503, "UNAVAILABLE"),
+    DeadlineExceeded: ErrorKind("deadline_exceeded", 504, "DEADLINE_EXCEEDED"),
+    InsufficientCapacity: ErrorKind("insufficient_capacity", 507, "RESOURCE_EXHAUSTED"),
 }
+
+#: The library's typed errors (``workers.errors``) and the error of :data:`ERRORS` each is answered
+#: with, the library's message (it names the argument and quotes the value) as its detail.
+LIBRARY: Mapping[type[ValueError], type[ServiceError]] = {
+    InvalidInput: InvalidTensor,
+    InvalidAttentionOption: InvalidOption,
+}
+
+
+def library_error(exc: ValueError) -> ServiceError | None:
+    """The :class:`ServiceError` a typed library error is answered with (:data:`LIBRARY`), or None for
+    another ``ValueError`` (a fault of the service, not the client's: it stays what it is)."""
+    answer = next((LIBRARY[cls] for cls in type(exc).__mro__ if cls in LIBRARY), None)
+    return None if answer is None else answer(str(exc))
+
+
+@contextmanager
+def client_input() -> Iterator[None]:
+    """Around library checks of what a client sent: a typed library error raised inside becomes its
+    :class:`ServiceError` (:func:`library_error`); anything else passes through unchanged."""
+    try:
+        yield
+    except tuple(LIBRARY) as exc:
+        answer = library_error(exc)
+        if answer is None:  # pragma: no cover - each class caught is a row
+            raise
+        raise answer from None
+
 
 #: Routes under this prefix speak the Open Inference Protocol, whose clients read an ``error`` key.
 KSERVE_PREFIX = "/v2"

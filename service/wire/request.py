@@ -3,7 +3,8 @@
 A format decoder (``json_codec``, ``safetensors``, ``kserve``) reads a body into
 :class:`Decoded` (named tensors, checked options); :func:`attention_request` and
 :func:`context_write` then check every tensor rule once, through the same rule
-functions as the library (``workers.problem``), and
+functions as the library (``workers.problem``; their typed errors are answered
+through the one table, ``service.core.errors.client_input``), and
 return the object that travels on: arrays, a frozen ``AttentionOptions`` and
 positions. What needs the cluster (the shapes of stored contexts, default
 positions after them) is checked by the service once the contexts are resolved.
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.core.errors import InvalidOption, InvalidTensor
+from service.core.errors import InvalidOption, InvalidTensor, client_input
 from service.wire.rules import RequestOptions
 from workers.dtypes import BFLOAT16, FLOAT16
 from workers.options import AttentionOptions
@@ -98,20 +99,12 @@ def check_finite(name: str, x: np.ndarray) -> None:
 
 
 def _positions(name: str, pos: np.ndarray | None, n: int) -> np.ndarray | None:
-    if pos is None:
-        return None
-    try:
-        return check_positions(name, pos, n)
-    except ValueError as exc:
-        raise InvalidTensor(str(exc)) from None
+    return None if pos is None else check_positions(name, pos, n)
 
 
 def _inline(tensors: Mapping[str, np.ndarray]) -> InlineKV:
     k, v = tensors["k"], tensors["v"]
-    try:
-        dims = check_kv(k, v)
-    except ValueError as exc:
-        raise InvalidTensor(str(exc)) from None
+    dims = check_kv(k, v)
     check_finite("k", k)
     check_finite("v", v)
     return InlineKV(k=k, v=v, k_pos=_positions("k_pos", tensors.get("k_pos"), dims.n_k), dims=dims)
@@ -121,28 +114,22 @@ def attention_request(decoded: Decoded) -> AttentionRequest:
     """Check the tensors of an attention request against each other and its options."""
     t, options = decoded.tensors, decoded.options
     q = t["q"]
-    try:
+    with client_input():
         n_q, h_q, d = check_q(q)
-    except ValueError as exc:
-        raise InvalidTensor(str(exc)) from None
-    check_finite("q", q)
-    kv = _inline(t) if "k" in t else None
-    if kv is not None:
-        try:
+        check_finite("q", q)
+        kv = _inline(t) if "k" in t else None
+        if kv is not None:
             check_heads(h_q, d, kv.dims)
-        except ValueError as exc:
-            raise InvalidTensor(str(exc)) from None
-    try:
         check_alibi(options.attention.alibi_slopes, h_q)
-    except ValueError as exc:
-        raise InvalidTensor(str(exc)) from None
-    return AttentionRequest(q=q, q_pos=_positions("q_pos", t.get("q_pos"), n_q), kv=kv, options=options.attention,
+        q_pos = _positions("q_pos", t.get("q_pos"), n_q)
+    return AttentionRequest(q=q, q_pos=q_pos, kv=kv, options=options.attention,
                             contexts=options.contexts, n_q=n_q, h_q=h_q, d=d)
 
 
 def context_write(decoded: Decoded) -> ContextWrite:
     """Check the keys and values of a context create or append; a context holds one dtype."""
-    kv = _inline(decoded.tensors)
+    with client_input():
+        kv = _inline(decoded.tensors)
     if kv.k.dtype != kv.v.dtype:
         raise InvalidTensor(f"v must have k's dtype {kv.k.dtype}, got {kv.v.dtype}")
     options = decoded.options

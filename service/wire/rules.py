@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.core.errors import BodyTooLarge, InvalidOption, InvalidTensor
+from service.core.errors import BodyTooLarge, InvalidOption, InvalidTensor, client_input
 from service.core.limits import DEFAULT_LIMITS, Limits
 from workers.options import MAX_WINDOW, AttentionOptions
 
@@ -216,7 +216,7 @@ def check_options(raw: Mapping[str, Any], kind: BodyKind, limits: Limits = DEFAU
     given = {name: value for name, value in raw.items() if value is not None}
     if "causal" in given and type(given["causal"]) is not bool:
         raise InvalidOption(f"causal must be true or false, got {show(given['causal'])}")
-    try:
+    with client_input():
         attention = AttentionOptions(
             scale=_number("scale", given["scale"]) if "scale" in given else None,
             causal=given.get("causal", False),
@@ -224,8 +224,6 @@ def check_options(raw: Mapping[str, Any], kind: BodyKind, limits: Limits = DEFAU
             softcap=_number("softcap", given["softcap"]) if "softcap" in given else None,
             alibi_slopes=alibi_slopes,  # a tensor: checked with the others (service.wire.request)
         )
-    except ValueError as exc:
-        raise InvalidOption(str(exc)) from None
     upload, continues = _upload(given)
     return RequestOptions(
         attention=attention,
