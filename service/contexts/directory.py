@@ -9,12 +9,14 @@ serialised by a lease (:meth:`DirectoryActor.acquire`).
 
 :class:`Directory` is the front end's handle: typed calls that wait out a
 directory restart. :class:`DirectorySurface` is what the contexts service and the
-repair loop use of it.
+repair loop use of it; :class:`LocalDirectory` is the other implementation, a
+:class:`DirectoryActor` in this process (beside ``service.cluster.local.LocalPool``: no Ray).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import secrets
 import time
@@ -273,5 +275,57 @@ class Directory:
         return result
 
 
-#: The Ray handle is an implementation of the surface (mypy checks this assignment).
-_SURFACES: tuple[type[DirectorySurface], ...] = (Directory,)
+class LocalDirectory:
+    """The directory in this process: a :class:`DirectoryActor` called directly, with :class:`Directory`'s
+    typed calls. Arguments and answers are copied, as Ray's calls pass them by value. A directory restart
+    is a new :class:`DirectoryActor` over the same workers (its reporter: ``LocalPool.report``) put in
+    :attr:`actor`."""
+
+    def __init__(self, actor: DirectoryActor) -> None:
+        self.actor = actor
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        await asyncio.sleep(0)  # a call lets the event loop run others, as an actor call does
+        return copy.deepcopy(getattr(self.actor, method)(*copy.deepcopy(args)))
+
+    async def ping(self) -> dict:
+        result: dict = await self._call("ping")
+        return result
+
+    async def get(self, ctx_id: str) -> ContextRecord | None:
+        result: ContextRecord | None = await self._call("get", ctx_id)
+        return result
+
+    async def get_many(self, ids: list[str]) -> list[ContextRecord | None]:
+        result: list[ContextRecord | None] = await self._call("get_many", ids)
+        return result
+
+    async def all(self) -> list[ContextRecord]:
+        result: list[ContextRecord] = await self._call("all")
+        return result
+
+    async def commit(self, record: ContextRecord, owner: str | None) -> str:
+        try:
+            result: str = await self._call("commit", record, owner)
+            return result
+        except LeaseLost:
+            raise lapsed(record["id"]) from None
+
+    async def remove(self, ctx_id: str) -> ContextRecord | None:
+        result: ContextRecord | None = await self._call("remove", ctx_id)
+        return result
+
+    async def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int:
+        return int(await self._call("forget_worker", name, dict(keep or {})))
+
+    async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
+        result: bool = await self._call("acquire", ctx_id, owner, ttl_s)
+        return result
+
+    async def release(self, ctx_id: str, owner: str) -> str:
+        result: str = await self._call("release", ctx_id, owner)
+        return result
+
+
+#: Both directories are implementations of the surface (mypy checks these assignments).
+_SURFACES: tuple[type[DirectorySurface], ...] = (Directory, LocalDirectory)
