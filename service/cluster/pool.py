@@ -8,8 +8,9 @@ end with the process. A worker that dies is replaced under the same name by
 :meth:`WorkerPool.replace` (``service.contexts.repair`` decides when, after the
 directory has forgotten what the dead one held, and rebuilds its replicas elsewhere).
 
-This is the only module that calls ``workers.actor.ShardWorker``'s methods: the
-typed methods below are its remote API. A worker that dies mid-call is marked
+This is the only module that calls ``workers.actor.ShardWorker``'s methods over Ray: the
+typed methods below are its remote API (``service.cluster.surface.WorkerSurface``; ``service.cluster.local``
+calls the same methods in this process). A worker that dies mid-call is marked
 dead and the call raises :class:`service.core.errors.WorkersUnavailable`. A worker that *answers* a
 query with an exception other than a domain one (:data:`DOMAIN_ERRORS`) is alive and holds its
 shards: that is a fault of the service, :class:`service.core.errors.Internal` (500) with the worker and
