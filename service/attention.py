@@ -17,7 +17,7 @@ import numpy as np
 
 from merge import empty, finalize
 from service.cluster.orchestrator import Job, Orchestrator, inline_shard_count, shard_bounds
-from service.cluster.pool import InlineWork, WorkerPool
+from service.cluster.surface import InlineWork, WorkerSurface
 from service.contexts.resolved import Resolved
 from service.contexts.service import ContextService
 from service.core.errors import BodyTooLarge, ContextLost, InvalidTensor, WorkersUnavailable, client_input
@@ -134,7 +134,7 @@ def settled(exc: RecordStale) -> WorkersUnavailable:
 
 
 class AttentionService:
-    def __init__(self, settings: ServiceSettings, pool: WorkerPool, orchestrator: Orchestrator,
+    def __init__(self, settings: ServiceSettings, pool: WorkerSurface, orchestrator: Orchestrator,
                  contexts: ContextService) -> None:
         self.settings = settings
         self.pool = pool

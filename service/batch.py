@@ -45,7 +45,7 @@ from service.attention import (
     widened_q,
 )
 from service.cluster.orchestrator import LOCAL_MERGE_INLINE_BYTES, late
-from service.cluster.pool import WorkerPool
+from service.cluster.surface import WorkerSurface
 from service.contexts.records import ContextRecord
 from service.contexts.resolved import Resolved
 from service.contexts.service import ContextService
@@ -77,7 +77,7 @@ class Planned:
 
 
 class BatchService:
-    def __init__(self, settings: ServiceSettings, pool: WorkerPool, attention: AttentionService,
+    def __init__(self, settings: ServiceSettings, pool: WorkerSurface, attention: AttentionService,
                  contexts: ContextService) -> None:
         self.settings = settings
         self.pool = pool

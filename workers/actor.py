@@ -2,7 +2,7 @@
 
 The class is plain Python (testable without Ray); ``service.cluster.pool`` wraps
 it with ``ray.remote`` as a threaded actor and the resources it needs, and is the
-only caller of its methods. Configuration arrives through the constructor as a
+only caller of its methods over Ray (``service.cluster.local`` calls them in one process). Configuration arrives through the constructor as a
 :class:`workers.config.WorkerConfig`; work arrives as the typed payloads of
 ``workers.tasks``.
 

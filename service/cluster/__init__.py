@@ -1,6 +1,8 @@
-"""The Ray side of the front end (docs/SERVICE.md, "Request flow").
+"""The workers' side of the front end (docs/SERVICE.md, "Request flow").
 
 * ``connect``: embedded Ray or a joined cluster;
-* ``pool``: the shard workers, and the only calls of their methods;
+* ``surface``: what the code above uses of a pool of workers (``WorkerSurface``, no Ray);
+* ``pool``: the shard workers as Ray actors, and the only calls of their methods over Ray;
+* ``local``: the same surface over workers in this process (no Ray: the unit tests);
 * ``orchestrator``: scatter jobs, retry on replicas, merge the states over the fixed tree.
 """

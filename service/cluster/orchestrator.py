@@ -13,7 +13,7 @@ with no candidate left fails the request (``ContextLost`` for a resident shard,
 ``WorkersUnavailable`` for an inline one); a job the worker did not start because the
 request's deadline had passed (``Expired``) fails it with ``DeadlineExceeded`` (504), never
 retried; a job its worker answered with an exception of its own fails it with ``Internal`` (500,
-``service.cluster.pool.failed``), never retried; the merge never runs with a state missing.
+``service.cluster.surface.failed``), never retried; the merge never runs with a state missing.
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
 from merge import State, finalize, merge_all, tree_levels
-from service.cluster.pool import InlineWork, ResidentWork, WorkerPool
+from service.cluster.surface import InlineWork, ResidentWork, WorkerSurface
 from service.core.errors import ContextLost, DeadlineExceeded, WorkersUnavailable
 from service.core.metrics import Timings
 from workers.store import Expired, ShardMissing
@@ -95,7 +93,7 @@ def late(worker: str) -> DeadlineExceeded:
 
 
 class Orchestrator:
-    def __init__(self, pool: WorkerPool, *, fanin: int, remote_merge_bytes: int) -> None:
+    def __init__(self, pool: WorkerSurface, *, fanin: int, remote_merge_bytes: int) -> None:
         self.pool = pool
         self.fanin = fanin
         self.remote_merge_bytes = remote_merge_bytes
@@ -189,10 +187,7 @@ class Orchestrator:
                 nxt_owners.append(idx)
             level, owners = nxt, nxt_owners
         try:
-            root: State = await level[0]
-            return root
-        except ray.exceptions.RayError as exc:
-            raise WorkersUnavailable(f"the merge tree lost a node: {type(exc).__name__}") from exc
+            return await self.pool.root_state(level[0])
         finally:
             for done in submitted:
                 done()

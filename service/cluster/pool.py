@@ -8,8 +8,9 @@ end with the process. A worker that dies is replaced under the same name by
 :meth:`WorkerPool.replace` (``service.contexts.repair`` decides when, after the
 directory has forgotten what the dead one held, and rebuilds its replicas elsewhere).
 
-This is the only module that calls ``workers.actor.ShardWorker``'s methods: the
-typed methods below are its remote API. A worker that dies mid-call is marked
+This is the only module that calls ``workers.actor.ShardWorker``'s methods over Ray: the
+typed methods below are its remote API (``service.cluster.surface.WorkerSurface``; ``service.cluster.local``
+calls the same methods in this process). A worker that dies mid-call is marked
 dead and the call raises :class:`service.core.errors.WorkersUnavailable`. A worker that *answers* a
 query with an exception other than a domain one (:data:`DOMAIN_ERRORS`) is alive and holds its
 shards: that is a fault of the service, :class:`service.core.errors.Internal` (500) with the worker and
@@ -31,7 +32,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from merge import State
-from service.core import deadline, request_id
+from service.core import deadline
 from service.cluster.channel import MAX_CALL_BYTES, ChannelClosed, WorkerChannel
 from service.cluster.startup import (
     WORKER_PREFIX,
@@ -41,13 +42,24 @@ from service.cluster.startup import (
     resolve_device,
     worker_config,
 )
-from service.core.errors import Internal, WorkersUnavailable
+from service.cluster.surface import (
+    DOMAIN_CLASSES,
+    DOMAIN_ERRORS,  # noqa: F401 - re-exported: service.cluster.pool.DOMAIN_ERRORS as before
+    MISSED_PINGS,
+    InlineWork,
+    ResidentWork,
+    WorkerSlot,
+    WorkerSurface,
+    failed,
+    last_line,
+)
+from service.cluster.surface import domain as _domain
+from service.core.errors import WorkersUnavailable
 from service.core.settings import ServiceSettings
 from workers.actor import ShardWorker
 from workers.config import settings_of
 from workers.options import CpuKernels
 from workers.frames import RemoteError
-from workers.store import Expired, RecordStale, ShardMissing
 from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, carry
 
 _T = TypeVar("_T")
@@ -73,14 +85,6 @@ HEALTH_GROUP = "health"
 INLINE_ARG_BYTES = 256 * 2**10
 #: Seconds before a worker whose direct channel could not be opened is tried again (Ray meanwhile).
 CHANNEL_RETRY_S = 30.0
-#: Pings in a row that time out before a worker that answered before counts as dead (a death Ray
-#: reports counts at once): with the repair loop's 5 s pings every ``heal_interval_s``, 15 s or more.
-MISSED_PINGS = 3
-#: Worker exceptions a channel reply may carry that the front end handles as it does from a Ray call.
-DOMAIN_ERRORS: dict[str, type[Exception]] = {"ShardMissing": ShardMissing, "RecordStale": RecordStale,
-                                              "Expired": Expired}
-#: Their classes: a worker's exception that is none of them is a fault of the service (:func:`failed`).
-DOMAIN_CLASSES: tuple[type[Exception], ...] = tuple(DOMAIN_ERRORS.values())
 
 
 @dataclass
@@ -112,59 +116,19 @@ class Slot:
             self.channel = None
 
 
-@dataclass(frozen=True, eq=False)
-class InlineWork:
-    """An inline shard: its keys and values (arrays or object refs) and their positions."""
-
-    k: Any
-    v: Any
-    k_pos: Any
-
-
-@dataclass(frozen=True)
-class ResidentWork:
-    """Resident shards one worker holds, read in key order: one read gives its state; several give a
-    state per read, unmerged, in the order listed (the front end merges every state of the request
-    in key order, so the answer does not depend on which reads shared a call). ``fanin`` is the
-    worker-side merge's for a single read (a merge of one state is that state)."""
-
-    reads: tuple[ShardRead, ...]
-    fanin: int
-
-
 async def _await(ref: Any) -> Any:
     """An ObjectRef as a coroutine (for ``asyncio.wait_for``)."""
     return await ref
-
-
-def failed(worker: str, kind: str, message: str) -> Internal:
-    """The 500 for a query that worker ``worker`` answered with a ``kind`` exception that is not a
-    domain error: logged with its message, the client told the worker, the kind and the request id."""
-    rid = request_id.current()
-    log.warning("request %s: worker %s failed a query: %s: %s", rid, worker, kind, message)
-    return Internal(f"the service failed on this request: worker {worker} raised {kind}; "
-                    f"the server log has the details under request id {rid}")
-
-
-def _domain(exc: RemoteError) -> Exception:
-    """A worker's exception as the front end handles it from a Ray call: a domain error by its own class
-    (:data:`DOMAIN_ERRORS`), any other as it came."""
-    known = DOMAIN_ERRORS.get(exc.kind)
-    return known(exc.message) if known is not None else exc
 
 
 def _nbytes(a: Any) -> int:
     return int((a.bits if isinstance(a, Carried) else a).nbytes)
 
 
-def last_line(message: str) -> str:
-    """The last non-blank line of an error message: Ray's for an actor that died in its constructor
-    ends with that error (``FileNotFoundError: ... '/data/splitkey'``) after its traceback."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    return lines[-1] if lines else message
-
-
 class WorkerPool:
+    #: What a call other than a query raises when the worker is gone or its method failed (:data:`CALL_ERRORS`).
+    call_errors = CALL_ERRORS
+
     def __init__(self, settings: ServiceSettings, slots: list[Slot], device: str, detached: bool) -> None:
         self.settings = settings
         self.slots = slots
@@ -278,7 +242,7 @@ class WorkerPool:
 
         await asyncio.gather(*(one(s) for s in self.slots))
 
-    def replace(self, slot: Slot) -> bool:
+    def replace(self, slot: WorkerSlot) -> bool:
         """Start a new, empty worker under a dead one's name (the caller first forgets what it held);
         False when the name is still held, to try again next round.
 
@@ -289,6 +253,9 @@ class WorkerPool:
         processed yet: the slot takes whatever holds it, and keeps its incarnation, so that the next
         refresh either adopts a live worker (a new incarnation) or finds it dead and replaces again.
         """
+        return self._replace(self.slots[slot.index])  # this pool's own slot (the surface hands them out read-only)
+
+    def _replace(self, slot: Slot) -> bool:
         slot.drop_channel()
         slot.channel_retry_at = 0.0
         dead, slot.handle = slot.handle, None  # the slot holds the only handle the front end keeps
@@ -516,6 +483,15 @@ class WorkerPool:
 
         return ref, done
 
+    async def root_state(self, state: Any) -> State:
+        """The merge tree's root (an ObjectRef :meth:`merge_states` gave), here; a node lost on the way (its
+        worker died, Ray lost the object) is ``WorkersUnavailable``."""
+        try:
+            root: State = await state
+            return root
+        except ray.exceptions.RayError as exc:
+            raise WorkersUnavailable(f"the merge tree lost a node: {type(exc).__name__}") from exc
+
     def create_shard(self, index: int, write: ShardWrite, k: Any, v: Any,
                      record: Mapping[str, object]) -> Awaitable[Any]:
         return self._call(index, lambda h: h.create_shard.remote(write, k, v, record))
@@ -590,3 +566,7 @@ class WorkerPool:
             if answers is not None:
                 return answers
         return await self._call(index, lambda h: h.partial_resident_many.remote(list(items)))
+
+
+#: The Ray pool is one implementation of the cluster's surface (mypy checks this assignment).
+_RAY_SURFACE: type[WorkerSurface] = WorkerPool

@@ -8,17 +8,20 @@ record of every context it holds a shard of). Writes to one context are
 serialised by a lease (:meth:`DirectoryActor.acquire`).
 
 :class:`Directory` is the front end's handle: typed calls that wait out a
-directory restart.
+directory restart. :class:`DirectorySurface` is what the contexts service and the
+repair loop use of it; :class:`LocalDirectory` is the other implementation, a
+:class:`DirectoryActor` in this process (beside ``service.cluster.local.LocalPool``: no Ray).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import ray
 
@@ -41,30 +44,50 @@ class LeaseLost(ValueError):
     restarted (leases live in its memory) and another write may have taken the context since."""
 
 
+#: What one worker reports to a rebuilding directory: the shards it holds (``ShardWorker.held``), those
+#: its start left on disk (``ShardWorker.unloaded``) and the contexts it has a tombstone of.
+WorkerReport = tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]
+#: How a rebuilding directory asks a worker, by name, for its report: None when it does not answer.
+Reporter = Callable[[str], WorkerReport | None]
+
+
+def ray_reporter(namespace: str) -> Reporter:
+    """Ask the named Ray actors of ``namespace`` (the directory actor's own way)."""
+    def report(name: str) -> WorkerReport | None:
+        try:
+            handle = ray.get_actor(name, namespace=namespace)
+            held: list[dict[str, Any]] = ray.get(handle.held.remote(), timeout=30)
+            # Shards left on disk at its start (no room): their records count, the worker holds no replica.
+            unloaded: list[dict[str, Any]] = ray.get(handle.unloaded.remote(), timeout=30)
+            deleted: list[str] = ray.get(handle.tombstones.remote(), timeout=30)
+        except (ValueError, ray.exceptions.RayError) as exc:
+            log.warning("directory rebuild: %s did not answer: %s", name, exc)
+            return None
+        return held, unloaded, deleted
+    return report
+
+
 class DirectoryActor:
-    def __init__(self, worker_names: list[str], namespace: str) -> None:
+    def __init__(self, worker_names: list[str], namespace: str, reporter: Reporter | None = None) -> None:
+        """``reporter``: how the rebuild asks each worker (default: the Ray actors of ``namespace``)."""
         self.records: dict[str, ContextRecord] = {}
         self.leases: dict[str, tuple[str, float]] = {}
         #: Which life of the actor this is: new at every (re)start, so a writer that sees the same one
         #: at its commit and at its lease's release knows no restart came between (ContextService.append).
         self.incarnation = secrets.token_hex(8)
-        self.rebuilt_from = self._rebuild(worker_names, namespace)
+        self.rebuilt_from = self._rebuild(worker_names, reporter or ray_reporter(namespace))
 
-    def _rebuild(self, worker_names: list[str], namespace: str) -> int:
+    def _rebuild(self, worker_names: list[str], reporter: Reporter) -> int:
         """Rebuild records from the workers' reports; returns how many workers answered."""
         reports: dict[str, list[dict[str, Any]]] = {}
         deleted: set[str] = set()  # tombstoned by some worker (service.contexts.tombstones): not rebuilt
         answered = 0
         for name in worker_names:
-            try:
-                handle = ray.get_actor(name, namespace=namespace)
-                held: list[dict[str, Any]] = ray.get(handle.held.remote(), timeout=30)
-                # Shards left on disk at its start (no room): their records count, the worker holds no replica.
-                unloaded: list[dict[str, Any]] = ray.get(handle.unloaded.remote(), timeout=30)
-                deleted.update(ray.get(handle.tombstones.remote(), timeout=30))
-            except (ValueError, ray.exceptions.RayError) as exc:
-                log.warning("directory rebuild: %s did not answer: %s", name, exc)
+            got = reporter(name)
+            if got is None:
                 continue
+            held, unloaded, tombstoned = got
+            deleted.update(tombstoned)
             answered += 1
             for info in held:
                 reports.setdefault(info["context_id"], []).append({**info, "worker": name, "loaded": True})
@@ -153,6 +176,30 @@ class DirectoryActor:
         return {"contexts": len(self.records), "rebuilt_from": self.rebuilt_from}
 
 
+def lapsed(ctx_id: str) -> WorkersUnavailable:
+    """The 503 for a commit refused with ``LeaseLost``: the write was not stored (nothing a directory rebuilt
+    from the workers could take names it: the workers keep only committed records, ``ContextService``)."""
+    return WorkersUnavailable(
+        f"the write to context {ctx_id} was not stored: its lease lapsed before the commit (the write "
+        f"ran past {LEASE_TTL_S:g} s, or the contexts directory restarted), and another write may have "
+        f"taken the context since; send it again")
+
+
+class DirectorySurface(Protocol):
+    """What the contexts service, the repair loop and the orphan sweep use of the directory (each call
+    as :class:`Directory`'s; :meth:`commit` raises :func:`lapsed` for a lease lost)."""
+
+    async def ping(self) -> dict: ...
+    async def get(self, ctx_id: str) -> ContextRecord | None: ...
+    async def get_many(self, ids: list[str]) -> list[ContextRecord | None]: ...
+    async def all(self) -> list[ContextRecord]: ...
+    async def commit(self, record: ContextRecord, owner: str | None) -> str: ...
+    async def remove(self, ctx_id: str) -> ContextRecord | None: ...
+    async def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int: ...
+    async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool: ...
+    async def release(self, ctx_id: str, owner: str) -> str: ...
+
+
 class Directory:
     """Front-end handle of the directory actor: typed calls that wait out a restart."""
 
@@ -209,10 +256,7 @@ class Directory:
             result: str = await self._call(lambda h: h.commit.remote(record, owner))
             return result
         except LeaseLost:
-            raise WorkersUnavailable(
-                f"the write to context {record['id']} was not stored: its lease lapsed before the commit (the write "
-                f"ran past {LEASE_TTL_S:g} s, or the contexts directory restarted), and another write may have "
-                f"taken the context since; send it again") from None
+            raise lapsed(record["id"]) from None
 
     async def remove(self, ctx_id: str) -> ContextRecord | None:
         result: ContextRecord | None = await self._call(lambda h: h.remove.remote(ctx_id))
@@ -229,3 +273,59 @@ class Directory:
         """Give the lease back; returns the directory's incarnation."""
         result: str = await self._call(lambda h: h.release.remote(ctx_id, owner))
         return result
+
+
+class LocalDirectory:
+    """The directory in this process: a :class:`DirectoryActor` called directly, with :class:`Directory`'s
+    typed calls. Arguments and answers are copied, as Ray's calls pass them by value. A directory restart
+    is a new :class:`DirectoryActor` over the same workers (its reporter: ``LocalPool.report``) put in
+    :attr:`actor`."""
+
+    def __init__(self, actor: DirectoryActor) -> None:
+        self.actor = actor
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        await asyncio.sleep(0)  # a call lets the event loop run others, as an actor call does
+        return copy.deepcopy(getattr(self.actor, method)(*copy.deepcopy(args)))
+
+    async def ping(self) -> dict:
+        result: dict = await self._call("ping")
+        return result
+
+    async def get(self, ctx_id: str) -> ContextRecord | None:
+        result: ContextRecord | None = await self._call("get", ctx_id)
+        return result
+
+    async def get_many(self, ids: list[str]) -> list[ContextRecord | None]:
+        result: list[ContextRecord | None] = await self._call("get_many", ids)
+        return result
+
+    async def all(self) -> list[ContextRecord]:
+        result: list[ContextRecord] = await self._call("all")
+        return result
+
+    async def commit(self, record: ContextRecord, owner: str | None) -> str:
+        try:
+            result: str = await self._call("commit", record, owner)
+            return result
+        except LeaseLost:
+            raise lapsed(record["id"]) from None
+
+    async def remove(self, ctx_id: str) -> ContextRecord | None:
+        result: ContextRecord | None = await self._call("remove", ctx_id)
+        return result
+
+    async def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int:
+        return int(await self._call("forget_worker", name, dict(keep or {})))
+
+    async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
+        result: bool = await self._call("acquire", ctx_id, owner, ttl_s)
+        return result
+
+    async def release(self, ctx_id: str, owner: str) -> str:
+        result: str = await self._call("release", ctx_id, owner)
+        return result
+
+
+#: Both directories are implementations of the surface (mypy checks these assignments).
+_SURFACES: tuple[type[DirectorySurface], ...] = (Directory, LocalDirectory)

@@ -31,15 +31,15 @@ import asyncio
 import logging
 from typing import Any
 
-from service.cluster.pool import CALL_ERRORS, Slot, WorkerPool
-from service.contexts.directory import Directory
+from service.cluster.surface import WorkerSlot, WorkerSurface
+from service.contexts.directory import DirectorySurface
 from service.contexts.tombstones import bury
 
 log = logging.getLogger(__name__)
 
 
 class Orphans:
-    def __init__(self, pool: WorkerPool, directory: Directory) -> None:
+    def __init__(self, pool: WorkerSurface, directory: DirectorySurface) -> None:
         self.pool, self.directory = pool, directory
         self.swept: set[str] = set()  #: worker incarnations swept
 
@@ -62,7 +62,7 @@ class Orphans:
         candidates = sorted({c for ids in unrecorded.values() for c in ids})
         records = await self.directory.get_many(candidates) if candidates else []
         listed = {c for c, rec in zip(candidates, records) if rec is not None}
-        released: dict[str, list[tuple[Slot, dict[str, Any]]]] = {}
+        released: dict[str, list[tuple[WorkerSlot, dict[str, Any]]]] = {}
         for s in slots:
             if s.index not in unrecorded:  # it did not answer: asked again at the next sweep
                 continue
@@ -70,7 +70,7 @@ class Orphans:
             try:
                 for r in await self.pool.release_unrecorded(s.index, ids) if ids else []:
                     released.setdefault(r["context_id"], []).append((s, r))
-            except CALL_ERRORS as exc:
+            except self.pool.call_errors as exc:
                 log.warning("worker %s: contexts without a record not released: %s", s.name, exc)
                 continue
             self.swept.add(s.incarnation)
@@ -78,16 +78,16 @@ class Orphans:
             _warn(ctx_id, parts)
         return len(released)
 
-    async def _held(self, slot: Slot) -> list[dict] | None:
+    async def _held(self, slot: WorkerSlot) -> list[dict] | None:
         try:
             held: list[dict] = await self.pool.held(slot.index)
             return held
-        except CALL_ERRORS as exc:  # tried again at the next sweep
+        except self.pool.call_errors as exc:  # tried again at the next sweep
             log.warning("worker %s did not say what it holds: %s", slot.name, exc)
             return None
 
 
-def _warn(ctx_id: str, parts: list[tuple[Slot, dict[str, Any]]]) -> None:
+def _warn(ctx_id: str, parts: list[tuple[WorkerSlot, dict[str, Any]]]) -> None:
     """One warning for a released context: its workers, folders, and why each has no record."""
     shards = sorted({i for _, r in parts for i in r["shards"]})
     log.warning("context %s is not served: no holder has a readable record of it (%s). Its %s %s (%d keys, "

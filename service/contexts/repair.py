@@ -18,8 +18,8 @@ import copy
 import logging
 from dataclasses import dataclass, field
 
-from service.cluster.pool import WorkerPool
-from service.contexts.directory import Directory
+from service.cluster.surface import WorkerSurface
+from service.contexts.directory import DirectorySurface
 from service.contexts.orphans import Orphans
 from service.contexts.records import ContextRecord, ShardEntry
 from service.contexts.service import ContextService
@@ -61,7 +61,7 @@ def shown(exc: BaseException) -> str:
 
 
 class Repairer:
-    def __init__(self, pool: WorkerPool, directory: Directory, contexts: ContextService,
+    def __init__(self, pool: WorkerSurface, directory: DirectorySurface, contexts: ContextService,
                  orphans: Orphans | None = None) -> None:
         self.pool, self.directory, self.contexts = pool, directory, contexts
         self.orphans = orphans or Orphans(pool, directory)

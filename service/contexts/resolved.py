@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from service.cluster.orchestrator import Job
-from service.cluster.pool import ResidentWork, WorkerPool
+from service.cluster.surface import ResidentWork, WorkerSurface
 from service.contexts.records import ContextRecord
 from service.core.errors import InvalidTensor, client_input
 from service.wire.request import AttentionRequest
@@ -54,7 +54,7 @@ class Resolved:
         return [(ShardRead(rec["id"], shard["index"], shard["length"], self.version(rec)), tuple(shard["workers"]))
                 for rec in self.records for shard in rec["shards"] if shard["length"]]
 
-    def jobs(self, pool: WorkerPool, fanin: int) -> list[Job]:
+    def jobs(self, pool: WorkerSurface, fanin: int) -> list[Job]:
         """One job per non-empty shard, in key order; only the shard's replicas may run it."""
         return [Job(work=ResidentWork((ShardRead(rec["id"], shard["index"], shard["length"], self.version(rec)),),
                                       fanin),

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from service.cluster.pool import WorkerPool, last_line
+from service.cluster.surface import WorkerSurface, last_line
 from service.contexts.cache import RecordCache
-from service.contexts.directory import LEASE_TTL_S, Directory
+from service.contexts.directory import LEASE_TTL_S, DirectorySurface
 from service.contexts.placement import WorkerLoad, place
 from service.contexts.records import (
     LOST,
@@ -99,7 +99,7 @@ class Lease:
 
 
 class ContextService:
-    def __init__(self, settings: ServiceSettings, pool: WorkerPool, directory: Directory) -> None:
+    def __init__(self, settings: ServiceSettings, pool: WorkerSurface, directory: DirectorySurface) -> None:
         self.settings = settings
         self.pool = pool
         self.directory = directory

@@ -15,18 +15,18 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from service.cluster.pool import CALL_ERRORS, Slot, WorkerPool
+from service.cluster.surface import WorkerSlot, WorkerSurface
 
 log = logging.getLogger(__name__)
 
 
-async def known(pool: WorkerPool) -> set[str]:
+async def known(pool: WorkerSurface) -> set[str]:
     """The ids every live worker that answers has a tombstone of."""
     answers = await asyncio.gather(*(pool.tombstones(s.index) for s in pool.alive), return_exceptions=True)
     ids: set[str] = set()
     for slot, got in zip(pool.alive, answers):
         if isinstance(got, BaseException):
-            if not isinstance(got, CALL_ERRORS):
+            if not isinstance(got, pool.call_errors):
                 raise got
             log.warning("worker %s did not say which contexts were deleted: %s", slot.name, got)
             continue
@@ -34,7 +34,7 @@ async def known(pool: WorkerPool) -> set[str]:
     return ids
 
 
-async def bury(pool: WorkerPool, slots: Sequence[Slot]) -> int:
+async def bury(pool: WorkerSurface, slots: Sequence[WorkerSlot]) -> int:
     """Delete on each of ``slots`` the contexts it holds that some worker has a tombstone of; returns how
     many (context, worker) pairs were deleted. A worker that does not answer is named in a warning."""
     dead = await known(pool)
@@ -49,6 +49,6 @@ async def bury(pool: WorkerPool, slots: Sequence[Slot]) -> int:
                 log.warning("context %s was deleted while worker %s was down: its shards there are removed "
                             "(memory and disk)", ctx_id, slot.name)
                 buried += 1
-        except CALL_ERRORS as exc:
+        except pool.call_errors as exc:
             log.warning("worker %s: deleted contexts not removed: %s", slot.name, exc)
     return buried

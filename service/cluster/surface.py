@@ -1,0 +1,168 @@
+"""The cluster's surface: what the front end asks of its shard workers, as one typed Protocol.
+
+:class:`WorkerSurface` is every member the orchestrator, the attention and batch services,
+the contexts service, the repair loop and the orphan sweep use of a pool of workers. It
+has two implementations:
+
+* ``service.cluster.pool.WorkerPool``: Ray actors (the service);
+* ``service.cluster.local.LocalPool``: ``workers.actor.ShardWorker`` objects in this
+  process, called in threads (no Ray: the unit tests of the code above the seam).
+
+Both keep the same contract: a worker that is gone makes its call raise
+:class:`service.core.errors.WorkersUnavailable` and is marked dead; a query a worker answers
+with an exception other than a domain one (:data:`DOMAIN_ERRORS`) is :func:`failed` (500,
+not retried); the other calls raise what the worker raised (its class, as Ray hands it over).
+
+This module imports no Ray, and neither do the types of work a pool is given.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from merge import State
+from service.core import request_id
+from service.core.errors import Internal
+from workers.frames import RemoteError
+from workers.store import Expired, RecordStale, ShardMissing
+from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite
+
+log = logging.getLogger("service.cluster.pool")  # the log the service's operators know these lines from
+
+#: Pings in a row that time out before a worker that answered before counts as dead (a death Ray
+#: reports counts at once): with the repair loop's 5 s pings every ``heal_interval_s``, 15 s or more.
+MISSED_PINGS = 3
+#: Worker exceptions a channel reply may carry that the front end handles as it does from a Ray call.
+DOMAIN_ERRORS: dict[str, type[Exception]] = {"ShardMissing": ShardMissing, "RecordStale": RecordStale,
+                                              "Expired": Expired}
+#: Their classes: a worker's exception that is none of them is a fault of the service (:func:`failed`).
+DOMAIN_CLASSES: tuple[type[Exception], ...] = tuple(DOMAIN_ERRORS.values())
+
+
+@dataclass(frozen=True, eq=False)
+class InlineWork:
+    """An inline shard: its keys and values (arrays or object refs) and their positions."""
+
+    k: Any
+    v: Any
+    k_pos: Any
+
+
+@dataclass(frozen=True)
+class ResidentWork:
+    """Resident shards one worker holds, read in key order: one read gives its state; several give a
+    state per read, unmerged, in the order listed (the front end merges every state of the request
+    in key order, so the answer does not depend on which reads shared a call). ``fanin`` is the
+    worker-side merge's for a single read (a merge of one state is that state)."""
+
+    reads: tuple[ShardRead, ...]
+    fanin: int
+
+
+def failed(worker: str, kind: str, message: str) -> Internal:
+    """The 500 for a query that worker ``worker`` answered with a ``kind`` exception that is not a
+    domain error: logged with its message, the client told the worker, the kind and the request id."""
+    rid = request_id.current()
+    log.warning("request %s: worker %s failed a query: %s: %s", rid, worker, kind, message)
+    return Internal(f"the service failed on this request: worker {worker} raised {kind}; "
+                    f"the server log has the details under request id {rid}")
+
+
+def domain(exc: RemoteError) -> Exception:
+    """A worker's exception as the front end handles it from a Ray call: a domain error by its own class
+    (:data:`DOMAIN_ERRORS`), any other as it came."""
+    known = DOMAIN_ERRORS.get(exc.kind)
+    return known(exc.message) if known is not None else exc
+
+
+def last_line(message: str) -> str:
+    """The last non-blank line of an error message: Ray's for an actor that died in its constructor
+    ends with that error (``FileNotFoundError: ... '/data/splitkey'``) after its traceback."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[-1] if lines else message
+
+
+class WorkerSlot(Protocol):
+    """One worker as its pool sees it (read-only here: the pool keeps it)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def outstanding(self) -> int:
+        """Calls sent to it and not answered yet."""
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def info(self) -> dict:
+        """What its last ping answered (``ShardWorker.ping``)."""
+    @property
+    def held(self) -> dict:
+        """:attr:`info` while it is alive; nothing once counted dead."""
+    @property
+    def incarnation(self) -> str:
+        """The worker instance behind the name, from its last ping ("" before one)."""
+
+
+class WorkerSurface(Protocol):
+    """The pool of shard workers, as every caller above the seam uses it (module docstring).
+
+    Workers are named by their index in :attr:`slots`. The calls that return an ``Awaitable`` are
+    submitted when called (their arguments are taken then), and answer when awaited.
+    """
+
+    @property
+    def slots(self) -> Sequence[WorkerSlot]: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def alive(self) -> Sequence[WorkerSlot]: ...
+    @property
+    def replaced_elsewhere(self) -> set[str]:
+        """Names found behind a new worker by :meth:`refresh` and not yet taken by the repair loop."""
+    @property
+    def call_errors(self) -> tuple[type[Exception], ...]:
+        """What a call other than a query raises when the worker is gone or its method failed."""
+
+    # -- who
+    def indexes(self, names: Sequence[str], *, alive: bool = False) -> list[int]: ...
+    def names(self, indexes: Sequence[int]) -> list[str]: ...
+    def pick(self, candidates: Sequence[int] | None = None,
+             exclude: set[int] | frozenset[int] = frozenset()) -> int: ...
+
+    # -- health and lifecycle
+    async def refresh(self, timeout_s: float = 60.0) -> None: ...
+    def replace(self, slot: WorkerSlot) -> bool: ...
+    def shutdown(self) -> None: ...
+
+    # -- queries
+    async def put(self, *arrays: Any) -> list[Any]: ...
+    async def compute(self, index: int, q: Any, query: ShardQuery, work: InlineWork | ResidentWork,
+                      *, keep_state: bool, state_nbytes: int = 0) -> tuple[ComputeStatus, Any]: ...
+    async def compute_many(self, index: int, items: Sequence[ResidentQuery]) -> list[Any]: ...
+    def merge_states(self, index: int, *states: Any) -> tuple[Any, Any]:
+        """Submit one node of the merge tree on a worker: ``(state, done)``; the state goes on to other
+        nodes, :meth:`root_state` awaits the root; call ``done()`` once that is awaited."""
+    async def root_state(self, state: Any) -> State:
+        """The merge tree's root, :meth:`merge_states`' state, here; ``WorkersUnavailable`` if a node was lost."""
+
+    # -- resident shards
+    def create_shard(self, index: int, write: ShardWrite, k: Any, v: Any,
+                     record: Mapping[str, object]) -> Awaitable[Any]: ...
+    def create_shards(self, index: int, writes: Sequence[ShardWrite], k: Any, v: Any,
+                      record: Mapping[str, object]) -> Awaitable[Any]: ...
+    def append_shard(self, index: int, write: ShardWrite, k: Any, v: Any, committed: int) -> Awaitable[Any]: ...
+    def export_shard(self, index: int, context_id: str, shard: int, length: int) -> Awaitable[Any]: ...
+    def truncate_shard(self, index: int, context_id: str, shard: int, length: int) -> Awaitable[Any]: ...
+    def note_context(self, index: int, context_id: str, record: Mapping[str, object]) -> Awaitable[Any]: ...
+    def drop(self, index: int, context_id: str, shard: int | None = None) -> Awaitable[Any]: ...
+    def delete(self, index: int, context_id: str) -> Awaitable[Any]: ...
+    def tombstones(self, index: int) -> Awaitable[Any]: ...
+    def held(self, index: int) -> Awaitable[Any]: ...
+    def release_unrecorded(self, index: int, context_ids: Sequence[str]) -> Awaitable[Any]: ...

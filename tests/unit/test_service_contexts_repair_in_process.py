@@ -1,0 +1,180 @@
+"""The repair loop and a directory restart on the in-process pool and directory (no Ray).
+
+``Repairer.step`` runs one round over real ``ShardWorker`` objects (``service.cluster.local``) with a
+worker told to die or to hang (``faulty_pool``); a directory restart is a new ``DirectoryActor``
+over the same workers, rebuilt from what they report (``restart_directory``).
+"""
+
+import asyncio
+
+import numpy as np
+from faulty_pool import bitwise, kv, read, restart_directory, started, write
+
+from service.contexts import repair
+from service.contexts.repair import Repairer
+from service.core.metrics import Timings
+
+
+def normal(records):
+    return [{**r, "shards": [{**s, "workers": sorted(s["workers"])} for s in r["shards"]]} for r in records]
+
+
+def q_of(rng):
+    return rng.standard_normal((2, 4, 8)).astype(np.float32)
+
+
+def test_a_dead_workers_replicas_are_forgotten_and_rebuilt_on_live_workers(rng):
+    async def main():
+        pool, directory, contexts = await started(3)
+        healer = Repairer(pool, directory, contexts)
+        try:
+            k, v = kv(rng, 150)
+            ctx = (await contexts.create(write(k, v, replicas=2), Timings()))["id"]
+            q = q_of(rng)
+            before = await read(pool, contexts, [ctx], q)
+            old = await contexts.record(ctx)
+            dead = pool.slots[pool.indexes(old["shards"][0]["workers"])[0]]
+            dead_incarnation = dead.incarnation
+            pool.kill(dead.index)
+            await healer.step()
+            assert healer.stats.workers_replaced == 1
+            assert healer.stats.replicas_forgotten == sum(dead.name in s["workers"] for s in old["shards"])
+            assert healer.stats.replicas_rebuilt == healer.stats.replicas_forgotten
+            assert dead.alive and dead.incarnation not in ("", dead_incarnation)  # replaced under its name
+            desc = await contexts.get(ctx)
+            assert desc["state"] == "ready" and desc["live_replicas"] == [2] * len(old["shards"])
+            new = await contexts.record(ctx)
+            assert new["version"] > old["version"]
+            # Only the rebuilt copies left (one may be on the dead worker's replacement, under its name): the
+            # answer is still bit for bit the one before.
+            for entry, was in zip(new["shards"], old["shards"]):
+                if dead.name in was["workers"]:
+                    for name in set(was["workers"]) - {dead.name}:
+                        pool.lose_shard(pool.indexes([name])[0], ctx, entry["index"])
+            assert bitwise(await read(pool, contexts, [ctx], q), before)
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_worker_that_misses_fewer_than_three_pings_keeps_its_replicas(rng, monkeypatch):
+    monkeypatch.setattr(repair, "PING_TIMEOUT_S", 0.05)
+
+    async def main():
+        pool, directory, contexts = await started(3)
+        healer = Repairer(pool, directory, contexts)
+        try:
+            k, v = kv(rng, 150)
+            ctx = (await contexts.create(write(k, v, replicas=2), Timings()))["id"]
+            await healer.orphans.sweep()  # as the app's start does: later rounds sweep only new workers
+            held = pool.indexes((await contexts.record(ctx))["shards"][0]["workers"])[0]
+            pool.hang(held)  # pings too
+            for _ in range(2):
+                await healer.step()
+                assert pool.slots[held].alive and healer.stats.replicas_forgotten == 0
+            assert (await contexts.get(ctx))["state"] == "ready"
+            await healer.step()  # the third ping in a row: counted dead, forgotten, replaced, rebuilt elsewhere
+            assert healer.stats.replicas_forgotten > 0 and healer.stats.workers_replaced == 1
+            assert healer.stats.replicas_rebuilt == healer.stats.replicas_forgotten
+            pool.release(held)
+            await healer.step()
+            assert pool.slots[held].alive
+            assert (await contexts.get(ctx))["state"] == "ready"
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_directory_rebuilds_every_record_from_the_workers(rng):
+    async def main():
+        pool, directory, contexts = await started(3)
+        try:
+            (k1, v1), (k2, v2), (k3, v3) = kv(rng, 150), kv(rng, 70), kv(rng, 40)
+            one = (await contexts.create(write(k1, v1, replicas=2), Timings()))["id"]
+            two = (await contexts.create(write(k2, v2, replicas=1), Timings()))["id"]
+            await contexts.append(two, write(k3, v3), Timings())
+            gone = (await contexts.create(write(k3, v3), Timings()))["id"]
+            await contexts.delete(gone)
+            records = await directory.all()
+            q = q_of(rng)
+            answers = [await read(pool, contexts, [c], q) for c in (one, two)]
+            old = directory.actor
+            restart_directory(directory, pool)
+            assert directory.actor is not old and directory.actor.incarnation != old.incarnation
+            assert (await directory.ping())["rebuilt_from"] == 3
+            # Every record as committed (each shard's replicas listed in the workers' order now), and the
+            # deleted context is not back.
+            assert normal(await directory.all()) == normal(records)
+            for c, answer in zip((one, two), answers):
+                assert bitwise(await read(pool, contexts, [c], q), answer)
+            assert (await contexts.append(one, write(k3, v3), Timings()))["length"] == 190  # leases work again
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_directory_restarted_while_a_worker_is_dead_lists_its_shards_without_it(rng):
+    async def main():
+        pool, directory, contexts = await started(3)
+        healer = Repairer(pool, directory, contexts)
+        try:
+            k, v = kv(rng, 150)
+            ctx = (await contexts.create(write(k, v, replicas=2), Timings()))["id"]
+            q = q_of(rng)
+            before = await read(pool, contexts, [ctx], q)
+            dead = pool.slots[pool.indexes((await contexts.record(ctx))["shards"][0]["workers"])[0]]
+            pool.kill(dead.index)
+            restart_directory(directory, pool)
+            assert (await directory.ping())["rebuilt_from"] == 2
+            record = await contexts.record(ctx)
+            assert all(dead.name not in s["workers"] and s["workers"] for s in record["shards"])
+            await pool.refresh()
+            assert (await contexts.get(ctx))["state"] == "degraded"
+            assert bitwise(await read(pool, contexts, [ctx], q), before)
+            await healer.step()
+            assert (await contexts.get(ctx))["state"] == "ready"
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_restarted_directory_takes_the_newest_record_any_holder_keeps(rng):
+    async def main():
+        pool, directory, contexts = await started(2)
+        try:
+            k, v = kv(rng, 100)
+            ctx = (await contexts.create(write(k, v, replicas=2), Timings()))["id"]
+            pool.fail_next(1, OSError("the disk is full"), "note_context")  # worker 1 keeps the create's record
+            k2, v2 = kv(rng, 20)
+            assert (await contexts.append(ctx, write(k2, v2), Timings()))["length"] == 120
+            restart_directory(directory, pool)
+            assert (await contexts.get(ctx))["length"] == 120
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_context_deleted_while_a_holder_was_unreachable_is_not_rebuilt(rng, tmp_path):
+    async def main():
+        pool, directory, contexts = await started(2, persist_dir=tmp_path)  # tombstones are files
+        try:
+            k, v = kv(rng, 100)
+            ctx = (await contexts.create(write(k, v, replicas=2), Timings()))["id"]
+            pool.hang(1)
+            for _ in range(3):  # three pings missed in a row: counted dead, its shards still in its memory
+                await pool.refresh(timeout_s=0.05)
+            assert not pool.slots[1].alive
+            await contexts.delete(ctx)  # tombstoned on worker 0 alone
+            pool.release(1)
+            assert {h["context_id"] for h in await pool.held(1)} == {ctx}
+            restart_directory(directory, pool)
+            assert (await directory.ping())["rebuilt_from"] == 2 and await directory.all() == []
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
