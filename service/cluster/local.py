@@ -3,7 +3,7 @@
 :class:`LocalPool` is the second implementation of ``service.cluster.surface.WorkerSurface`` (the
 first is ``service.cluster.pool.WorkerPool``, over Ray actors). The code above the seam (the
 orchestrator, the contexts service, the repair loop, the batch planner) runs on it unchanged;
-``tests/unit`` tests it there, with faults injected (``tests/unit/faulty_pool.py``).
+``tests/unit`` tests it there, with faults injected (``tests/faulty_pool.py``).
 
 It keeps what the Ray pool's callers rely on:
 
