@@ -285,7 +285,7 @@ def test_a_query_the_worker_fails_is_a_500_naming_the_worker_not_a_lost_context(
         two = ResidentWork(work.reads * 2, work.fanin)
         for job in (Job(work, (0,), "shard 0 of ctx"), Job(two, (0,), "shards 0 and 0 of ctx"),
                     Job(InlineWork(k, v, np.arange(N_K)), None, "inline shard 0")):
-            with pytest.raises(Internal, match="worker splitkey-worker-0 raised ValueError; the server log") as err:
+            with pytest.raises(Internal, match="worker splitkey-worker-0 raised InvalidInput; the server log") as err:
                 await orch.run(bad, query, [job], Timings(), 1024)
             assert ERRORS[type(err.value)].status == 500
         assert pool.slots[0].alive and pool.slots[0].outstanding == 0
