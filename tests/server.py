@@ -12,6 +12,7 @@ another process (Ray's, a worker's channel) before the server binds it.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import itertools
 import os
 import pathlib
@@ -177,3 +178,11 @@ def shard_worker_pids(root: int) -> list[int]:
         except psutil.NoSuchProcess:
             continue
     return found
+
+
+def is_loopback(ip: str) -> bool:
+    """Whether a listening address is loopback (IPv4, IPv6, or IPv4 loopback mapped into IPv6)."""
+    addr = ipaddress.ip_address(ip.split("%")[0])
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped  # ::ffff:127.0.0.1, a dual-stack socket bound to IPv4 loopback
+    return addr.is_loopback

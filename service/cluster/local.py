@@ -39,6 +39,7 @@ from service.cluster.surface import (
     MISSED_PINGS,
     InlineWork,
     ResidentWork,
+    Roster,
     WorkerSlot,
     WorkerSurface,
     failed,
@@ -88,7 +89,7 @@ class LocalSlot:
         return self.info if self.alive else {}
 
 
-class LocalPool:
+class LocalPool(Roster[LocalSlot]):
     """Shard workers in this process (module docstring); ``await LocalPool.start(settings, workers=2)``."""
 
     #: A call other than a query raises the worker's own exception (any class), or WorkersUnavailable.
@@ -178,28 +179,6 @@ class LocalPool:
         got: WorkerReport = by_value((worker.held(), worker.unloaded(), worker.tombstones()))
         return got
 
-    # -- who (as WorkerPool) ------------------------------------------------------
-    @property
-    def size(self) -> int:
-        return len(self.slots)
-
-    @property
-    def alive(self) -> list[LocalSlot]:
-        return [s for s in self.slots if s.alive]
-
-    def indexes(self, names: Sequence[str], *, alive: bool = False) -> list[int]:
-        by_name = {s.name: s.index for s in self.slots}
-        return [by_name[n] for n in names if n in by_name and (not alive or self.slots[by_name[n]].alive)]
-
-    def names(self, indexes: Sequence[int]) -> list[str]:
-        return [self.slots[i].name for i in indexes]
-
-    def pick(self, candidates: Sequence[int] | None = None, exclude: set[int] | frozenset[int] = frozenset()) -> int:
-        pool = range(self.size) if candidates is None else candidates
-        live = [i for i in pool if i not in exclude and self.slots[i].alive]
-        if not live:
-            raise WorkersUnavailable("no live worker is left to take this work")
-        return min(live, key=lambda i: (self.slots[i].outstanding, i))
 
     # -- calls --------------------------------------------------------------------
     async def _invoke(self, index: int, worker: ShardWorker | None, method: str, args: tuple[Any, ...], *,

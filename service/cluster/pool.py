@@ -48,6 +48,7 @@ from service.cluster.surface import (
     MISSED_PINGS,
     InlineWork,
     ResidentWork,
+    Roster,
     WorkerSlot,
     WorkerSurface,
     failed,
@@ -125,7 +126,7 @@ def _nbytes(a: Any) -> int:
     return int((a.bits if isinstance(a, Carried) else a).nbytes)
 
 
-class WorkerPool:
+class WorkerPool(Roster[Slot]):
     #: What a call other than a query raises when the worker is gone or its method failed (:data:`CALL_ERRORS`).
     call_errors = CALL_ERRORS
 
@@ -280,30 +281,6 @@ class WorkerPool:
             except Exception:  # best effort at exit
                 log.debug("could not kill %s", slot.name)
 
-    # -- who ----------------------------------------------------------------------
-    @property
-    def size(self) -> int:
-        return len(self.slots)
-
-    @property
-    def alive(self) -> list[Slot]:
-        return [s for s in self.slots if s.alive]
-
-    def indexes(self, names: Sequence[str], *, alive: bool = False) -> list[int]:
-        """Indexes of the named workers this pool has (and, with ``alive``, that answer), in order."""
-        by_name = {s.name: s.index for s in self.slots}
-        return [by_name[n] for n in names if n in by_name and (not alive or self.slots[by_name[n]].alive)]
-
-    def names(self, indexes: Sequence[int]) -> list[str]:
-        return [self.slots[i].name for i in indexes]
-
-    def pick(self, candidates: Sequence[int] | None = None, exclude: set[int] | frozenset[int] = frozenset()) -> int:
-        """The live worker with the least outstanding work (ties: lowest index)."""
-        pool = range(self.size) if candidates is None else candidates
-        live = [i for i in pool if i not in exclude and self.slots[i].alive]
-        if not live:
-            raise WorkersUnavailable("no live worker is left to take this work")
-        return min(live, key=lambda i: (self.slots[i].outstanding, i))
 
     # -- the object store -----------------------------------------------------------
     async def put(self, *arrays: Any) -> list[Any]:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from merge import State
 from service.core import request_id
-from service.core.errors import Internal
+from service.core.errors import Internal, WorkersUnavailable
 from workers.frames import RemoteError
 from workers.store import Expired, RecordStale, ShardMissing
 from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite
@@ -108,6 +108,52 @@ class WorkerSlot(Protocol):
     @property
     def incarnation(self) -> str:
         """The worker instance behind the name, from its last ping ("" before one)."""
+
+
+class _Slot(Protocol):
+    """What :class:`Roster` reads of a slot (both pools' slots are plain dataclasses)."""
+
+    index: int
+    name: str
+    alive: bool
+    outstanding: int
+
+
+S = TypeVar("S", bound=_Slot)
+
+
+class Roster(Generic[S]):
+    """Who the workers are and which one takes work: the one rule both pools share.
+
+    Replica choice lives here once: :meth:`pick` gives the live candidate with the least
+    outstanding work (ties: the lowest index), for the Ray pool and the in-process one alike.
+    """
+
+    slots: list[S]
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def alive(self) -> list[S]:
+        return [s for s in self.slots if s.alive]
+
+    def indexes(self, names: Sequence[str], *, alive: bool = False) -> list[int]:
+        """Indexes of the named workers this pool has (and, with ``alive``, that answer), in order."""
+        by_name = {s.name: s.index for s in self.slots}
+        return [by_name[n] for n in names if n in by_name and (not alive or self.slots[by_name[n]].alive)]
+
+    def names(self, indexes: Sequence[int]) -> list[str]:
+        return [self.slots[i].name for i in indexes]
+
+    def pick(self, candidates: Sequence[int] | None = None, exclude: set[int] | frozenset[int] = frozenset()) -> int:
+        """The live worker with the least outstanding work (ties: lowest index)."""
+        pool = range(self.size) if candidates is None else candidates
+        live = [i for i in pool if i not in exclude and self.slots[i].alive]
+        if not live:
+            raise WorkersUnavailable("no live worker is left to take this work")
+        return min(live, key=lambda i: (self.slots[i].outstanding, i))
 
 
 class WorkerSurface(Protocol):

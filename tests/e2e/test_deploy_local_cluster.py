@@ -6,7 +6,6 @@ state behind.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import pathlib
 import re
@@ -22,6 +21,7 @@ import numpy as np
 import psutil
 import pytest
 from reference import assert_close_to_reference
+from server import is_loopback
 
 from service.client import Client
 
@@ -42,13 +42,6 @@ def env(tmp_path: pathlib.Path) -> Iterator[dict[str, str]]:
     (tmp_path / "home").mkdir()
     yield {**os.environ, "PYTHON": sys.executable, "HOME": str(tmp_path / "home"), "SPLITKEY_CLUSTER_DIR": base}
     shutil.rmtree(base, ignore_errors=True)
-
-
-def is_loopback(ip: str) -> bool:
-    addr = ipaddress.ip_address(ip.split("%")[0])
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
 
 
 def in_sessions(sids: set[int]) -> list[psutil.Process]:
@@ -179,3 +172,32 @@ def test_up_serves_exact_answers_from_several_nodes_on_loopback_and_down_leaves_
             script(env, "down", "--name", name, timeout=120)
 
 
+def test_down_of_a_cluster_that_is_not_up_fails_and_says_so(env):
+    res = script(env, "down", "--name", "nosuch")
+    assert res.returncode != 0
+    assert "no cluster 'nosuch' is up" in res.stderr
+
+
+def test_status_of_a_cluster_that_is_not_up_fails(env):
+    res = script(env, "status", "--name", "nosuch")
+    assert res.returncode != 0 and "no cluster 'nosuch' is up" in res.stderr
+
+
+def test_help_names_the_commands():
+    res = subprocess.run(["bash", str(SCRIPT), "--help"], check=False, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0
+    for command in ("up N", "status", "down", "--workers-per-node", "PYTHON"):
+        assert command in res.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("up",), "up needs N"),
+    (("up", "0"), "N must be an integer >= 1"),
+    (("up", "2", "--name", "a/b"), "--name must be"),
+    (("up", "2", "--bogus"), "unknown option"),
+    (("frobnicate",), "unknown command"),
+])
+def test_bad_arguments_fail_before_anything_starts(env, args, message):
+    res = script(env, *args)
+    assert res.returncode != 0 and message in res.stderr, res.stderr
+    assert os.listdir(env["SPLITKEY_CLUSTER_DIR"]) == []

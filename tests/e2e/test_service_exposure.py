@@ -3,20 +3,11 @@ the Ray it starts, is on loopback (docs/SECURITY.md)."""
 
 from __future__ import annotations
 
-import ipaddress
-
 import numpy as np
 import psutil
-from server import Server
+from server import Server, is_loopback
 
 from service.client import Client
-
-
-def is_loopback(ip: str) -> bool:
-    addr = ipaddress.ip_address(ip.split("%")[0])
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped  # ::ffff:127.0.0.1, a dual-stack socket bound to IPv4 loopback
-    return addr.is_loopback
 
 
 def listening(root_pid: int) -> list[tuple[int, str, str, int]]:

@@ -5,17 +5,11 @@ import io
 import re
 
 
-from service.cli import build_parser
 from service.client import SplitkeyError, UploadError
 from service.client.loadtest.cli import setup_failed
 from service.client.loadtest.progress import LiveLine, UploadProgress
 
 SMALL = ["--h-q", "4", "--h-kv", "2", "--d", "16"]
-
-
-def loadtest(url: str, *extra: str) -> int:
-    args = build_parser().parse_args(["loadtest", "--url", url, *SMALL, *extra])
-    return args.func(args)
 
 
 class Terminal(io.StringIO):

@@ -6,7 +6,6 @@ import http.client
 
 import numpy as np
 import pytest
-from server import Server
 
 from service.client import SplitkeyError, UploadError
 from service.client.errors import retry_after_seconds
@@ -102,18 +101,6 @@ def test_an_upload_error_says_what_is_stored():
 # -- against a small server: 256 KiB bodies, 1 MiB per worker, one request in flight -------------
 
 BODY = 256 * 2**10
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("small-home"),
-                 args=("--workers", "2", "--max-inflight", "1", "--worker-memory-bytes", str(2**20)),
-                 env={"SPLITKEY_MAX_BODY_BYTES": str(BODY), "SPLITKEY_MAX_INFLIGHT_BYTES": str(BODY),
-                      "SPLITKEY_CONTEXT_SHARD_KEYS": "64",
-                      "SPLITKEY_MAX_REPLICAS": "3", "SPLITKEY_MIN_SHARD_KEYS": "64"})
-    srv.start()
-    yield srv
-    srv.stop()
 
 
 @pytest.mark.parametrize("value, seconds", [
