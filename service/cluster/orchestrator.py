@@ -59,7 +59,7 @@ class Job:
     label: str  # e.g. "inline shard 3" or "shard 2 of context ctx_..."
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, slots=True)
 class Plan:
     """One query ready to run: its ``q``, positions and options, and the jobs that compute it.
 
@@ -123,11 +123,6 @@ def grouped(jobs: Sequence[Job]) -> list[tuple[Job, tuple[int, ...]]]:
         calls.append((Job(work, job.candidates, f"{job.label} (and {len(idx) - 1} more shards on the same workers)"),
                       tuple(idx)))
     return calls
-
-
-def _reads(job: Job) -> tuple[ShardRead, ...]:
-    """The reads of a resident job (none for an inline one)."""
-    return job.work.reads if isinstance(job.work, ResidentWork) else ()
 
 
 def shard_bounds(n_k: int, shards: int) -> list[tuple[int, int]]:
@@ -258,44 +253,45 @@ class Orchestrator:
         timings.add("merge", time.perf_counter() - t1)
         return outcomes
 
-    def _assign(self, plans: Sequence[Plan]) -> tuple[dict[int, dict[int, list[int]]], list[tuple[int, int]]]:
-        """The replica choice of :meth:`run_many`: per worker, each plan's jobs (positions, in key order)
-        whose one read it serves; and the ``(plan, job)`` pairs that run alone."""
+    def _assign(self, plans: Sequence[Plan]) -> tuple[dict[int, dict[int, list[tuple[int, ShardRead]]]],
+                                                      list[tuple[int, int]]]:
+        """The replica choice of :meth:`run_many`: per worker, each plan's jobs (position and read, in key
+        order) whose one read it serves; and the ``(plan, job)`` pairs that run alone."""
         load = {s.index: s.outstanding for s in self.pool.slots}
-        batched: dict[int, dict[int, list[int]]] = {}
+        slots = self.pool.slots
+        batched: dict[int, dict[int, list[tuple[int, ShardRead]]]] = {}
         alone: list[tuple[int, int]] = []
         for p, plan in enumerate(plans):
             for j, job in enumerate(plan.jobs):
-                one_read = isinstance(job.work, ResidentWork) and len(job.work.reads) == 1
-                live = [c for c in job.candidates or () if self.pool.slots[c].alive] if one_read else []
-                if not live:
+                work = job.work
+                if isinstance(work, ResidentWork) and len(work.reads) == 1 and \
+                        (live := [c for c in job.candidates or () if slots[c].alive]):
+                    w = min(live, key=lambda x: (load[x], x))
+                    load[w] += 1
+                    batched.setdefault(w, {}).setdefault(p, []).append((j, work.reads[0]))
+                else:
                     alone.append((p, j))
-                    continue
-                w = min(live, key=lambda x: (load[x], x))
-                load[w] += 1
-                batched.setdefault(w, {}).setdefault(p, []).append(j)
         return batched, alone
 
-    async def _batched(self, worker: int, reads: dict[int, list[int]], run: _Run) -> None:
+    async def _batched(self, worker: int, reads: dict[int, list[tuple[int, ShardRead]]], run: _Run) -> None:
         """One worker's reads of every plan, in one call; failed reads retried as :meth:`_run_job` retries."""
         plans = run.plans
-        items = [ResidentQuery(carry(plans[p].q), plans[p].query, tuple(r for j in js for r in _reads(plans[p].jobs[j])))
-                 for p, js in reads.items()]
+        items = [ResidentQuery(carry(plans[p].q), plans[p].query, tuple(r for _, r in mine)) for p, mine in reads.items()]
         answers: list[Any]
         try:
             answers = await self.pool.compute_many(worker, items)
         except (WorkersUnavailable, ray.exceptions.RayError) as exc:
             answers = [exc] * len(items)
         retries = []
-        for (p, js), got in zip(reads.items(), answers):
+        for (p, mine), got in zip(reads.items(), answers):
             if isinstance(got, (WorkersUnavailable, ShardMissing)):  # the worker gone, or its replica
                 why = self._why(worker, got)
-                retries += [self._alone(run, p, j, tried={worker}, reasons=[why]) for j in js]
+                retries += [self._alone(run, p, j, tried={worker}, reasons=[why]) for j, _ in mine]
             elif isinstance(got, BaseException):
                 run.fail(p, self._item_error(worker, got))
             else:
                 status, states = got
-                run.done(p, js, status.seconds, states)
+                run.done(p, [j for j, _ in mine], status.seconds, states)
         await asyncio.gather(*retries)
 
     async def _alone(self, run: _Run, p: int, j: int, tried: set[int] | None = None,
