@@ -213,3 +213,16 @@ def test_a_plan_without_jobs_answers_the_state_over_no_keys():
     out, lse = outcome
     assert out.shape == (2, 4, 3) and out.dtype == np.float64 and not out.any() and np.isneginf(lse).all()
     assert plan.state_nbytes == 2 * 4 * 5 * 8 and plan.elements == 2 * 4 * 3
+
+
+def test_a_ray_error_on_a_batched_call_fails_its_plans_as_the_clusters_fault_and_others_are_answered():
+    import ray
+
+    rng = np.random.default_rng(6)
+    shards = _keys(rng, ["ctx_a", "ctx_b"], 1)
+    pool = FakeWorkers(2, shards, faults={0: ray.exceptions.RaySystemError})
+    hurt, fine = _plan(rng, "ctx_a", 1, lambda i: (0,)), _plan(rng, "ctx_b", 1, lambda i: (1,))
+    outcomes = _run_many(pool, [hurt, fine])
+    assert isinstance(outcomes[0], WorkersUnavailable)
+    assert outcomes[0].detail == "the cluster must answer, got RaySystemError"
+    _same(outcomes[1], _alone(fine, shards))
