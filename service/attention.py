@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-from merge import empty, finalize
-from service.cluster.orchestrator import Job, Orchestrator, inline_shard_count, shard_bounds
+from merge import finalize
+from service.cluster.orchestrator import Job, Orchestrator, Plan, inline_shard_count, shard_bounds
 from service.cluster.surface import InlineWork, WorkerSurface
 from service.contexts.resolved import Resolved
 from service.contexts.service import ContextService
@@ -151,25 +151,38 @@ class AttentionService:
         resolved = await self.resolve(req, timings, fresh=False)
         try:
             return await self._attention(req, resolved, timings, json_limit)
-        except RecordStale as exc:
-            if resolved is None or not resolved.cached:
-                raise settled(exc) from exc
-        except ContextLost:
-            if resolved is None:
-                raise
-            if not resolved.cached:
-                await self.resolve(req, timings, fresh=True)  # 404 if a delete raced the query
-                raise
-        self.contexts.forget(req.contexts)
+        except (RecordStale, ContextLost) as exc:
+            await self.rerun_fresh(req, resolved, exc, timings)
         try:
             return await self._attention(req, await self.resolve(req, timings, fresh=True), timings, json_limit)
-        except RecordStale as exc:
+        except (RecordStale, ContextLost) as exc:
+            await self.settle(req, exc, timings)
+            raise  # settle raised
+
+    async def rerun_fresh(self, req: AttentionRequest, resolved: Resolved | None, exc: RecordStale | ContextLost,
+                          timings: Timings) -> None:
+        """Return when a query that failed with ``exc`` is to run again from the directory: it read a cached
+        record (stale, or naming a replica that is gone), now forgotten. Raise what its client gets otherwise
+        (the single request and each batch item alike)."""
+        if isinstance(exc, RecordStale):
+            if resolved is None or not resolved.cached:
+                raise settled(exc) from exc
+        else:
+            if resolved is None:
+                raise exc
+            if not resolved.cached:
+                await self.resolve(req, timings, fresh=True)  # 404 if a delete raced the query
+                raise exc
+        self.contexts.forget(req.contexts)
+
+    async def settle(self, req: AttentionRequest, exc: RecordStale | ContextLost, timings: Timings) -> NoReturn:
+        """Raise what the client of a query run again from the directory gets when it failed with ``exc``."""
+        if isinstance(exc, RecordStale):
             raise settled(exc) from exc
-        except ContextLost:
-            # A shard gone from a record just read from the directory: the context was deleted
-            # meanwhile (404, as a query sent after the delete gets) or it is lost (503, re-raised).
-            await self.resolve(req, timings, fresh=True)
-            raise
+        # A shard gone from a record just read from the directory: the context was deleted
+        # meanwhile (404, as a query sent after the delete gets) or it is lost (503, re-raised).
+        await self.resolve(req, timings, fresh=True)
+        raise exc
 
     async def resolve(self, req: AttentionRequest, timings: Timings, *, fresh: bool) -> Resolved | None:
         """The contexts named, resolved to their committed shards (404 if unknown; the ``lookup``
@@ -182,10 +195,12 @@ class AttentionService:
         resolved.check(req)
         return resolved
 
-    async def _attention(self, req: AttentionRequest, resolved: Resolved | None, timings: Timings,
-                         json_limit: JsonAnswerLimit | None) -> tuple[Any, Any]:
-        # 1. The contexts were resolved (the lookup stage); the answer they make is within the limits.
-        t0 = time.perf_counter()
+    async def plan(self, req: AttentionRequest, resolved: Resolved | None,
+                   json_limit: JsonAnswerLimit | None = None) -> Plan:
+        """The query's :class:`Plan` over its resolved contexts (``resolved``, checked against it) and its
+        inline keys: a single request's and each batch item's alike. Raises what refuses it: an answer
+        over the limits, positions out of range, the object store refusing its arrays."""
+        # 1. The answer the contexts make is within the limits.
         kv = req.kv
         d_v = kv.dims.d_v if kv is not None else resolved.dims.d_v if resolved is not None else 0
         check_answer_size(req, d_v, self.max_elements, json_limit)
@@ -194,20 +209,27 @@ class AttentionService:
         query = ShardQuery(q_pos=q_pos, options=req.options)
         # 3. Scatter: q and each inline shard go into the object store once.
         bounds: list[tuple[int, int]] = []
-        if req.kv is not None:
-            n_k = req.kv.dims.n_k
+        if kv is not None:
+            n_k = kv.dims.n_k
             bounds = shard_bounds(n_k, inline_shard_count(n_k, self.pool.size, self.settings.shards,
                                                           self.settings.min_shard_keys))
         acc_dtype = accumulation_dtype(*request_dtypes(req, resolved))
+        q = widened_q(req.q, acc_dtype)
         parts = [a for lo, hi in bounds for a in (kv.k[lo:hi], kv.v[lo:hi])] if kv is not None else []
-        q, *refs = await self.pool.put(widened_q(req.q, acc_dtype), *parts)
+        sent, *refs = await self.pool.put(q, *parts)
         jobs: list[Job] = resolved.jobs(self.pool, self.settings.merge_fanin) if resolved is not None else []
         jobs += [Job(InlineWork(refs[2 * i], refs[2 * i + 1], k_pos[lo:hi]), None, f"inline shard {i}")
                  for i, (lo, hi) in enumerate(bounds)]
+        return Plan(q, sent, query, tuple(jobs), (req.n_q, req.h_q, d_v), acc_dtype)
+
+    async def _attention(self, req: AttentionRequest, resolved: Resolved | None, timings: Timings,
+                         json_limit: JsonAnswerLimit | None) -> tuple[Any, Any]:
+        # 1-3. The contexts were resolved (the lookup stage); the plan checks the answer and scatters.
+        t0 = time.perf_counter()
+        plan = await self.plan(req, resolved, json_limit)
         timings.add("scatter", time.perf_counter() - t0)
-        # 4. Compute and merge; one state is n_q * h_q * (d_v + 2) numbers of the accumulation dtype.
-        if not jobs:  # contexts that hold no keys: the state over no keys (m = -inf, l = 0), nothing to send
+        # 4. Compute and merge.
+        if not plan.jobs:  # contexts that hold no keys: the state over no keys (m = -inf, l = 0), nothing to send
             timings.add("compute", 0.0)
-            return finalize(empty(req.n_q, req.h_q, d_v, acc_dtype))
-        state_nbytes = req.n_q * req.h_q * (d_v + 2) * acc_dtype.itemsize
-        return checked_answer(*await self.orch.run(q, query, jobs, timings, state_nbytes))
+            return finalize(plan.empty())
+        return checked_answer(*await self.orch.run(plan.sent, plan.query, plan.jobs, timings, plan.state_nbytes))

@@ -94,6 +94,8 @@ class LocalPool(Roster[LocalSlot]):
 
     #: A call other than a query raises the worker's own exception (any class), or WorkersUnavailable.
     call_errors: tuple[type[Exception], ...] = (WorkersUnavailable, Exception)
+    #: No cluster beside the workers: every exception is a worker's (``WorkerSurface.cluster_errors``).
+    cluster_errors: tuple[type[Exception], ...] = ()
 
     def __init__(self, settings: ServiceSettings, workers: int) -> None:
         self.settings = settings

@@ -8,6 +8,13 @@ or replica computed each state and whenever it finished. Resident jobs whose sha
 have the same replicas go to one of them in one call (:func:`grouped`): a context cut
 in many shards costs a call per worker, not per shard, and still a state per shard.
 
+A query is planned (:class:`Plan`: its ``q``, positions and options, and its jobs) the same way
+whether it came alone or in a batch (``service.attention.AttentionService.plan``). One plan runs
+through :meth:`Orchestrator.run`; a batch's plans run together through :meth:`Orchestrator.run_many`,
+which chooses the replicas once for all of them and sends each worker every plan's reads it serves in
+one call (``WorkerSurface.compute_many``). Both retry a job by the same rules (``_run_job``) and merge a
+plan's states in key order over the same tree, so an answer is bitwise the same either way.
+
 Failure rules: a job whose worker dies is retried on another candidate; a job
 with no candidate left fails the request (``ContextLost`` for a resident shard,
 ``WorkersUnavailable`` for an inline one); a job the worker did not start because the
@@ -19,17 +26,24 @@ retried; a job its worker answered with an exception of its own fails it with ``
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
-from merge import State, finalize, merge_all, tree_levels
-from service.cluster.surface import InlineWork, ResidentWork, WorkerSurface
-from service.core.errors import ContextLost, DeadlineExceeded, WorkersUnavailable
+import numpy as np
+
+from merge import State, empty, finalize, merge_all, tree_levels
+from service.cluster.surface import DOMAIN_CLASSES, InlineWork, ResidentWork, WorkerSurface, failed
+from service.core import request_id
+from service.core.errors import ContextLost, DeadlineExceeded, Internal, ServiceError, WorkersUnavailable
 from service.core.metrics import Timings
+from workers.frames import RemoteError
 from workers.store import Expired, ShardMissing
-from workers.tasks import ComputeStatus, ShardQuery
+from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, carry
+
+log = logging.getLogger(__name__)
 
 #: States up to this size (all shards together) merge on the event loop; larger ones in a thread.
 LOCAL_MERGE_INLINE_BYTES = 2**20
@@ -42,6 +56,43 @@ class Job:
     work: InlineWork | ResidentWork
     candidates: tuple[int, ...] | None  # None: any worker
     label: str  # e.g. "inline shard 3" or "shard 2 of context ctx_..."
+
+
+@dataclass(eq=False, slots=True)
+class Plan:
+    """One query ready to run: its ``q``, positions and options, and the jobs that compute it.
+
+    Built by ``service.attention.AttentionService.plan`` for a single request and for each item
+    of a batch alike; :meth:`Orchestrator.run` runs one, :meth:`Orchestrator.run_many` many.
+    """
+
+    q: Any  #: ``q`` in the accumulation dtype, as an array (a batch's calls carry it: ``workers.tasks.carry``)
+    sent: Any  #: ``q`` as a job's call takes it (``WorkerSurface.put``: carried, or an ObjectRef when large)
+    query: ShardQuery
+    jobs: tuple[Job, ...]  #: in key order: a state each, merged in this order
+    shape: tuple[int, int, int]  #: the answer's ``out [n_q, h_q, d_v]``
+    dtype: np.dtype  #: the accumulation dtype (of the states and the answer)
+
+    @property
+    def state_nbytes(self) -> int:
+        """The size of one state: ``n_q * h_q * (d_v + 2)`` numbers of the accumulation dtype."""
+        n_q, h_q, d_v = self.shape
+        return n_q * h_q * (d_v + 2) * self.dtype.itemsize
+
+    @property
+    def elements(self) -> int:
+        """The elements of the answer's ``out``."""
+        n_q, h_q, d_v = self.shape
+        return n_q * h_q * d_v
+
+    def empty(self) -> State:
+        """The state over no keys (contexts that hold none: the plan has no job)."""
+        return empty(*self.shape, self.dtype)
+
+
+#: What :meth:`Orchestrator.run_many` answers for one plan: its ``(out, lse)``, or why it has none
+#: (a ``ServiceError``, or ``workers.store.RecordStale``: the caller may plan it again from the directory).
+Outcome: TypeAlias = tuple[Any, Any] | Exception
 
 
 def grouped(jobs: Sequence[Job]) -> list[tuple[Job, tuple[int, ...]]]:
@@ -92,6 +143,47 @@ def late(worker: str) -> DeadlineExceeded:
                             f"could start its work")
 
 
+class _Run:
+    """The states of one :meth:`Orchestrator.run_many` call as they come back, and each plan's first error."""
+
+    def __init__(self, plans: Sequence[Plan], cluster_errors: tuple[type[Exception], ...]) -> None:
+        self.plans = plans
+        self.cluster_errors = cluster_errors  #: the pool's own (``WorkerSurface.cluster_errors``)
+        self.states: list[list[State | None]] = [[None] * len(plan.jobs) for plan in plans]
+        self.errors: list[Exception | None] = [None] * len(plans)
+        self.passes: list[float] = []
+
+    def done(self, p: int, positions: Sequence[int], seconds: float, states: Sequence[State]) -> None:
+        self.passes.append(seconds)
+        for j, state in zip(positions, states, strict=True):
+            self.states[p][j] = state
+
+    def fail(self, p: int, exc: Exception) -> None:
+        if isinstance(exc, self.cluster_errors) and not isinstance(exc, (ServiceError, *DOMAIN_CLASSES)):
+            # the cluster's fault, as the route answers a single one
+            log.warning("request %s: Ray error in a batch item: %s", request_id.current(), exc)
+            exc = WorkersUnavailable(f"the cluster must answer, got {type(exc).__name__}")
+        if self.errors[p] is None:
+            self.errors[p] = exc
+
+    def merged(self, fanin: int) -> list[Outcome]:
+        """Each plan's states merged in key order over the fixed tree, finalized; or its error. A merge that
+        refuses its states (``merge`` checks they agree) fails its plan alone, as a 500 with the request id."""
+        outcomes: list[Outcome] = []
+        for p, (plan, states, error) in enumerate(zip(self.plans, self.states, self.errors)):
+            if error is not None:
+                outcomes.append(error)
+                continue
+            try:
+                outcomes.append(finalize(merge_all(states, fanin) if plan.jobs else plan.empty()))  # type: ignore[arg-type]
+            except ValueError:
+                rid = request_id.current()
+                log.exception("request %s plan %d: its states did not merge", rid, p)
+                outcomes.append(Internal("the service failed on this item; the server log has the details under "
+                                         f"request id {rid}"))
+        return outcomes
+
+
 class Orchestrator:
     def __init__(self, pool: WorkerSurface, *, fanin: int, remote_merge_bytes: int) -> None:
         self.pool = pool
@@ -135,11 +227,112 @@ class Orchestrator:
         timings.add("merge", time.perf_counter() - t1)
         return out, lse
 
-    async def _run_job(self, q: Any, query: ShardQuery, job: Job, keep_state: bool,
-                       state_nbytes: int) -> tuple[int, ComputeStatus, Any]:
-        """Run one job, retrying on other candidates; returns ``(worker, its status, state or its ObjectRef)``."""
-        tried: set[int] = set()
-        reasons: list[str] = []
+    async def run_many(self, plans: Sequence[Plan], timings: Timings) -> list[Outcome]:
+        """Every plan's ``(out, lse)``, or its error, in order; one plan's failure is its own.
+
+        Replicas are chosen once for the call: each resident read goes to its least loaded live
+        replica, counting the reads this call has given it already, and each worker gets every
+        plan's reads it serves in **one** call (``WorkerSurface.compute_many``); its compute thread
+        runs them together. Every other job (inline shards, a read with no live replica) runs as a
+        single request's does (``_run_job``). A read that failed is retried there on its other
+        replicas; a read the worker did not start in time fails its plan with 504, a worker's own
+        exception with 500, neither retried. Each plan's states merge in key order over the fixed
+        tree (``merge_all``), on the event loop or, when large, in one thread for all.
+        """
+        t0 = time.perf_counter()
+        run = _Run(plans, self.pool.cluster_errors)
+        batched, alone = self._assign(plans)
+        await asyncio.gather(*(self._batched(w, reads, run) for w, reads in batched.items()),
+                             *(self._alone(run, p, j) for p, j in alone))
+        t1 = time.perf_counter()
+        timings.add("compute", t1 - t0)
+        if run.passes:  # the longest pass a worker ran for these plans, as for a single request
+            timings.add("worker", max(run.passes))
+        nbytes = sum(plan.state_nbytes * len(plan.jobs) for plan, error in zip(plans, run.errors) if error is None)
+        outcomes = await asyncio.to_thread(run.merged, self.fanin) if nbytes > LOCAL_MERGE_INLINE_BYTES \
+            else run.merged(self.fanin)
+        timings.add("merge", time.perf_counter() - t1)
+        return outcomes
+
+    def _assign(self, plans: Sequence[Plan]) -> tuple[dict[int, dict[int, list[tuple[int, ShardRead]]]],
+                                                      list[tuple[int, int]]]:
+        """The replica choice of :meth:`run_many`: per worker, each plan's jobs (position and read, in key
+        order) whose one read it serves; and the ``(plan, job)`` pairs that run alone."""
+        load = {s.index: s.outstanding for s in self.pool.slots}
+        slots = self.pool.slots
+        batched: dict[int, dict[int, list[tuple[int, ShardRead]]]] = {}
+        alone: list[tuple[int, int]] = []
+        for p, plan in enumerate(plans):
+            for j, job in enumerate(plan.jobs):
+                work = job.work
+                if isinstance(work, ResidentWork) and len(work.reads) == 1 and \
+                        (live := [c for c in job.candidates or () if slots[c].alive]):
+                    w = min(live, key=lambda x: (load[x], x))
+                    load[w] += 1
+                    batched.setdefault(w, {}).setdefault(p, []).append((j, work.reads[0]))
+                else:
+                    alone.append((p, j))
+        return batched, alone
+
+    async def _batched(self, worker: int, reads: dict[int, list[tuple[int, ShardRead]]], run: _Run) -> None:
+        """One worker's reads of every plan, in one call; failed reads retried as :meth:`_run_job` retries."""
+        plans = run.plans
+        items = [ResidentQuery(carry(plans[p].q), plans[p].query, tuple(r for _, r in mine)) for p, mine in reads.items()]
+        answers: list[Any]
+        try:
+            answers = await self.pool.compute_many(worker, items)
+        except Exception as exc:  # noqa: BLE001 - sorted below
+            if not isinstance(exc, (WorkersUnavailable, *self.pool.cluster_errors)):
+                raise
+            answers = [exc] * len(items)
+        retries = []
+        for (p, mine), got in zip(reads.items(), answers):
+            if isinstance(got, (WorkersUnavailable, ShardMissing)):  # the worker gone, or its replica
+                why = self._why(worker, got)
+                retries += [self._alone(run, p, j, tried={worker}, reasons=[why]) for j, _ in mine]
+            elif isinstance(got, BaseException):
+                run.fail(p, self._item_error(worker, got))
+            else:
+                status, states = got
+                run.done(p, [j for j, _ in mine], status.seconds, states)
+        await asyncio.gather(*retries)
+
+    async def _alone(self, run: _Run, p: int, j: int, tried: set[int] | None = None,
+                     reasons: list[str] | None = None) -> None:
+        """Job ``j`` of plan ``p`` as a single request runs it (retries on its other candidates)."""
+        plan = run.plans[p]
+        try:
+            _, status, state = await self._run_job(plan.sent, plan.query, plan.jobs[j], keep_state=False,
+                                                   state_nbytes=plan.state_nbytes, tried=tried, reasons=reasons)
+        except Exception as exc:  # noqa: BLE001 - the plan's own answer
+            run.fail(p, exc)
+            return
+        run.done(p, [j], status.seconds, [state])
+
+    def _why(self, worker: int, exc: Exception) -> str:
+        """Why a job failed on ``worker`` in a way another replica may not (named in ``ContextLost``)."""
+        if isinstance(exc, WorkersUnavailable):
+            return exc.detail
+        return f"{self.pool.slots[worker].name}: {exc.args[0] if exc.args else exc}"
+
+    def _item_error(self, worker: int, got: BaseException) -> Exception:
+        """A batched read's exception as a single read's would be raised (``WorkerSurface.compute``): a domain
+        error or Ray's own as it came, ``Expired`` as 504, a worker's own exception as :func:`failed` (500)."""
+        name = self.pool.slots[worker].name
+        if isinstance(got, Expired):
+            return late(name)
+        if isinstance(got, RemoteError):  # over the channel, not a domain error
+            return failed(name, got.kind, got.message)
+        if isinstance(got, (*DOMAIN_CLASSES, *self.pool.cluster_errors)):
+            return got  # type: ignore[return-value]
+        return failed(name, type(got).__name__, str(got))
+
+    async def _run_job(self, q: Any, query: ShardQuery, job: Job, keep_state: bool, state_nbytes: int,
+                       tried: set[int] | None = None, reasons: list[str] | None = None) -> tuple[int, ComputeStatus, Any]:
+        """Run one job, retrying on other candidates; returns ``(worker, its status, state or its ObjectRef)``.
+        ``tried``: workers already tried (``reasons``: why each failed), as :meth:`run_many` retries a read."""
+        tried = set() if tried is None else tried
+        reasons = [] if reasons is None else reasons
         while True:
             try:
                 idx = self.pool.pick(job.candidates, exclude=tried)
@@ -154,11 +347,8 @@ class Orchestrator:
             try:
                 status, state = await self.pool.compute(idx, q, query, job.work, keep_state=keep_state,
                                                         state_nbytes=state_nbytes)
-            except WorkersUnavailable as exc:
-                reasons.append(exc.detail)
-                continue
-            except ShardMissing as exc:
-                reasons.append(f"{self.pool.slots[idx].name}: {exc.args[0] if exc.args else exc}")
+            except (WorkersUnavailable, ShardMissing) as exc:
+                reasons.append(self._why(idx, exc))
                 continue
             except Expired:
                 raise late(self.pool.slots[idx].name) from None

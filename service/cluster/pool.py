@@ -129,6 +129,8 @@ def _nbytes(a: Any) -> int:
 class WorkerPool(Roster[Slot]):
     #: What a call other than a query raises when the worker is gone or its method failed (:data:`CALL_ERRORS`).
     call_errors = CALL_ERRORS
+    #: Ray's own errors (``WorkerSurface.cluster_errors``).
+    cluster_errors: tuple[type[Exception], ...] = (ray.exceptions.RayError,)
 
     def __init__(self, settings: ServiceSettings, slots: list[Slot], device: str, detached: bool) -> None:
         self.settings = settings

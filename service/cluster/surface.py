@@ -175,6 +175,11 @@ class WorkerSurface(Protocol):
     @property
     def call_errors(self) -> tuple[type[Exception], ...]:
         """What a call other than a query raises when the worker is gone or its method failed."""
+    @property
+    def cluster_errors(self) -> tuple[type[Exception], ...]:
+        """Errors of the cluster itself (not of a worker's code) that a query may raise: Ray's for the Ray
+        pool (an object lost, a task that could not run), none in process. The orchestrator answers them
+        503 ``workers_unavailable``, as the route answers a single request's."""
 
     # -- who
     def indexes(self, names: Sequence[str], *, alive: bool = False) -> list[int]: ...
