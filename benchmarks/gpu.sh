@@ -33,7 +33,7 @@ PYEOF
 } 2>&1 | tee "$OUT_DIR/env.txt"
 
 echo "## GPU tests"
-timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs tests/unit/test_workers_gpu_kernels.py tests/unit/test_workers_gpu_worker.py 2>&1 | tee "$OUT_DIR/gpu_tests.txt"
+timeout 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider -o addopts="--import-mode=importlib" -rs tests/unit/test_workers_gpu_kernels.py tests/unit/test_workers_gpu_worker.py 2>&1 | tee "$OUT_DIR/gpu_tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
 echo "## benchmark"

@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"G
 
 @pytest.mark.parametrize("kernels", ["generic", "fused"])
 def test_gpu_worker_inline_and_resident_shards_are_exact(rng, kernels):
-    w = ShardWorker(WorkerConfig(device="gpu", kernel=KernelOptions(gpu_kernels=kernels)), "gpu0")
+    # No direct channel: this tests the device, and the unit tier opens no socket.
+    w = ShardWorker(WorkerConfig(device="gpu", kernel=KernelOptions(gpu_kernels=kernels), channel=False), "gpu0")
     q = rng.standard_normal((3, 8, 64)).astype(np.float16)
     k = rng.standard_normal((5000, 2, 64)).astype(np.float16)
     v = rng.standard_normal((5000, 2, 64)).astype(np.float16)
