@@ -2,7 +2,7 @@
 
 An append writes keys ``k [n, h_kv, d]`` into the d-major ``kt [h_kv, d, capacity]``
 and values ``v [n, h_kv, d_v]`` into ``[h_kv, capacity, d_v]``. Two things made
-that copy the slowest stage of an upload (docs/BENCHMARKS.md, issue 9):
+that copy the slowest stage of an upload (benchmarks/results/2026-12-01/NOTES.md, "Uploads: where the time went first"):
 
 * NumPy copies arrays of a dtype it knows from a plug-in (bfloat16) element by
   element through the plug-in's functions; as unsigned integers of the same width

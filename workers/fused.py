@@ -4,7 +4,7 @@ The NumPy kernel (``workers.blockwise``) issues separate BLAS calls and softmax
 passes per block, re-reading each score tile; for decode, where reading K and V
 is the whole cost, a compiled loop that reads each key and value once per block
 and keeps m, l, acc in L1 streams closer to the memory bandwidth
-(docs/BENCHMARKS.md, "Fused CPU kernel (issue 16)").
+(docs/BENCHMARKS.md, "CPU kernels (issues 2 and 16)").
 
 * **Selection** (:func:`choose`): ``KernelOptions.cpu_kernels`` says which kernel
   is wanted; the fused one runs only for decode-shaped tiles (at most
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 #: reads a block of every head at once (``h_kv * B`` rows of K), the resident one
 #: a block of one head: ``d`` runs of ``B`` keys, and longer runs stream better
 #: (a 1 KiB run, 256 float32 keys, read K at about half the rate of a 4 KiB one:
-#: docs/BENCHMARKS.md, "Fused CPU kernel (issue 16)"). Fixed, never a function of the
+#: benchmarks/results/2026-12-01/NOTES.md, "Longer resident blocks and four value streams"). Fixed, never a function of the
 #: rows in a call: the block sets each row's order of arithmetic, which must not depend
 #: on the other rows of a batch.
 INLINE_BLOCK, RESIDENT_BLOCK = 64, 1024

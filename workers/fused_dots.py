@@ -11,7 +11,7 @@ for the four rows, and at the end :func:`workers.fused_simd.vsum8` folds the eig
 accumulators' lanes in one fixed tree. The ``d % 8`` dims past the last whole vector
 follow as one scalar chain. The block is read in address order (a pair of keys for
 every head, then the next pair): per head, a key's run sits 2-4 KiB from the next, a
-page apart for float32, and reading that way ran at half the rate (docs/BENCHMARKS.md,
+page apart for float32, and reading that way ran at half the rate (benchmarks/results/2026-12-03/NOTES.md,
 "Inline scores as register tiles").
 
 **Order of arithmetic.** Every score is the same computation wherever its row

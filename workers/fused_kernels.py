@@ -174,7 +174,7 @@ def _pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v:
     Four keys per pass over a row of ``acc`` (a quarter of its loads and stores), the
     keys ``j, j + n/4, j + n/4*2, j + n/4*3`` (``n/4 = nb // 4``), then the rest one by one:
     four streams of values at once, where one stream read well under half the bandwidth
-    the CPU gives several (docs/BENCHMARKS.md, "Fused CPU kernel (issue 16)"). The keys
+    the CPU gives several (benchmarks/results/2026-12-01/NOTES.md, "Longer resident blocks and four value streams"). The keys
     outside, the rows inside, so that the four values stay in L1 while every row reads
     them. A row's order depends on ``nb`` alone, never on the other rows. Flat indexes are
     unsigned (``_U``): numba then adds no negative-index fixup, and the loops vectorise
@@ -302,7 +302,7 @@ def _micro(rows: Any, out: Any, keys: Any) -> bool:
 
     For 16-bit keys they widen each element once for four rows, where the loops below widen it
     once per row: the resident layout read 1.6-1.8x faster, the inline one 1.3-1.45x. For float32
-    keys the loops measured as fast or faster (0.94-0.97x inline; docs/BENCHMARKS.md, "Register
+    keys the loops measured as fast or faster (0.94-0.97x inline; benchmarks/results/2026-12-02/NOTES.md, "Register
     tiles" and "Inline scores as register tiles"), so float32 keys stay on them, except in the
     resident layout (:func:`_dense_choice`).
     """
@@ -317,7 +317,7 @@ def _dense_choice(rows: Any, out: Any, keys: Any) -> bool:
     The resident layout's runs are contiguous, which the tiles read side by side and prefetch
     along (``workers.fused_micro``); there the tiles ran float32 ``p @ v`` at 1.5x the loop in
     cache, and the whole float32 decode 1.09x faster at one thread and 1.05-1.20x at two with
-    the scores on them too (docs/BENCHMARKS.md, "A Zen 1 host" and "Scores prefetch along their
+    the scores on them too (benchmarks/results/2026-12-05/NOTES.md, "A Zen 1 host" and "Scores prefetch along their
     own runs"). The inline layout's value rows are a whole key apart (``h_kv d_v`` elements, 4 KiB
     for float32 at h_kv = 8, d_v = 128): 32 of them side by side fall in the same L1 sets, so
     float32 stays on the loops there.

@@ -32,7 +32,7 @@ its values in order: there the accumulators go back to ``acc`` every
 
 The sizes trade registers against memory streams: a whole-``d`` panel would
 keep the scores in registers throughout but read 128 runs at once, which the
-hardware prefetchers do not follow (docs/BENCHMARKS.md, "Register tiles").
+hardware prefetchers do not follow (benchmarks/results/2026-12-02/NOTES.md, "Register tiles").
 
 **Order of arithmetic.** Every lane of a tile computes its ``s[r, j]`` (its
 ``acc[r, e]``) as one chain of fused multiply-adds in dim order (key order),
@@ -70,7 +70,7 @@ TILE_KEYS = 16
 #: Dims per scores panel: as many runs of keys read side by side.
 PANEL_DIMS = 8
 #: How far ahead (keys) the scores prefetch along each run they read: past the block's
-#: end, into the next block's part of the same run (docs/BENCHMARKS.md, "Scores prefetch
+#: end, into the next block's part of the same run (benchmarks/results/2026-12-05/NOTES.md, "Scores prefetch
 #: along their own runs").
 PREFETCH_KEYS = 256
 #: Bytes per cache line, the unit of a prefetch: 64 on x86-64 and on most Arm cores (a

@@ -3,7 +3,7 @@
 The service's answers are plain HTTP/1.1 (uvicorn): a status line, headers, a body with
 ``Content-Length`` (or chunked). ``http.client`` reads them through the ``email`` package's
 header parser and writes a request in several writes; on a decode query that is most of
-what the client library costs (docs/BENCHMARKS.md, "The hot routes off FastAPI's
+what the client library costs (benchmarks/results/2026-12-03/NOTES.md, "The hot routes off FastAPI's
 dispatch"). This connection writes a small request in one write (a large body as its
 buffers, never joined), reads the status line and headers with one buffered reader kept
 for the connection's life, and keeps the connection for the next request; a kept

@@ -21,7 +21,7 @@ from service.client.retry import backoff
 from service.wire.rules import Limits
 
 #: Bytes of k and v per chunk when the caller names no chunk size. Measured on 2 cores
-#: (docs/BENCHMARKS.md, issue 9): 16 MiB moves as many bytes per second as 64 MiB, and a
+#: (benchmarks/results/2026-12-01/NOTES.md, "Uploads: where the time went first"): 16 MiB moves as many bytes per second as 64 MiB, and a
 #: small query that lands during an upload waits behind one chunk's copy, not four.
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 #: Bytes a chunk leaves for the safetensors length field and JSON header (three entries

@@ -89,7 +89,7 @@ class ServiceSettings(BaseSettings):
 
     # Resident contexts
     # 2048: a 4096-key context is cut over two workers, whose halves run in parallel (a decode call
-    # 1.2-2.7 ms faster at p50 on two workers than as one 4096-key shard: docs/BENCHMARKS.md, "Contexts
+    # 1.2-2.7 ms faster at p50 on two workers than as one 4096-key shard: benchmarks/results/2026-12-05/NOTES.md, "Contexts
     # over both workers"); much below it a call's fixed cost outweighs what a shorter kernel saves.
     context_shard_keys: int = Field(2048, ge=1, description="Keys a context shard holds at least before a new one "
                                                             "opens; a create uses one shard per worker down to this size.")

@@ -361,7 +361,7 @@ def test_kernel_file_names_the_digest_of_the_micro_kernels_it_compiles_in():
 
 def test_resident_values_take_the_register_tiles_for_every_dtype_and_inline_float32_the_loop():
     # workers.fused_kernels.pv_dense (resident: value rows d_v apart) runs float32 on the tiles too;
-    # pv (inline: value rows a whole key apart) keeps float32 on the loop (docs/BENCHMARKS.md).
+    # pv (inline: value rows a whole key apart) keeps float32 on the loop (benchmarks/results/2026-12-05/NOTES.md, "A Zen 1 host").
     from numba.core import types
 
     mod = fused.kernels()
@@ -377,7 +377,7 @@ def test_resident_values_take_the_register_tiles_for_every_dtype_and_inline_floa
 
 def test_resident_scores_take_the_register_tiles_for_float32_and_16_bit_keys_and_float64_the_loop():
     # workers.fused_kernels._dense_choice: d-major keys (the resident layout) run float32 on the
-    # tiles too, which prefetch along each run (docs/BENCHMARKS.md); float64 and mixed dtypes,
+    # tiles too, which prefetch along each run (benchmarks/results/2026-12-05/NOTES.md, "Scores prefetch along their own runs"); float64 and mixed dtypes,
     # and arrays that are not C-contiguous, take the loop.
     from numba.core import types
 
