@@ -108,12 +108,14 @@ def load_json(data: bytes | bytearray | memoryview, what: str) -> Any:
         raise InvalidBody(f"{what} must be valid JSON, got {e.msg} at line {e.lineno} column {e.colno}") from None
     except RecursionError:
         raise InvalidBody(f"{what} must be valid JSON, got lists or objects nested too deeply") from None
-    except ValueError as e:
+    except ValueError:
         # Valid JSON, but an integer literal longer than CPython converts (its guard against quadratic
         # parsing): no field takes one (positions and sizes are int64, 19 digits; values float64, 309).
-        digits = re.search(r"has (\d+) digits", str(e))
-        got = f"one of {digits.group(1)} digits" if digits else "a longer one"
-        raise InvalidBody(f"{what} must hold integers of at most {sys.get_int_max_str_digits()} digits (no field "
+        # The literal is found in the text (the first run of digits past the limit), not in the message.
+        limit = sys.get_int_max_str_digits()
+        long = next((len(m.group()) for m in re.finditer(r"\d+", text) if len(m.group()) > limit), None)
+        got = f"one of {long} digits" if long is not None else "a longer one"
+        raise InvalidBody(f"{what} must hold integers of at most {limit} digits (no field "
                           f"takes more than 309), got {got}") from None
 
 
