@@ -144,23 +144,30 @@ def test_a_second_request_while_one_works_gets_429_with_retry_after(tight):
     heavy = {"q": rng.standard_normal((512, 8, 64)).astype(np.float32),
              "k": rng.standard_normal((60000, 2, 64)).astype(np.float32)}
     heavy["v"] = heavy["k"]
-    results = {}
+    heavy_body = to_bytes(encode_safetensors(heavy))
+    light_body = to_bytes(encode_safetensors({"q": q, "k": k, "v": k}))  # ready before the race starts
+    headers = {**auth(), "Content-Type": "application/octet-stream"}
 
-    def first():  # works until the 0.5 s deadline cuts it (504), holding the one slot meanwhile
-        results["first"] = httpx.post(tight.url + "/v1/attention", content=to_bytes(encode_safetensors(heavy)),
-                                      timeout=30, headers={**auth(), "Content-Type": "application/octet-stream"})
+    def first(results):  # works until the 0.5 s deadline cuts it (504), holding the one slot meanwhile
+        results["first"] = httpx.post(tight.url + "/v1/attention", content=heavy_body, timeout=30, headers=headers)
 
-    t = threading.Thread(target=first)
-    t.start()
-    deadline = time.monotonic() + 20
-    while inflight(tight) < 1 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    r = httpx.post(tight.url + "/v1/attention", content=to_bytes(encode_safetensors({"q": q, "k": k, "v": k})),
-                   timeout=30, headers={**auth(), "Content-Type": "application/octet-stream"})
+    # The second request must arrive within the first's 0.5 s: on a loaded machine it may come after
+    # the 504 and be admitted. That proves nothing either way, so the race is run again (at most 4 times).
+    with httpx.Client(timeout=30) as second:
+        for _ in range(4):
+            results: dict[str, httpx.Response] = {}
+            t = threading.Thread(target=first, args=(results,))
+            t.start()
+            deadline = time.monotonic() + 20
+            while inflight(tight) < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            r = second.post(tight.url + "/v1/attention", content=light_body, headers=headers)
+            t.join()
+            if r.status_code == 429:
+                break
     # A path with no route is 404 whatever its prefix: it takes no slot, so it is never 429.
     miss = httpx.get(tight.url + "/v1/attentionXYZ", headers=auth())
     assert miss.status_code == 404, miss.text
-    t.join()
     assert r.status_code == 429 and r.json()["code"] == "overloaded", r.text
     assert int(r.headers["retry-after"]) >= 1 and r.headers["x-request-id"] == r.json()["request_id"]
     assert internals(r.text) is None and internals(results["first"].text) is None  # the 504 too

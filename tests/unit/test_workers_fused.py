@@ -361,7 +361,8 @@ def test_kernel_file_names_the_digest_of_the_micro_kernels_it_compiles_in():
 
 def test_resident_values_take_the_register_tiles_for_every_dtype_and_inline_float32_the_loop():
     # workers.fused_kernels.pv_dense (resident: value rows d_v apart) runs float32 on the tiles too;
-    # pv (inline: value rows a whole key apart) keeps float32 on the loop (benchmarks/results/2026-12-05/NOTES.md, "A Zen 1 host").
+    # pv (inline: value rows a whole key apart) keeps float32 on the loop (benchmarks/results/2026-12-05/NOTES.md,
+    # "A Zen 1 host").
     from numba.core import types
 
     mod = fused.kernels()
