@@ -49,11 +49,6 @@ class Resolved:
         it runs, the answer is of a whole committed state, and no check could refuse it rightly)."""
         return int(rec["version"]) if self.cached else 0
 
-    def reads(self) -> list[tuple[ShardRead, tuple[str, ...]]]:
-        """Each non-empty shard in key order, as read from its record, with its replicas' names."""
-        return [(ShardRead(rec["id"], shard["index"], shard["length"], self.version(rec)), tuple(shard["workers"]))
-                for rec in self.records for shard in rec["shards"] if shard["length"]]
-
     def jobs(self, pool: WorkerSurface, fanin: int) -> list[Job]:
         """One job per non-empty shard, in key order; only the shard's replicas may run it."""
         return [Job(work=ResidentWork((ShardRead(rec["id"], shard["index"], shard["length"], self.version(rec)),),
