@@ -11,7 +11,7 @@ It keeps what the Ray pool's callers rely on:
   pool builds it, without its direct channel (no socket is opened); its calls run in threads of its
   own (``worker_concurrency`` of them, pings on one more, as the actor's concurrency groups), so
   calls that arrive together really run together and batch in the worker;
-* a call is submitted when it is made, and its arguments are taken then, by value (pickled, as
+* a call is submitted when it is made, and its arguments are taken then, by value (deep-copied, as
   Ray's are); so are the answers;
 * a worker that is gone (:meth:`LocalPool.stop`, this process's ``ray.kill``) makes its calls, in
   flight or later, raise ``WorkersUnavailable`` and is marked dead; :meth:`LocalPool.replace` starts
@@ -23,10 +23,10 @@ It keeps what the Ray pool's callers rely on:
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import functools
 import logging
-import pickle
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,10 +36,11 @@ from merge import State
 from service.cluster.startup import WORKER_PREFIX, worker_config
 from service.cluster.surface import (
     DOMAIN_CLASSES,
-    MISSED_PINGS,
     InlineWork,
     ResidentWork,
     Roster,
+    answered,
+    missed_ping,
     WorkerSlot,
     WorkerSurface,
     failed,
@@ -62,8 +63,9 @@ _KEPT: tuple[type[Exception], ...] = (WorkersUnavailable, *DOMAIN_CLASSES)
 
 
 def by_value(obj: Any) -> Any:
-    """``obj`` as a call hands it over: a copy, through pickle, as Ray passes arguments and answers."""
-    return pickle.loads(pickle.dumps(obj, protocol=5))
+    """``obj`` as a call hands it over: a deep copy, as Ray copies arguments and answers (nothing here is
+    ever unpickled)."""
+    return copy.deepcopy(obj)
 
 
 @dataclass
@@ -145,23 +147,10 @@ class LocalPool(Roster[LocalSlot]):
             try:
                 info: dict = await asyncio.wait_for(self._invoke(slot.index, slot.worker, "ping", (), health=True),
                                                     timeout_s)
-                slot.info = info
-                slot.node_id = info.get("node_id", "")
-                slot.alive = True
-                seen = str(info.get("incarnation", ""))
-                if slot.incarnation and seen != slot.incarnation:
+                if answered(slot, info):
                     self.replaced_elsewhere.add(slot.name)
-                slot.incarnation = seen
-                slot.missed = 0
             except TimeoutError:
-                slot.missed += 1
-                if slot.incarnation and slot.missed < MISSED_PINGS:
-                    log.warning("worker %s did not answer a ping within %.3g s (%d in a row; dead at %d)",
-                                slot.name, timeout_s, slot.missed, MISSED_PINGS)
-                    return
-                if slot.alive or slot.incarnation:
-                    log.warning("worker %s did not answer %d pings in a row: counted dead", slot.name, slot.missed)
-                slot.alive = False
+                missed_ping(slot, timeout_s)
             except Exception as exc:  # noqa: BLE001 - gone, or its ping raised: as a RayError there
                 slot.error = str(exc)
                 if slot.alive or slot.incarnation:

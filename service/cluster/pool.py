@@ -45,10 +45,11 @@ from service.cluster.startup import (
 from service.cluster.surface import (
     DOMAIN_CLASSES,
     DOMAIN_ERRORS,  # noqa: F401 - re-exported: service.cluster.pool.DOMAIN_ERRORS as before
-    MISSED_PINGS,
     InlineWork,
     ResidentWork,
     Roster,
+    answered,
+    missed_ping,
     WorkerSlot,
     WorkerSurface,
     failed,
@@ -211,30 +212,15 @@ class WorkerPool(Roster[Slot]):
                 slot.alive = False
                 return
             try:
-                slot.info = await asyncio.wait_for(
+                info = await asyncio.wait_for(
                     _await(slot.handle.ping.options(concurrency_group=HEALTH_GROUP).remote()), timeout_s)
-                slot.node_id = slot.info.get("node_id", "")
-                slot.alive = True
-                seen = str(slot.info.get("incarnation", ""))
-                if slot.incarnation and seen != slot.incarnation:
+                if answered(slot, info):
                     self.replaced_elsewhere.add(slot.name)
                     slot.drop_channel()
                     slot.channel_retry_at = 0.0  # the new worker may have a channel the old one had not
-                slot.incarnation = seen
-                slot.missed = 0
             except TimeoutError:
-                # A ping that timed out is no proof of death (Ray says so when the actor died): a
-                # worker busy for long, or this event loop held up, looks the same. Counting it dead
-                # forgets its replicas, which for a context with one replica loses the keys.
-                slot.missed += 1
-                if slot.incarnation and slot.missed < MISSED_PINGS:
-                    log.warning("worker %s did not answer a ping within %.3g s (%d in a row; dead at %d)",
-                                slot.name, timeout_s, slot.missed, MISSED_PINGS)
-                    return
-                if slot.alive or slot.incarnation:
-                    log.warning("worker %s did not answer %d pings in a row: counted dead", slot.name, slot.missed)
-                slot.alive = False
-                slot.drop_channel()
+                if missed_ping(slot, timeout_s):
+                    slot.drop_channel()
             except ray.exceptions.RayError as exc:
                 slot.error = last_line(str(exc))
                 if slot.alive or slot.incarnation:

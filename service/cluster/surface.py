@@ -165,6 +165,44 @@ class Roster(Generic[S]):
         return min(live, key=lambda i: (self.slots[i].outstanding, i))
 
 
+class _PingedSlot(_Slot, Protocol):
+    """What a ping's bookkeeping reads and writes of a slot (:func:`answered`, :func:`missed_ping`)."""
+
+    info: dict
+    node_id: str
+    incarnation: str
+    missed: int
+
+
+def answered(slot: _PingedSlot, info: dict) -> bool:
+    """Note a ping's answer on ``slot``: alive, its node and what it holds. True when the name now stands for
+    another worker than the one seen before (another front end replaced it: it holds nothing of the old one's)."""
+    slot.info, slot.node_id, slot.alive = info, info.get("node_id", ""), True
+    seen = str(info.get("incarnation", ""))
+    replaced = bool(slot.incarnation) and seen != slot.incarnation
+    slot.incarnation, slot.missed = seen, 0
+    return replaced
+
+
+def missed_ping(slot: _PingedSlot, timeout_s: float) -> bool:
+    """Note a ping that timed out; True when ``slot`` is now counted dead.
+
+    A ping that timed out is no proof of death (Ray says so when the actor died): a worker busy for
+    long, or this event loop held up, looks the same. Counting it dead forgets its replicas, which for
+    a context with one replica loses the keys: a worker that answered before is dead only after
+    :data:`MISSED_PINGS` in a row.
+    """
+    slot.missed += 1
+    if slot.incarnation and slot.missed < MISSED_PINGS:
+        log.warning("worker %s did not answer a ping within %.3g s (%d in a row; dead at %d)",
+                    slot.name, timeout_s, slot.missed, MISSED_PINGS)
+        return False
+    if slot.alive or slot.incarnation:
+        log.warning("worker %s did not answer %d pings in a row: counted dead", slot.name, slot.missed)
+    slot.alive = False
+    return True
+
+
 class WorkerSurface(Protocol):
     """The pool of shard workers, as every caller above the seam uses it (module docstring).
 
