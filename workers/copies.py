@@ -46,6 +46,10 @@ BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 #: madvise advice: fault the range in, writable, keeping its contents (Linux 5.14+).
 MADV_POPULATE_WRITE = 23
+#: madvise advice: back the range with 4 KiB pages only, never transparent huge pages.
+MADV_NOHUGEPAGE = 15
+#: madvise advice: give the range's pages back; the next read of them finds zeros.
+MADV_DONTNEED = 4
 #: Bytes per madvise call of :func:`prefault`: a thread that owns no lock, one step at a time.
 PREFAULT_STEP = 64 * 2**20
 
@@ -83,6 +87,42 @@ def prefault(a: np.ndarray) -> bool:
         if madvise(start, min(PREFAULT_STEP, hi - start), MADV_POPULATE_WRITE) != 0:
             return False  # EINVAL before Linux 5.14: the writes fault the pages in as ever
     return True
+
+
+def reserve(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """An array of ``shape`` whose memory is reserved, not yet held: an anonymous mapping that the
+    kernel backs with a 4 KiB page on the first write to it (``workers.layout``, "Pages").
+
+    Untouched memory costs address space only, and huge pages are refused for it
+    (``MADV_NOHUGEPAGE``): with them one write would hold 2 MiB. The mapping goes back
+    to the system when the array and its views are gone. Off Linux: ``np.empty``.
+    """
+    dt = np.dtype(dtype)
+    size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if size == 0 or not sys.platform.startswith("linux"):
+        return np.empty(shape, dtype=dt)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+    madvise = _madvise()
+    if madvise is not None:
+        madvise(ctypes.addressof(ctypes.c_char.from_buffer(region)), size, MADV_NOHUGEPAGE)
+    return np.frombuffer(region, dtype=dt).reshape(shape)
+
+
+def release(a: np.ndarray) -> bool:
+    """Give back to the system the whole pages that lie inside ``a``'s memory (a reserved shard's
+    tail, ``workers.layout``); what they held reads as zeros afterwards. ``a`` may be strided as for
+    :func:`prefault`; a page that ``a`` shares with memory outside it is kept. Returns False where
+    the platform cannot (the pages stay held)."""
+    madvise = _madvise()
+    if madvise is None or a.size == 0:
+        return False
+    if a.ndim > 1 and not a.flags.c_contiguous:
+        done = [release(part) for part in a]  # every part, not up to the first that fails
+        return all(done)
+    page = mmap.PAGESIZE
+    lo = -(-a.ctypes.data // page) * page
+    hi = (a.ctypes.data + a.nbytes) // page * page
+    return hi <= lo or madvise(lo, hi - lo, MADV_DONTNEED) == 0
 
 
 def as_bits(a: Any) -> Any:

@@ -16,19 +16,37 @@ both in the accumulation dtype. Two sources provide that:
   collide in the same cache sets), and grows by appending.
 
 Both are array-module neutral (numpy or cupy).
+
+Pages
+-----
+On the CPU a resident shard reserves the address space of every key it may grow to
+(its ``max_capacity``) at once and holds memory only where keys were written: the
+kernel backs the reservation with a 4 KiB page on the first write to it
+(``workers.copies.reserve``), so the MMU's page table is the shard's block table.
+Appends never move or copy what is stored, a shard grows one page at a time and a
+dropped shard gives its pages back at once. What a shard holds is counted exactly
+(:func:`held_bytes`): per row of d-major keys, of values and of positions, the
+pages its written keys span. A row's keys start a cache line past a page (the
+padded stride), so a row spans at most two pages more than its keys fill, and
+:func:`page_keys` keys (8 KiB of every row) are the page a shard holds beyond its
+data at most: **held <= data + one page** (1024 float64, 2048 float32, 4096
+16-bit keys). The page is the system's, per row: the d-major layout keeps each
+(head, dim) row apart so that the kernel reads it as one long run of keys. A truncated tail stays held
+until the shard is dropped (the next append writes it again). Arrays on a GPU are
+allocated, not reserved: they grow geometrically and count what they allocated.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from merge import array_module
-from workers.copies import as_bits, copy_keys_dmajor, copy_values
-from workers.plan import CALL_KEYS, DECODE_ROWS
+from workers.copies import as_bits, copy_keys_dmajor, copy_values, release, reserve
 from workers.dtypes import check_input_dtype
+from workers.plan import CALL_KEYS, DECODE_ROWS
 from workers.problem import KVDims, as_array, check_arrays, check_kv, check_positions
 from workers.widen import widen
 
@@ -41,6 +59,49 @@ PAGE_BYTES, LINE_BYTES = 4096, 64
 def bytes_per_key(h_kv: int, d: int, d_v: int, dtype: Any) -> int:
     """Bytes one resident key takes: its key and value rows in ``dtype`` and an int64 position."""
     return h_kv * (d + d_v) * np.dtype(dtype).itemsize + 8
+
+
+def page_keys(itemsize: int) -> int:
+    """Keys of a page (module doc, "Pages"): 8 KiB of every row of a shard."""
+    return 2 * PAGE_BYTES // itemsize
+
+
+def held_bytes(h_kv: int, d: int, d_v: int, dtype: Any, capacity: int, keys: int) -> int:
+    """Bytes a reserved shard of ``capacity`` (padded) keys holds once its first ``keys`` are written:
+    the 4 KiB pages of its three mappings (d-major keys, values, positions) that those keys touch."""
+    if keys <= 0:
+        return 0
+    item = np.dtype(dtype).itemsize
+    return (spanned(h_kv * d, capacity * item, keys * item) + spanned(h_kv, capacity * d_v * item, keys * d_v * item)
+            + spanned(1, 0, keys * 8))
+
+
+def spanned(rows: int, row_bytes: int, used: int) -> int:
+    """Bytes of the pages of a page-aligned mapping that the first ``used`` bytes of each of its
+    ``rows`` (``row_bytes`` apart) touch, each page counted once."""
+    if used <= 0:
+        return 0
+    if rows > 1 and row_bytes < used + PAGE_BYTES:
+        return _spanned_rows(rows, row_bytes, used)  # rows may share pages: count the union
+    # No two rows share a page: row r spans q + 1 pages, one more where its offset in its first page
+    # (periodic in r) is at least PAGE_BYTES - rem. Counted from the sorted offsets: every append asks.
+    q, rem = divmod(used - 1, PAGE_BYTES)
+    offsets = _row_offsets(rows, row_bytes % PAGE_BYTES)
+    return (rows * (q + 1) + rows - int(np.searchsorted(offsets, PAGE_BYTES - rem))) * PAGE_BYTES
+
+
+@functools.lru_cache(maxsize=64)
+def _row_offsets(rows: int, step: int) -> np.ndarray:
+    """Each row's offset in its first page, sorted."""
+    return np.sort(np.arange(rows, dtype=np.int64) * step % PAGE_BYTES)
+
+
+def _spanned_rows(rows: int, row_bytes: int, used: int) -> int:
+    """:func:`spanned` row by row, for rows close enough to share pages."""
+    start = np.arange(rows, dtype=np.int64) * row_bytes
+    first, last = start // PAGE_BYTES, (start + used - 1) // PAGE_BYTES
+    after = np.concatenate([[-1], last[:-1]]) + 1  # a page the row before touched is not counted again
+    return int(np.maximum(last - np.maximum(first, after) + 1, 0).sum()) * PAGE_BYTES
 
 
 def padded_capacity(n: int, itemsize: int) -> int:
@@ -119,16 +180,32 @@ class StreamingKV:
     never a half-written one.
     """
 
-    def __init__(self, h_kv: int, d: int, d_v: int, dtype: Any, xp: Any = np, capacity: int = 0) -> None:
+    def __init__(self, h_kv: int, d: int, d_v: int, dtype: Any, xp: Any = np, capacity: int = 0,
+                 max_capacity: int | None = None) -> None:
+        """``capacity`` keys allocated now; with ``max_capacity`` on the CPU, address space reserved for
+        that many keys instead, held page by page as keys are written (module doc, "Pages"), and
+        ``capacity`` keys counted as held from the start (a reservation the budget is charged for)."""
         for name, n in (("h_kv", h_kv), ("d", d), ("d_v", d_v)):
             if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {n!r}")
-        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity < 0:
-            raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+        for name, n in (("capacity", capacity), ("max_capacity", 0 if max_capacity is None else max_capacity)):
+            if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {n!r}")
         self.h_kv, self.d, self.d_v = int(h_kv), int(d), int(d_v)
         self.dtype = check_input_dtype("dtype", dtype)
         self.xp = xp
         self.n_k = 0
+        #: Reserved address space, held page by page (CPU only); else allocated in full.
+        self.paged = max_capacity is not None and xp is np
+        #: Keys charged from the start (a reservation), and the most written since (or truncated to).
+        self.reserved = int(capacity) if self.paged else 0
+        self.high_water = 0
+        self._held = (-1, 0)  # (keys, bytes) of the last count of held_bytes
+        if self.paged:
+            cap = padded_capacity(max(int(capacity), int(max_capacity)), self.dtype.itemsize)  # type: ignore[arg-type]
+            self._kt, self._v, self._pos = (reserve((h_kv, d, cap), self.dtype), reserve((h_kv, cap, d_v), self.dtype),
+                                            reserve((cap,), np.int64))
+            return
         cap = padded_capacity(capacity, self.dtype.itemsize)
         self._kt = xp.empty((h_kv, d, cap), dtype=self.dtype)  # [h_kv, d, cap]
         self._v = xp.empty((h_kv, cap, d_v), dtype=self.dtype)  # [h_kv, cap, d_v]
@@ -154,8 +231,18 @@ class StreamingKV:
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated (capacity, not length)."""
-        return int(self._kt.nbytes + self._v.nbytes + self._pos.nbytes)
+        """Bytes held: the pages written so far when paged (module doc, "Pages"), else the allocation."""
+        return self.held_after(0)
+
+    def held_after(self, n: int) -> int:
+        """Bytes held once ``n`` more keys are appended (after growing, if they do not fit)."""
+        if self.paged and self.n_k + n <= self.capacity:
+            keys = max(self.reserved, self.high_water, self.n_k + n)
+            if self._held[0] != keys:  # one count per length: the store sums every shard's on each write
+                self._held = (keys, held_bytes(self.h_kv, self.d, self.d_v, self.dtype, self.capacity, keys))
+            return self._held[1]
+        cap = self.growth(n) if n else self.capacity
+        return cap * (self.h_kv * (self.d + self.d_v) * self.dtype.itemsize + 8)
 
     def bytes_per_key(self) -> int:
         return bytes_per_key(self.h_kv, self.d, self.d_v, self.dtype)
@@ -171,10 +258,22 @@ class StreamingKV:
         return padded_capacity(want, self.dtype.itemsize)
 
     def truncate(self, n: int) -> None:
-        """Forget keys past the first ``n`` (undo of an append that did not commit)."""
+        """Forget keys past the first ``n`` (undo of an append that did not commit).
+
+        A paged shard gives back the pages only those keys held (above its reservation), so that an
+        undone write leaves the shard holding what it held before; nobody reads past the committed
+        length, which is at most ``n``.
+        """
         if not 0 <= n <= self.n_k:
             raise ValueError(f"n must be in [0, {self.n_k}], got {n}")
         self.n_k = n
+        keep = max(n, self.reserved)
+        if self.paged and self.high_water > keep:
+            # Up to a page past the tail: the page holding the tail's last key lies inside that span.
+            stop = min(self.capacity, self.high_water + page_keys(self.dtype.itemsize))
+            for region in self.regions(keep, stop):
+                release(region)
+            self.high_water = keep
 
     def append(self, k: Any, v: Any, k_pos: Any, max_capacity: int | None = None) -> None:
         """Add keys ``k [n, h_kv, d]``, values ``v [n, h_kv, d_v]`` in the stored dtype, at integer
@@ -204,7 +303,10 @@ class StreamingKV:
         copy_keys_dmajor(kt[:, :, old:new], k)  # [h_kv, d, n]
         copy_values(vv[:, old:new], v)  # [h_kv, n, d_v]
         pos[old:new] = as_array(k_pos, self.xp)
+        if kt is not self._kt:
+            self.paged = False  # grown past its reservation into allocated arrays
         self._kt, self._v, self._pos = kt, vv, pos
+        self.high_water = max(self.high_water, new)
         self.n_k = new  # publish last
 
     def snapshot(self) -> StreamingView:

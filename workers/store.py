@@ -29,7 +29,7 @@ import numpy as np
 from workers.batch import lower_priority
 from workers.copies import prefault
 from workers.dtypes import dtype_name, dtype_of
-from workers.layout import StreamingKV, StreamingView, bytes_per_key, padded_capacity
+from workers.layout import StreamingKV, StreamingView, bytes_per_key, held_bytes, padded_capacity
 from workers.persist import ShardFiles
 from workers.tasks import ShardWrite
 
@@ -48,10 +48,10 @@ def _prefault_ahead(kv: StreamingKV) -> None:
     prefault leaves as it is. A step the appends already passed is skipped.
     """
     lower_priority(PREFAULT_NICE)
-    start = kv.n_k
-    while start < kv.capacity:
+    start, end = kv.n_k, min(kv.reserved, kv.capacity)  # the reservation, not the address space beyond it
+    while start < end:
         start = max(start, kv.n_k)
-        stop = min(start + PREFAULT_KEYS, kv.capacity)
+        stop = min(start + PREFAULT_KEYS, end)
         if not all(prefault(region) for region in kv.regions(start, stop)):
             return  # the platform cannot: appends fault their pages in themselves
         start = stop
@@ -145,10 +145,10 @@ class ShardStore:
         return sum(kv.nbytes for kv in shards)
 
     def _reserve(self, extra: int, what: str) -> None:
-        if self.used + extra > self.budget:
-            raise CapacityError(
-                f"{what} needs {extra} bytes, but this worker holds {self.used} of its {self.budget}-byte budget"
-            )
+        used = self.used
+        if used + extra > self.budget:
+            raise CapacityError(f"{what} needs {extra} bytes, but this worker holds {used} of its {self.budget}-byte "
+                                f"budget ({max(self.budget - used, 0)} free)")
 
     def create(self, write: ShardWrite, k: Any, v: Any, *, context: dict) -> ShardInfo:
         """A new shard holding ``k``, ``v`` at ``write.k_pos``; ``context`` is the record to remember.
@@ -176,9 +176,15 @@ class ShardStore:
         n, h_kv, d = (int(s) for s in k.shape)
         d_v = int(v.shape[2])
         capacity = max(n, write.reserve)
-        self._reserve(padded_capacity(capacity, dt.itemsize) * bytes_per_key(h_kv, d, d_v, dt),
+        # Never more address space than the budget could fill: the budget refuses the keys past it anyway.
+        reach = max(capacity, min(write.max_capacity, self.budget // bytes_per_key(h_kv, d, d_v, dt)))
+        # Address space for every key the shard may grow to, held page by page (workers.layout, "Pages");
+        # the budget is charged for the keys written and the reservation.
+        self._reserve(held_bytes(h_kv, d, d_v, dt, padded_capacity(reach, dt.itemsize),
+                                 capacity) if self.xp is np else
+                      padded_capacity(capacity, dt.itemsize) * bytes_per_key(h_kv, d, d_v, dt),
                       f"shard {index} of context {context_id}")
-        kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity)
+        kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity, max_capacity=reach)
         kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos), max_capacity=write.max_capacity)
         if self.files is not None and persist:
             self.files.create(context_id, index, write.dtype, capacity, write.max_capacity, (h_kv, d, d_v))
@@ -217,6 +223,8 @@ class ShardStore:
         if grown != kv.capacity:
             # While growing, old and new arrays both exist: reserve the new ones in full.
             self._reserve(grown * kv.bytes_per_key(), f"append to shard {index} of context {context_id}")
+        elif kv.paged:
+            self._reserve(kv.held_after(n) - kv.nbytes, f"append to shard {index} of context {context_id}")
         kv.append(self._to(k, kv.dtype), self._to(v, kv.dtype), self._to_pos(write.k_pos),
                   max_capacity=write.max_capacity)
         if self.files is not None:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from reference import contract_layout
 
-from workers.layout import bytes_per_key, padded_capacity
+from workers.layout import held_bytes, padded_capacity
 from workers.store import CapacityError, ShardMissing, ShardStore
 from workers.tasks import ShardWrite
 
@@ -13,6 +13,12 @@ from workers.tasks import ShardWrite
 def kv(n, h_kv=2, d=8, d_v=4, seed=0):
     rng = np.random.default_rng(seed)
     return rng.standard_normal((n, h_kv, d)).astype(np.float32), rng.standard_normal((n, h_kv, d_v)).astype(np.float32)
+
+
+def held(keys, max_capacity):
+    """What a float32 shard of ``kv``'s heads holds with ``keys`` written, reserved for ``max_capacity``
+    keys (within a budget that does not bound it)."""
+    return held_bytes(2, 8, 4, np.float32, padded_capacity(max(keys, max_capacity), 4), keys)
 
 
 def test_create_append_view_and_held_report():
@@ -47,9 +53,7 @@ def test_a_shard_no_kept_record_names_is_an_uncommitted_leftover_that_a_new_crea
     st.create(ShardWrite("c", 1, "float32", 10, np.arange(10, 15)), k[10:15], v[10:15], context=committed)  # never committed
     used = st.used
     info = st.create(ShardWrite("c", 1, "float32", 10, np.arange(10, 20)), k[20:30], v[20:30], context=committed)
-    per_key = bytes_per_key(2, 8, 4, np.dtype(np.float32))
-    size = lambda n: padded_capacity(n, 4) * per_key  # noqa: E731 - a shard allocated for n keys
-    assert info.length == 10 and st.used == used - size(5) + size(10)  # the leftover's memory went with it
+    assert info.length == 10 and st.used == used - held(5, 10) + held(10, 10)  # the leftover's memory went with it
     got, _ = contract_layout(st.view("c", 1, 10))
     np.testing.assert_array_equal(got, k[20:30])
     with pytest.raises(ValueError, match="shard must not exist yet, got an existing shard 0 of c"):  # named: kept
@@ -83,17 +87,16 @@ def test_drop_frees_the_memory():
     assert st.drop("c") == 2 and st.used == 0
 
 
-def test_a_reserved_shard_is_allocated_and_charged_once_and_never_grows():
-    bpk = bytes_per_key(2, 8, 4, np.float32)
-    st = ShardStore(budget_bytes=padded_capacity(1000, 4) * bpk)
+def test_a_reserved_shard_is_charged_once_and_never_grows():
+    st = ShardStore(budget_bytes=held(1000, 1000))
     k, v = kv(1000)
     st.create(ShardWrite("c", 0, "float32", 1000, np.arange(10), reserve=1000), k[:10], v[:10], context={})
-    assert st.used == padded_capacity(1000, 4) * bpk  # the whole capacity, charged now
+    assert st.used == held(1000, 1000)  # the whole reservation, charged now
     arrays = st.view("c", 0, 10).kt.base
     for lo in range(10, 1000, 330):
         hi = min(lo + 330, 1000)
         st.append(ShardWrite("c", 0, "float32", 1000, np.arange(lo, hi)), k[lo:hi], v[lo:hi], committed=lo)
-    assert st.used == padded_capacity(1000, 4) * bpk
+    assert st.used == held(1000, 1000)
     assert st.view("c", 0, 1000).kt.base is arrays, "the shard must fill its first arrays, not copy into larger ones"
     got_k, got_v = contract_layout(st.view("c", 0, 1000))
     np.testing.assert_array_equal(got_k, k)
@@ -112,8 +115,7 @@ def test_concurrent_creates_never_overdraw_the_budget():
     # Eight threads each create a shard that takes 30% of the budget: three fit, five must fail,
     # however the threads interleave (the budget check and the insert are one write).
     n = 20_000
-    need = padded_capacity(n, 4) * bytes_per_key(2, 8, 4, np.dtype(np.float32))
-    st = ShardStore(budget_bytes=int(need / 0.3))
+    st = ShardStore(budget_bytes=int(held(n, n) / 0.3))
     k, v = kv(n)
     start = threading.Barrier(8)
 
