@@ -39,7 +39,7 @@ from service.contexts.records import (
     upload_entry,
 )
 from service.contexts.resolved import Resolved
-from service.contexts.sharding import open_shards, plan_shards, reserve_of
+from service.contexts.sharding import AppendPlan, plan_append, plan_shards, reserve_of
 from service.core.errors import (
     ContextLost,
     ContextNotFound,
@@ -263,8 +263,9 @@ class ContextService:
                 new["next_pos"] = max(old["next_pos"], past) if length(old) else past
             if write.upload is not None:
                 note_upload(new, write.upload, length(old), length(old) + n, write.continues)
-            writes, undo, taken = self._fill_open_shards(new, refs, n, k_pos)
-            more_writes, more_undo = await self._open_shards(new, refs, n, k_pos, taken, timings, committed=old)
+            plan = plan_append(new, n, len(self.pool.alive), self.settings.context_shard_keys)
+            writes, undo = self._fill_shards(new, refs, plan, k_pos)
+            more_writes, more_undo = await self._open_shards(new, refs, plan, k_pos, timings, committed=old)
             try:
                 with timings.measure("store"):
                     await self._write_all(writes + more_writes, creating=False)
@@ -295,19 +296,16 @@ class ContextService:
         return describe(rec)
 
     # -- the parts of an append ---------------------------------------------------
-    def _fill_open_shards(self, new: ContextRecord, refs: Refs, n: int,
-                          k_pos: np.ndarray) -> tuple[list[Awaitable[Any]], list[Undo], int]:
-        """Append the first of the write's ``n`` keys to the open shards (:func:`open_shards`) while they have
-        room; updates ``new``; returns their writes, their undos and the keys taken."""
+    def _fill_shards(self, new: ContextRecord, refs: Refs, plan: AppendPlan,
+                     k_pos: np.ndarray) -> tuple[list[Awaitable[Any]], list[Undo]]:
+        """Append the plan's spans of the write to the shards it fills (:func:`plan_append`); updates ``new``;
+        returns their writes and their undos."""
         writes: list[Awaitable[Any]] = []
         undo: list[Undo] = []
-        taken = 0
-        for entry in open_shards(new["shards"]):
-            take = min(new["shard_capacity"] - entry["length"], n - taken)
-            if take > 0:
-                more_writes, more_undo = self._fill(new, entry, refs, k_pos, taken, take)
-                writes, undo, taken = writes + more_writes, undo + more_undo, taken + take
-        return writes, undo, taken
+        for index, lo, take in plan.fills:
+            more_writes, more_undo = self._fill(new, new["shards"][index], refs, k_pos, lo, take)
+            writes, undo = writes + more_writes, undo + more_undo
+        return writes, undo
 
     def _fill(self, new: ContextRecord, entry: ShardEntry, refs: Refs, k_pos: np.ndarray, lo: int,
               take: int) -> tuple[list[Awaitable[Any]], list[Undo]]:
@@ -323,22 +321,21 @@ class ContextService:
         entry["length"] += take
         return writes, undo
 
-    async def _open_shards(self, new: ContextRecord, refs: Refs, n: int, k_pos: np.ndarray, start: int,
+    async def _open_shards(self, new: ContextRecord, refs: Refs, plan: AppendPlan, k_pos: np.ndarray,
                            timings: Timings, *, committed: ContextRecord) -> tuple[list[Awaitable[Any]], list[Undo]]:
-        """New shards for keys ``[start, n)`` of the append; updates ``new`` and returns their writes.
+        """The new shards of the plan, each with its span of the append; updates ``new`` and returns their writes.
 
         Their workers keep the ``committed`` record, not ``new``: a directory rebuilt from the workers
         (after a restart) must never take an append that was not committed, which its front end may
         have answered 503 (``workers.store`` replaces such a shard, which no record names, when a
         later append opens the same one)."""
-        cap, rest = new["shard_capacity"], n - start
-        sizes = [min(cap, rest - i) for i in range(0, rest, cap)]
-        if not sizes:
+        cap = new["shard_capacity"]
+        if not plan.new:
             return [], []
+        starts, sizes = [lo for lo, _ in plan.new], [size for _, size in plan.new]
         reserve = reserve_of(new)
         with timings.measure("place"):
             placement = await self._place([reserve or size for size in sizes], new)
-        starts = [start + sum(sizes[:i]) for i in range(len(sizes))]
         per_worker: dict[int, list[ShardWrite]] = {}  # one call per worker, as a create's
         undo: list[Undo] = []
         for lo, size, workers in zip(starts, sizes, placement):

@@ -25,6 +25,12 @@ class ShardPlan:
         return [self.reserve or hi - lo for lo, hi in self.bounds]
 
 
+#: Keys a shard of a context created without ``expected_length`` may grow to. Its memory is held page by
+#: page as keys come (``workers.layout``, "Pages"), so a shard's reach costs address space only; the
+#: worker's budget bounds what it holds.
+GROWING_SHARD_KEYS = 1 << 24
+
+
 def plan_shards(write: ContextWrite, live: int, shard_keys: int) -> ShardPlan:
     """The shards of a new context (docs/API.md section 6.3).
 
@@ -41,7 +47,7 @@ def plan_shards(write: ContextWrite, live: int, shard_keys: int) -> ShardPlan:
         raise InvalidOption(f"shards must be in [1, {max(total, 1)}] (one key at least each), got {n_shards}")
     capacity = max(-(-total // n_shards), shard_keys)
     if write.expected_length is None:
-        return ShardPlan(capacity, shard_bounds(n, n_shards), reserve=0)
+        return ShardPlan(max(capacity, GROWING_SHARD_KEYS), shard_bounds(n, n_shards), reserve=0)
     bounds = [(min(i * capacity, n), min((i + 1) * capacity, n)) for i in range(n_shards)]
     return ShardPlan(capacity, bounds, reserve=capacity)
 
@@ -55,3 +61,62 @@ def open_shards(shards: list[ShardEntry]) -> list[ShardEntry]:
     """The shards an append fills, in order: the last one holding keys, then the empty ones planned after it."""
     holding = [i for i, s in enumerate(shards) if s["length"]]
     return shards[holding[-1] if holding else 0:]
+
+
+@dataclass(frozen=True)
+class AppendPlan:
+    """Where an append's keys go: spans of the write (in key order) into existing shards and new ones."""
+
+    fills: list[tuple[int, int, int]]  #: ``(shard index, lo, keys)``: keys ``[lo, lo + keys)`` of the write
+    new: list[tuple[int, int]]  #: ``(lo, keys)`` of each new shard, opened after the existing ones
+
+
+def plan_append(record: ContextRecord, n: int, live: int, shard_keys: int) -> AppendPlan:
+    """The shards an append of ``n`` keys fills and opens (docs/CONTEXTS.md, "Placement and storage").
+
+    A context sized with ``expected_length`` fills its planned shards in order (:func:`open_shards`),
+    then opens new ones of that capacity. A growing context keeps its shards balanced: it opens a
+    shard while it has fewer than ``min(live, ceil(length / shard_keys))`` (the count a create of
+    that length would cut), and the keys go to the shards holding the fewest, up to their capacity,
+    so a context grown key by key is cut as one created whole. Each shard takes one span of the write.
+    """
+    cap, shards = record["shard_capacity"], record["shards"]
+    if record.get("expected_length") is not None:
+        takes = [(s["index"], min(cap - s["length"], n)) for s in open_shards(shards)]
+    else:
+        total = sum(s["length"] for s in shards) + n
+        lengths = [s["length"] for s in shards] + [0] * max(0, min(live, -(-total // shard_keys)) - len(shards))
+        want = _level(lengths, cap, n)
+        takes = [(i, w) for i, w in enumerate(want)]
+    fills, lo = [], 0
+    for index, take in takes:
+        take = min(take, n - lo)
+        if take <= 0:
+            continue
+        fills.append((index, lo, take))
+        lo += take
+    opened = [(i, lo_, k) for i, lo_, k in fills if i >= len(shards)]
+    fills = [f for f in fills if f[0] < len(shards)]
+    new = [(lo_, k) for _, lo_, k in opened] + [(lo + i, min(cap, n - lo - i)) for i in range(0, n - lo, cap)]
+    return AppendPlan(fills, new)
+
+
+def _level(lengths: list[int], cap: int, n: int) -> list[int]:
+    """Keys each shard takes so that the ``n`` keys raise the shortest first (water-filling), none past
+    ``cap``; what does not fit is left over."""
+    take = [0] * len(lengths)
+    left = n
+    while left > 0:
+        room = [i for i, x in enumerate(lengths) if x + take[i] < cap]
+        if not room:
+            break
+        low = min(lengths[i] + take[i] for i in room)
+        at_low = [i for i in room if lengths[i] + take[i] == low]
+        above = [lengths[i] + take[i] for i in room if lengths[i] + take[i] > low]
+        # Raise the shortest shards together to the next level (the next shard's length, or capacity).
+        step = min(min(above, default=cap), cap) - low
+        each, extra = divmod(min(left, step * len(at_low)), len(at_low))
+        for j, i in enumerate(at_low):
+            take[i] += each + (1 if j < extra else 0)
+        left -= each * len(at_low) + extra
+    return take

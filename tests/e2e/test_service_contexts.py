@@ -13,7 +13,7 @@ from reference import assert_close_to_reference, reference
 from service.client import Client, SplitkeyError
 from service.client.timing import parse_server_timing
 from workers import BFLOAT16
-from workers.layout import bytes_per_key, padded_capacity
+from workers.layout import bytes_per_key, held_bytes, padded_capacity, page_keys
 
 pytestmark = pytest.mark.ray
 
@@ -30,20 +30,21 @@ def test_context_query_is_exact_after_create_and_appends(client, rng, dtype):
     for a, b in ((300, 301), (301, 650), (650, 700)):
         desc = client.append(ctx["id"], k[a:b], v[a:b])
         assert desc["length"] == b
-    # Shards fill to the capacity (SPLITKEY_CONTEXT_SHARD_KEYS = 256) before a new one opens.
-    assert client.get_context(ctx["id"])["shard_lengths"] == [150, 256, 256, 38]
+    # Appends go to the shortest shard: the two stay balanced (docs/CONTEXTS.md, "Placement and storage").
+    assert client.get_context(ctx["id"])["shard_lengths"] == [350, 350]
     q = rng.standard_normal((3, 4, 16)).astype(dtype)
     out, lse = client.attention(q, contexts=[ctx["id"]], causal=True)
     assert_close_to_reference(out, lse, q, k, v, causal=True)
     client.delete_context(ctx["id"])
 
 
-def test_appends_open_new_shards_when_the_last_is_full(client, rng):
+def test_appends_open_the_shards_a_create_of_the_contexts_length_would_cut(client, rng):
     k, v = kv(rng, 1000)
     ctx = client.create_context(k[:100], v[:100])
+    assert ctx["shards"] == 1  # 100 keys: under context_shard_keys (256 on the test server)
     desc = client.append(ctx["id"], k[100:], v[100:])
-    # context_shard_keys is 256 on the test server: shards fill to 256 then a new one opens.
-    assert desc["shard_lengths"] == [256, 256, 256, 232]
+    # 1000 keys would be cut over both workers: the append opens the second shard and levels the two.
+    assert desc["shard_lengths"] == [500, 500]
     q = rng.standard_normal((1, 2, 16)).astype(np.float32)
     out, lse = client.attention(q, contexts=[ctx["id"]])
     assert_close_to_reference(out, lse, q, k, v)
@@ -93,20 +94,22 @@ def test_a_context_query_times_its_record_lookup_apart_from_the_scatter(client, 
 
 
 def test_shared_prefix_with_private_suffixes_is_exact_and_stores_the_prefix_once(client, server, rng):
-    k, v = kv(rng, 2000)
-    prefix = client.create_context(k[:1500], v[:1500])
+    p = 20_000  # a prefix whose copy would dwarf the page each suffix shard may hold beyond its keys
+    k, v = kv(rng, p + 500)
+    prefix = client.create_context(k[:p], v[:p])
     held = client.cluster()["bytes_held"]
-    suffixes = []
-    for lo, hi in ((1500, 1700), (1700, 2000)):
-        suffixes.append(client.create_context(k[lo:hi], v[lo:hi], k_pos=np.arange(1500, hi - lo + 1500)))
+    spans = ((p, p + 200), (p + 200, p + 500))
+    suffixes = [client.create_context(k[lo:hi], v[lo:hi], k_pos=np.arange(p, p + hi - lo)) for lo, hi in spans]
     grown = client.cluster()["bytes_held"] - held
-    per_key = 2 * (16 + 8) * 4 + 8
-    assert grown < 1500 * per_key, "suffixes must not copy the prefix"
-    for sfx, (lo, hi) in zip(suffixes, ((1500, 1700), (1700, 2000))):
+    per_key = bytes_per_key(2, 16, 8, np.float32)
+    shards = sum(s["shards"] for s in suffixes)
+    assert grown <= 500 * per_key + shards * page_keys(4) * per_key < p * per_key, \
+        "suffixes must hold their own keys (and at most a page a shard), not a copy of the prefix"
+    for sfx, (lo, hi) in zip(suffixes, spans):
         q = rng.standard_normal((2, 4, 16)).astype(np.float32)
-        keys = np.concatenate([k[:1500], k[lo:hi]])
-        vals = np.concatenate([v[:1500], v[lo:hi]])
-        kpos = np.concatenate([np.arange(1500), np.arange(1500, 1500 + hi - lo)])
+        keys = np.concatenate([k[:p], k[lo:hi]])
+        vals = np.concatenate([v[:p], v[lo:hi]])
+        kpos = np.concatenate([np.arange(p), np.arange(p, p + hi - lo)])
         out, lse = client.attention(q, contexts=[prefix["id"], sfx["id"]], causal=True)
         assert_close_to_reference(out, lse, q, keys, vals, causal=True, k_pos=kpos)
     for c in [prefix, *suffixes]:
@@ -304,7 +307,8 @@ def test_expected_length_plans_the_shards_for_the_total_and_allocates_them_at_cr
     # Two live workers, 1000 planned keys: 2 shards of capacity 500 (not 1 shard sized for 100 keys);
     # the body fills them in order, and both are allocated in full now.
     assert ctx["expected_length"] == 1000 and ctx["shard_lengths"] == [100, 0]
-    allocated = 2 * padded_capacity(500, 4) * bytes_per_key(2, 16, 8, np.float32)
+    # Each worker's budget is 4 GiB: a shard reserves address space for its 500 keys and holds their pages.
+    allocated = 2 * held_bytes(2, 16, 8, np.float32, padded_capacity(500, 4), 500)
     assert client.cluster()["bytes_held"] - before == allocated
     assert client.append(ctx["id"], k[100:800], v[100:800])["shard_lengths"] == [500, 300]
     # Past the plan, appends open new shards at the planned capacity, allocated in full too.
@@ -324,7 +328,7 @@ def test_a_planned_context_that_cannot_fit_fails_at_create_and_leaves_nothing(cl
     assert r.status_code == 507 and r.json()["code"] == "insufficient_capacity", r.text
     # The worker's own words, not the traceback Ray wraps them in.
     assert re.fullmatch(r"the new context does not fit \(it was not created\): shard \d+ of context ctx_\S+ needs "
-                        r"\d+ bytes, but this worker holds \d+ of its 4294967296-byte budget", r.json()["detail"]), \
+                        r"\d+ bytes, but this worker holds \d+ of its 4294967296-byte budget \(\d+ free\)", r.json()["detail"]), \
         r.json()["detail"]
     assert client.cluster()["bytes_held"] == before
     r = post_kv(server.url, "/v1/contexts", k, v, expected_length=9)

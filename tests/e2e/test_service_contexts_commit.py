@@ -34,9 +34,9 @@ def ray_cluster():
     ray.shutdown()
 
 
-def write(k: np.ndarray) -> ContextWrite:
+def write(k: np.ndarray, expected_length: int | None = None) -> ContextWrite:
     return ContextWrite(InlineKV(k, k, None, KVDims(k.shape[0], k.shape[1], k.shape[2], k.shape[2])),
-                        replicas=None, shards=None)
+                        replicas=None, shards=None, expected_length=expected_length)
 
 
 async def started(settings):
@@ -77,7 +77,8 @@ def test_an_append_whose_lease_lapsed_is_refused_never_taken_by_a_rebuild_and_it
     async def run() -> None:
         pool, directory, contexts = await started(settings)
         try:
-            ctx = (await contexts.create(write(k[:4]), Timings()))["id"]  # one full shard of 4 keys
+            # One full shard of 4 keys: sized with expected_length, the context opens a new shard past it.
+            ctx = (await contexts.create(write(k[:4], expected_length=4), Timings()))["id"]
             committed = copy.deepcopy(await directory.get(ctx))
             with monkeypatch.context() as m:
                 m.setattr(contexts_service, "LEASE_TTL_S", 0.0)  # lapsed as soon as taken

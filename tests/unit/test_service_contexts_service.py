@@ -170,3 +170,31 @@ def test_an_append_whose_commit_a_directory_restart_lost_is_refused_as_not_store
             pool.shutdown()
 
     asyncio.run(main())
+
+
+def test_an_append_refused_by_one_replica_leaves_every_worker_holding_what_it_held(rng):
+    async def main():
+        pool, _, contexts = await started(2)
+        try:
+            k, v = kv(rng, 100)
+            ctx = (await contexts.create(write(k, v, replicas=2, shards=1), Timings()))["id"]
+
+            async def held():
+                return [sum(h["nbytes"] for h in await pool.held(i)) for i in range(pool.size)]
+
+            before = await held()
+            pool.fail_next(1, CapacityError("worker splitkey-worker-1 has no room"), "append_shard")
+            k2, v2 = kv(rng, 9000)  # pages past the shard's first ones, on the worker that takes them
+            with pytest.raises(InsufficientCapacity, match="no room"):
+                await contexts.append(ctx, write(k2, v2), Timings())
+            assert await held() == before  # the undone replica gave its new pages back
+            desc = await contexts.append(ctx, write(k2[:5], v2[:5]), Timings())
+            assert desc["length"] == 105
+            q = q_of(rng)
+            out, lse = await read(pool, contexts, [ctx], q)
+            assert_close_to_reference(out, lse, q, np.concatenate([k, k2[:5]]), np.concatenate([v, v2[:5]]),
+                                      q_pos=np.arange(103, 105), k_pos=np.arange(105))
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from service.contexts.sharding import open_shards, plan_shards, reserve_of
+from service.contexts.sharding import GROWING_SHARD_KEYS, open_shards, plan_append, plan_shards, reserve_of
 from service.core.errors import InvalidOption
 from service.wire.request import ContextWrite, InlineKV
 from workers.problem import KVDims
@@ -51,3 +51,57 @@ def test_an_append_fills_the_last_shard_holding_keys_then_the_empty_ones_after_i
     assert [s["index"] for s in open_shards(shards)] == [2, 3, 4]
     empty = [{"index": i, "length": 0} for i in range(2)]
     assert open_shards(empty) == empty
+
+
+def _context(lengths, capacity, expected_length=None):
+    return {"shard_capacity": capacity, "expected_length": expected_length,
+            "shards": [{"index": i, "length": n, "workers": ["w"]} for i, n in enumerate(lengths)]}
+
+
+def _apply(record, plan):
+    """The record after the plan's writes: spans added to the shards they fill, new shards after them."""
+    for index, _, keys in plan.fills:
+        record["shards"][index]["length"] += keys
+    for _, keys in plan.new:
+        record["shards"].append({"index": len(record["shards"]), "length": keys, "workers": ["w"]})
+    return record
+
+
+def test_single_key_appends_keep_a_growing_contexts_shards_balanced_and_open_none():
+    rec = _context([32768, 32768], GROWING_SHARD_KEYS)
+    for _ in range(10_000):
+        _apply(rec, plan_append(rec, 1, live=2, shard_keys=2048))
+    assert [s["length"] for s in rec["shards"]] == [37768, 37768]
+
+
+def test_a_context_grown_key_by_key_is_cut_as_one_created_whole():
+    rec = _context([1], GROWING_SHARD_KEYS)
+    for _ in range(9_999):
+        _apply(rec, plan_append(rec, 1, live=2, shard_keys=2048))
+    assert [s["length"] for s in rec["shards"]] == [5000, 5000]  # a create of 10,000 keys: 2 shards of 5000
+
+
+def test_an_append_opens_the_shards_a_create_of_its_length_would_cut_and_fills_the_shortest():
+    plan = plan_append(_context([2048], GROWING_SHARD_KEYS), 5000, live=3, shard_keys=2048)
+    # 7048 keys: min(3 workers, ceil(7048 / 2048)) = 3 shards, levelled at 2349-2350 keys each.
+    assert plan.fills == [(0, 0, 302)] and plan.new == [(302, 2349), (2651, 2349)]
+
+
+def test_a_context_sized_with_expected_length_fills_its_planned_shards_in_order_then_opens_more():
+    plan = plan_append(_context([100, 40, 0], 100, expected_length=300), 200, live=2, shard_keys=1)
+    assert plan.fills == [(1, 0, 60), (2, 60, 100)] and plan.new == [(160, 40)]
+
+
+def test_an_append_plan_gives_every_key_of_the_write_once_in_order_and_never_overfills(rng):
+    for _ in range(500):
+        cap = int(rng.integers(1, 60))
+        lengths = [int(x) for x in rng.integers(0, cap + 1, size=int(rng.integers(1, 6)))]
+        n = int(rng.integers(0, 300))
+        expected = None if rng.random() < 0.5 else sum(lengths) + n
+        plan = plan_append(_context(lengths, cap, expected), n, live=int(rng.integers(1, 6)),
+                           shard_keys=int(rng.integers(1, 40)))
+        spans = sorted([(lo, keys) for _, lo, keys in plan.fills] + plan.new)
+        assert [lo for lo, _ in spans] == list(np.cumsum([0] + [k for _, k in spans])[:-1])
+        assert sum(k for _, k in spans) == n and all(k > 0 for _, k in spans)
+        assert all(lengths[i] + keys <= cap for i, _, keys in plan.fills)
+        assert all(keys <= cap for _, keys in plan.new)
