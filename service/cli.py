@@ -1,4 +1,4 @@
-"""The ``splitkey`` command: ``serve`` and ``loadtest``."""
+"""The ``splitkey`` command: ``serve``, ``warm`` and ``loadtest``."""
 
 from __future__ import annotations
 
@@ -106,6 +106,19 @@ def _loadtest(args: argparse.Namespace) -> int:
     return loadtest_main(args)
 
 
+def _warm(args: argparse.Namespace) -> int:
+    from workers.fused import WARM_DTYPES, available, warm
+
+    took = warm(threads=args.threads)
+    if not available() or set(took) != set(WARM_DTYPES):
+        print("splitkey warm: the fused CPU kernel cannot be compiled here (see the log above): workers serve "
+              "on the NumPy kernel", file=sys.stderr)
+        return 1
+    print("splitkey warm: fused CPU kernel ready in numba's disk cache (" +
+          ", ".join(f"{name} {sec:.1f} s" for name, sec in took.items()) + ")")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitkey", description="Exact split-key attention service.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -117,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow a non-loopback --host without --api-key-file (anyone who reaches it can use it)")
     cli_settings.add_arguments(s)
     s.set_defaults(func=_serve)
+    w = sub.add_parser("warm", help="compile the fused CPU kernel into numba's disk cache (images, CI)",
+                       description="Compile (or load) the fused CPU kernel for every dtype it serves, into "
+                                   "numba's disk cache (next to the package, or NUMBA_CACHE_DIR): workers started "
+                                   "afterwards switch to it within a second or two instead of compiling for minutes "
+                                   "in the background (--cpu-kernels auto) or before they serve (fused).")
+    w.add_argument("--threads", type=int, default=1, help="numba threads to compile for (default: 1)")
+    w.set_defaults(func=_warm)
     lt = sub.add_parser("loadtest", help="load-test a running service with long contexts")
     from service.client.loadtest.cli import add_arguments
 

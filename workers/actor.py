@@ -42,7 +42,8 @@ from workers.batch import Batcher
 from workers.channel import Listener, gather, then
 from workers.config import WorkerConfig, settings_of
 from workers.fused import available as fused_available
-from workers.fused import warm
+from workers.fused import ready_at as fused_ready_at
+from workers.fused import warm, warm_in_background
 from workers.options import CpuKernels
 from workers.persist import ShardFiles
 from workers.store import Expired, ShardInfo, ShardStore
@@ -137,9 +138,13 @@ class ShardWorker:
         self.channel_calls = 0  #: of ``calls``, those that came over the direct channel
         #: Seconds the fused CPU kernel took to compile or load at start, per dtype (``workers.fused.warm``).
         self.warm_s: dict[str, float] = {}
+        #: When this worker started serving (``time.time()``): its CPU kernel's "since" until a switch.
+        self.started_at = time.time()
         if config.device == "cpu" and config.kernel.cpu_kernels is CpuKernels.FUSED:
             # Compile (or load from numba's disk cache) before the first request, not on it.
             self.warm_s = warm(threads=config.kernel.threads)
+        elif config.device == "cpu" and config.kernel.cpu_kernels is CpuKernels.AUTO:
+            warm_in_background(threads=config.kernel.threads)  # NumPy serves until it is done
         self.compute = Batcher(self._run, max_rows=config.batch_rows, name=f"{name}-compute",
                                joins=_share_a_shard, expired=Expired)
         # Context writes run one at a time on a thread of their own, below the queries (docs/CONTEXTS.md).
@@ -176,15 +181,21 @@ class ShardWorker:
             "batches": self.compute.batches,
             "expired": self.compute.expired,
             "config": settings_of(self.config),
-            "cpu_kernels": self._cpu_kernels(),
+            **self._cpu_kernels(),
         }
 
-    def _cpu_kernels(self) -> str | None:
-        """The CPU kernel that serves decode-shaped work here: ``fused`` only when asked for and
-        compiled (a broken compiled path falls back to ``numpy``); None on a GPU worker."""
+    def _cpu_kernels(self) -> dict:
+        """The CPU kernel that serves decode-shaped work here and since when (``time.time()``): ``fused``
+        only when asked for (``fused``, or ``auto`` once its background compile is done) and compiled (a
+        broken compiled path falls back to ``numpy``); None on a GPU worker."""
         if self.config.device != "cpu":
-            return None
-        return "fused" if self.config.kernel.cpu_kernels is CpuKernels.FUSED and fused_available() else "numpy"
+            return {"cpu_kernels": None, "cpu_kernels_since": None}
+        mode, ready = self.config.kernel.cpu_kernels, fused_ready_at()
+        if mode is CpuKernels.FUSED and fused_available():
+            return {"cpu_kernels": "fused", "cpu_kernels_since": self.started_at}
+        if mode is CpuKernels.AUTO and ready is not None:
+            return {"cpu_kernels": "fused", "cpu_kernels_since": max(ready, self.started_at)}
+        return {"cpu_kernels": "numpy", "cpu_kernels_since": self.started_at}
 
     def channel(self) -> dict | None:
         """Where and how to reach this worker's direct channel (host, port, token); None without one."""

@@ -31,6 +31,9 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from types import ModuleType
@@ -70,7 +73,7 @@ class CpuPath(enum.Enum):
     FUSED = "fused"
 
 
-_state = {"broken": False}
+_state: dict[str, Any] = {"broken": False, "ready_at": None}
 
 
 @functools.cache
@@ -95,6 +98,12 @@ def kernels() -> ModuleType | None:
 def available() -> bool:
     """Whether the fused kernel can run in this process (numba loaded, no failed compile)."""
     return not _state["broken"] and kernels() is not None
+
+
+def ready_at() -> float | None:
+    """When (``time.time()``) :func:`warm` finished every dtype in this process, or None: what
+    ``CpuKernels.AUTO`` waits for before it picks the fused kernel. None again once it broke."""
+    return None if _state["broken"] else _state["ready_at"]
 
 
 def _kernel_dtype(dt: Any) -> np.dtype | None:
@@ -128,7 +137,7 @@ def _flat(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
 
 def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPath:
     """The kernel that serves these problems (one batch over the same keys) on the CPU."""
-    if kopts.cpu_kernels is not CpuKernels.FUSED:
+    if kopts.cpu_kernels is CpuKernels.NUMPY or (kopts.cpu_kernels is CpuKernels.AUTO and ready_at() is None):
         return CpuPath.NUMPY
     p0 = problems[0]
     if p0.n_q == 0 or p0.n_k == 0 or p0.n_q * p0.group > DECODE_ROWS:
@@ -290,4 +299,46 @@ def warm(dtypes: Sequence[str] = WARM_DTYPES, threads: int = 1) -> dict[str, flo
             if try_fused([(q, p)], kv, kopts) is None:
                 return took  # the compiled path is broken (logged): NumPy serves
         took[name] = time.perf_counter() - t0
+    if set(WARM_DTYPES) <= set(took) and _state["ready_at"] is None:
+        _state["ready_at"] = time.time()
     return took
+
+
+#: Seconds a background compile (:func:`warm_in_background`) may take before it is given up: a cold
+#: compile of every dtype took 1.5-3 minutes on a loaded 2-core machine (docs/BENCHMARKS.md "Start-up").
+COMPILE_APART_S = 900.0
+#: Its scheduling priority (``nice``): below every query and write of the worker.
+COMPILE_NICE = 19
+
+
+def warm_in_background(threads: int = 1) -> threading.Thread:
+    """``CpuKernels.AUTO``: make the fused kernels ready without holding up a call; returns the thread.
+
+    A cold compile holds Python's lock for a minute or more, which would stall every request of
+    the process meanwhile; so a child process at the lowest priority compiles the kernels into
+    numba's disk cache first, and only then does this process load them from there (about a
+    second, :func:`warm`). From then on :func:`choose` picks the fused kernel for ``AUTO``. A
+    child that fails or times out leaves the NumPy kernel serving (one log line).
+    """
+    def run() -> None:
+        code = ("import os; os.nice(%d); from workers.fused import warm; import sys; "
+                "sys.exit(0 if len(warm(threads=%d)) == %d else 1)" % (COMPILE_NICE, threads, len(WARM_DTYPES)))
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=COMPILE_APART_S,
+                                  check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("fused CPU kernel not compiled in the background (%s): the NumPy kernel serves", exc)
+            return
+        if done.returncode != 0:
+            tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            log.warning("fused CPU kernel not compiled in the background (exit %d: %s): the NumPy kernel serves",
+                        done.returncode, tail[0])
+            return
+        took = warm(threads=threads)  # from the disk cache now
+        if ready_at() is not None:
+            log.info("fused CPU kernel ready (loaded in %.1f s): it serves decode-shaped calls from now on",
+                     sum(took.values()))
+
+    thread = threading.Thread(target=run, name="splitkey-fused-warm", daemon=True)
+    thread.start()
+    return thread

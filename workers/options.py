@@ -149,15 +149,19 @@ def gpu_kernels_of(value: GpuKernels | str) -> GpuKernels:
 class CpuKernels(enum.Enum):
     """Which CPU implementation runs (``workers.fused``); the one type of this setting everywhere."""
 
-    #: The blockwise NumPy/BLAS kernel (``workers.blockwise``): the reference, and the default.
+    #: The blockwise NumPy/BLAS kernel (``workers.blockwise``): the reference, and the library's default.
     NUMPY = "numpy"
     #: The numba kernel of ``workers.fused`` for decode-shaped tiles (one pass per key
-    #: block), NumPy elsewhere and wherever numba is unavailable.
+    #: block), NumPy elsewhere and wherever numba is unavailable; compiled on first use.
     FUSED = "fused"
+    #: FUSED once this process has compiled (or loaded) the fused kernels (``workers.fused.warm``),
+    #: NUMPY until then: a call never waits for a compile. A worker's default: it serves at once
+    #: and compiles in the background (``workers.fused.warm_in_background``).
+    AUTO = "auto"
 
 
 def cpu_kernels_of(value: CpuKernels | str) -> CpuKernels:
-    """:class:`CpuKernels` from itself or its value (``"numpy"``, ``"fused"``), or raise naming it."""
+    """:class:`CpuKernels` from itself or its value (``"numpy"``, ``"fused"``, ``"auto"``), or raise naming it."""
     if isinstance(value, CpuKernels):
         return value
     try:

@@ -110,6 +110,12 @@ class Metrics:
         self.worker_expired = Gauge("splitkey_worker_expired_jobs", "Jobs each worker skipped since it started "
                                     "because their request's deadline had passed (as of its last ping).", ["worker"],
                                     registry=r)
+        self.worker_kernel = Gauge("splitkey_worker_cpu_kernel", "1 for the CPU kernel each worker serves "
+                                   "decode-shaped calls with (numpy or fused), 0 for the other (as of its last ping).",
+                                   ["worker", "kernel"], registry=r)
+        self.worker_kernel_since = Gauge("splitkey_worker_cpu_kernel_since_seconds", "When (Unix time) each worker "
+                                         "began serving with its CPU kernel: its start, or the switch to fused.",
+                                         ["worker"], registry=r)
         self.contexts = Gauge("splitkey_contexts", "Resident contexts in the directory.", registry=r)
         self.shards = Gauge("splitkey_context_shards", "Context shards below their replica count (under_replicated) "
                             "or with no live replica (lost).", ["state"], registry=r)

@@ -82,9 +82,10 @@ class ServiceSettings(BaseSettings):
                                                     "most; 1 turns batching off.")
     gpu_kernels: GpuKernels = Field(GpuKernels.GENERIC, description="GPU implementation: generic or fused "
                                                                     "(docs/GPU.md).")
-    cpu_kernels: CpuKernels = Field(CpuKernels.NUMPY, description="CPU implementation: numpy or fused (numba, "
-                                                                  "decode-shaped calls; compiled at worker start, "
-                                                                  "docs/BENCHMARKS.md issue 16).")
+    cpu_kernels: CpuKernels = Field(CpuKernels.AUTO, description="CPU implementation: numpy, fused (numba, "
+                                                                 "decode-shaped calls; compiled before the worker "
+                                                                 "serves) or auto (numpy at once, fused once "
+                                                                 "compiled in the background).")
     heal_interval_s: float = Field(2.0, gt=0, description="How often dead workers are looked for and replaced.")
 
     # Resident contexts

@@ -45,6 +45,11 @@ async def metrics(request: Request) -> Response:
         for s in rt.pool.slots:
             state.metrics.worker_bytes.labels(worker=s.name).set(s.held.get("bytes_held", 0))
             state.metrics.worker_expired.labels(worker=s.name).set(s.held.get("expired", 0))
+            if s.held.get("cpu_kernels") is not None:
+                for kernel in ("numpy", "fused"):
+                    state.metrics.worker_kernel.labels(worker=s.name, kernel=kernel).set(
+                        float(s.held["cpu_kernels"] == kernel))
+                state.metrics.worker_kernel_since.labels(worker=s.name).set(s.held.get("cpu_kernels_since") or 0)
         state.metrics.contexts.set(await rt.contexts.count())
         stats = rt.repair.stats
         state.metrics.shards.labels(state="under_replicated").set(stats.under_replicated_shards)
@@ -71,7 +76,7 @@ async def cluster(request: Request) -> JSONResponse:
                 "calls": s.held.get("calls", 0), "channel_calls": s.held.get("channel_calls", 0),
                 "channel": s.channel is not None and not s.channel.closed, "batches": s.held.get("batches", 0),
                 "expired": s.held.get("expired", 0),
-                "cpu_kernels": s.held.get("cpu_kernels")}
+                "cpu_kernels": s.held.get("cpu_kernels"), "cpu_kernels_since": s.held.get("cpu_kernels_since")}
                for s in pool.slots]
     nodes = sorted({s.node_id for s in pool.slots if s.node_id})
     return JSONResponse({

@@ -2,6 +2,9 @@
 compile takes about a minute here: the start waits for it) and serve decode-shaped queries with it,
 inline and over resident contexts, within the one-shot error of the float64 reference."""
 
+import time
+
+import httpx
 import numpy as np
 import pytest
 from reference import assert_close_to_reference
@@ -33,3 +36,26 @@ def test_a_service_started_with_the_fused_kernel_serves_with_it(tmp_path):
                 c.delete_context(ctx)
     finally:
         srv.stop()
+
+
+def test_the_default_auto_kernel_switches_each_worker_to_fused_and_says_since_when(client, server, rng):
+    k = rng.standard_normal((900, 2, 32)).astype(np.float32)
+    v = rng.standard_normal((900, 2, 16)).astype(np.float32)
+    q = rng.standard_normal((1, 8, 32)).astype(np.float32)
+    ctx = client.create_context(k, v)["id"]
+    deadline = time.monotonic() + 300  # a warm disk cache (CI runs `splitkey warm` first): seconds
+    while True:
+        out, lse = client.attention(q, contexts=[ctx], q_pos=np.array([899]))  # served meanwhile, on either kernel
+        assert_close_to_reference(out, lse, q, k, v)
+        workers = client.cluster()["workers"]
+        if all(w["cpu_kernels"] == "fused" for w in workers) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert [w["cpu_kernels"] for w in workers] == ["fused"] * len(workers), workers
+    assert all(0 < w["cpu_kernels_since"] <= time.time() for w in workers), workers
+    metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    for w in workers:
+        assert f'splitkey_worker_cpu_kernel{{kernel="fused",worker="{w["name"]}"}} 1.0' in metrics
+        assert f'splitkey_worker_cpu_kernel{{kernel="numpy",worker="{w["name"]}"}} 0.0' in metrics
+        assert f'splitkey_worker_cpu_kernel_since_seconds{{worker="{w["name"]}"}}' in metrics
+    client.delete_context(ctx)

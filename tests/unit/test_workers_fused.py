@@ -200,6 +200,49 @@ def test_choose_runs_fused_only_where_asked_and_decode_shaped(rng):
     assert fused.choose([p], kv, fused_opts()) is fused.CpuPath.NUMPY
 
 
+def test_auto_picks_numpy_until_this_process_has_warmed_the_kernels_then_fused(rng, monkeypatch):
+    _, p, view = problem_and_kv(rng, layout="resident")
+    auto = KernelOptions(cpu_kernels="auto")
+    monkeypatch.setitem(fused._state, "ready_at", None)
+    assert fused.choose([p], view, auto) is fused.CpuPath.NUMPY
+    fused.warm()  # compiled by the tests above, or loaded from numba's disk cache
+    assert fused.ready_at() is not None and fused.choose([p], view, auto) is fused.CpuPath.FUSED
+    monkeypatch.setitem(fused._state, "broken", True)  # a broken compiled path: NumPy again
+    assert fused.ready_at() is None and fused.choose([p], view, auto) is fused.CpuPath.NUMPY
+
+
+def test_a_background_compile_readies_auto_and_a_call_meanwhile_runs_on_numpy(rng, monkeypatch):
+    monkeypatch.setitem(fused._state, "ready_at", None)
+    q, p, view = problem_and_kv(rng, layout="resident")
+    auto = KernelOptions(cpu_kernels="auto")
+    thread = fused.warm_in_background()
+    before = partial_attention_resident(q, view, q_pos=p.q_pos, options=AttentionOptions(), kernel=auto)
+    thread.join(timeout=fused.COMPILE_APART_S)
+    assert fused.ready_at() is not None and fused.choose([p], view, auto) is fused.CpuPath.FUSED
+    after = partial_attention_resident(q, view, q_pos=p.q_pos, options=AttentionOptions(), kernel=auto)
+    numpy_state = partial_attention_resident(q, view, q_pos=p.q_pos, options=AttentionOptions(),
+                                             kernel=KernelOptions())
+    fused_state = partial_attention_resident(q, view, q_pos=p.q_pos, options=AttentionOptions(), kernel=fused_opts())
+    if not thread.is_alive() and fused.ready_at() is not None:
+        # The switch changes last bits (two kernels, two orders of arithmetic); each side is its kernel's.
+        np.testing.assert_array_equal(after.acc, fused_state.acc)
+    assert before.acc.tobytes() in (numpy_state.acc.tobytes(), fused_state.acc.tobytes())
+
+
+def test_a_background_compile_that_fails_leaves_numpy_serving_with_one_log_line(rng, monkeypatch, caplog):
+    import sys
+
+    monkeypatch.setitem(fused._state, "ready_at", None)
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the child exits 1 at once
+    with caplog.at_level(logging.WARNING, logger="workers.fused"):
+        fused.warm_in_background().join(timeout=30)
+    assert fused.ready_at() is None
+    assert [r.getMessage() for r in caplog.records if "background" in r.getMessage()] == [
+        "fused CPU kernel not compiled in the background (exit 1: no output): the NumPy kernel serves"]
+    _, p, view = problem_and_kv(rng, layout="resident")
+    assert fused.choose([p], view, KernelOptions(cpu_kernels="auto")) is fused.CpuPath.NUMPY
+
+
 def test_choose_falls_back_for_keys_whose_inner_axis_is_strided(rng):
     q, k, v, k_pos, q_pos = make(rng)
     k2 = np.repeat(k, 2, axis=2)[:, :, ::2]  # same values, dim stride 2
@@ -248,7 +291,7 @@ def test_no_call_the_fused_kernel_serves_compiles_after_warm(rng):
 
 def test_cpu_kernels_option_is_validated():
     assert KernelOptions(cpu_kernels="fused").cpu_kernels is CpuKernels.FUSED
-    with pytest.raises(ValueError, match="cpu_kernels must be one of 'numpy', 'fused', got 'fast'"):
+    with pytest.raises(ValueError, match="cpu_kernels must be one of 'numpy', 'fused', 'auto', got 'fast'"):
         KernelOptions(cpu_kernels="fast")
 
 
