@@ -31,8 +31,10 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -321,8 +323,12 @@ def warm_in_background(threads: int = 1) -> threading.Thread:
     child that fails or times out leaves the NumPy kernel serving (one log line).
     """
     def run() -> None:
-        code = ("import os; os.nice(%d); from workers.fused import warm; import sys; "
-                "sys.exit(0 if len(warm(threads=%d)) == %d else 1)" % (COMPILE_NICE, threads, len(WARM_DTYPES)))
+        # One child compiles at a time on a machine (a lock file): the workers' other children wait, then
+        # load what it wrote into the cache instead of compiling the same kernels again beside it.
+        lock = os.path.join(tempfile.gettempdir(), f"splitkey-fused-warm-{os.getuid()}.lock")
+        code = (f"import fcntl, os, sys; os.nice({COMPILE_NICE}); f = open({lock!r}, 'a'); "
+                f"fcntl.flock(f, fcntl.LOCK_EX); from workers.fused import warm; "
+                f"sys.exit(0 if len(warm(threads={threads})) == {len(WARM_DTYPES)} else 1)")
         try:
             done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=COMPILE_APART_S,
                                   check=False)
