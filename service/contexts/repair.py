@@ -23,7 +23,7 @@ from service.contexts.directory import DirectorySurface
 from service.contexts.orphans import Orphans
 from service.contexts.records import ContextRecord, ShardEntry
 from service.contexts.service import ContextService
-from service.contexts.sharding import reserve_of
+from service.contexts.sharding import reach_of, reserve_of
 from service.core.errors import ContextNotFound, WorkersUnavailable, internals
 from workers.store import CapacityError, ShardMissing
 from workers.tasks import ShardWrite
@@ -146,7 +146,7 @@ class Repairer:
         k, v, k_pos = await self.pool.export_shard(holders[0], ctx_id, index, n)
         # Sized as the context's own shards are (service.contexts.sharding.reserve_of): a planned
         # context's whole capacity, else its keys (the copy grows with appends, as they do).
-        write = ShardWrite(ctx_id, index, record["dtype"], record["shard_capacity"], k_pos,
+        write = ShardWrite(ctx_id, index, record["dtype"], reach_of(record), k_pos,
                            reserve=max(n, reserve_of(record)))
         made = 0
         for target in self._targets(holders):

@@ -39,7 +39,7 @@ from service.contexts.records import (
     upload_entry,
 )
 from service.contexts.resolved import Resolved
-from service.contexts.sharding import AppendPlan, plan_append, plan_shards, reserve_of
+from service.contexts.sharding import AppendPlan, plan_append, plan_shards, reach_of, reserve_of
 from service.core.errors import (
     ContextLost,
     ContextNotFound,
@@ -211,7 +211,7 @@ class ContextService:
                             for i, (lo, hi) in enumerate(bounds)]
         per_worker: dict[int, list[ShardWrite]] = {}  # one call per worker, whatever the shard count
         for i, (lo, hi) in enumerate(bounds):
-            shard = ShardWrite(record["id"], i, record["dtype"], plan.capacity, k_pos[lo:hi], reserve=plan.reserve,
+            shard = ShardWrite(record["id"], i, record["dtype"], reach_of(record), k_pos[lo:hi], reserve=plan.reserve,
                                span=(lo, hi))
             for w in placement[i]:
                 per_worker.setdefault(w, []).append(shard)
@@ -314,7 +314,7 @@ class ContextService:
         if not holders:
             raise ContextLost(f"shard {entry['index']} of context {new['id']} has no live replica left")
         entry["workers"] = self.pool.names(holders)
-        shard = ShardWrite(new["id"], entry["index"], new["dtype"], new["shard_capacity"], k_pos[lo:lo + take],
+        shard = ShardWrite(new["id"], entry["index"], new["dtype"], reach_of(new), k_pos[lo:lo + take],
                            span=(lo, lo + take))
         writes = [self.pool.append_shard(w, shard, refs.k, refs.v, entry["length"]) for w in holders]
         undo = [Undo(w, new["id"], entry["index"], entry["length"]) for w in holders]
@@ -342,7 +342,7 @@ class ContextService:
             idx = len(new["shards"])
             entry: ShardEntry = {"index": idx, "length": size, "workers": self.pool.names(workers)}
             new["shards"].append(entry)
-            shard = ShardWrite(new["id"], idx, new["dtype"], cap, k_pos[lo:lo + size], reserve=reserve,
+            shard = ShardWrite(new["id"], idx, new["dtype"], reach_of(new), k_pos[lo:lo + size], reserve=reserve,
                                span=(lo, lo + size))
             for w in workers:
                 per_worker.setdefault(w, []).append(shard)

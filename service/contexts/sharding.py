@@ -52,6 +52,12 @@ def plan_shards(write: ContextWrite, live: int, shard_keys: int) -> ShardPlan:
     return ShardPlan(capacity, bounds, reserve=capacity)
 
 
+def reach_of(record: ContextRecord) -> int:
+    """Keys a shard of the context may grow to on its worker (``ShardWrite.max_capacity``): a planned
+    shard past its plan too, once the appends pass ``expected_length`` (:func:`plan_append`)."""
+    return max(record["shard_capacity"], GROWING_SHARD_KEYS)
+
+
 def reserve_of(record: ContextRecord) -> int:
     """Keys a new shard of the context is allocated for at once (0: it grows as keys come)."""
     return record["shard_capacity"] if record.get("expected_length") is not None else 0
@@ -74,30 +80,36 @@ class AppendPlan:
 def plan_append(record: ContextRecord, n: int, live: int, shard_keys: int) -> AppendPlan:
     """The shards an append of ``n`` keys fills and opens (docs/CONTEXTS.md, "Placement and storage").
 
-    A context sized with ``expected_length`` fills its planned shards in order (:func:`open_shards`),
-    then opens new ones of that capacity. A growing context keeps its shards balanced: it opens a
-    shard while it has fewer than ``min(live, ceil(length / shard_keys))`` (the count a create of
-    that length would cut), and the keys go to the shards holding the fewest, up to their capacity,
-    so a context grown key by key is cut as one created whole. Each shard takes one span of the write.
+    A context sized with ``expected_length`` fills its planned shards in order (:func:`open_shards`)
+    up to their capacity. Past that, and for a context created without it, the shards are kept
+    balanced: a shard opens while the context has fewer than ``min(live, ceil(length /
+    shard_keys))`` (the count a create of that length would cut), and the keys go to the shards
+    holding the fewest, up to their reach (:func:`reach_of`), so a context grown key by key is cut
+    as one created whole. Each shard takes one span of the write.
     """
     cap, shards = record["shard_capacity"], record["shards"]
-    if record.get("expected_length") is not None:
-        takes = [(s["index"], min(cap - s["length"], n)) for s in open_shards(shards)]
-    else:
-        total = sum(s["length"] for s in shards) + n
-        lengths = [s["length"] for s in shards] + [0] * max(0, min(live, -(-total // shard_keys)) - len(shards))
-        want = _level(lengths, cap, n)
-        takes = [(i, w) for i, w in enumerate(want)]
-    fills, lo = [], 0
-    for index, take in takes:
-        take = min(take, n - lo)
-        if take <= 0:
-            continue
-        fills.append((index, lo, take))
-        lo += take
-    opened = [(i, lo_, k) for i, lo_, k in fills if i >= len(shards)]
-    fills = [f for f in fills if f[0] < len(shards)]
-    new = [(lo_, k) for _, lo_, k in opened] + [(lo + i, min(cap, n - lo - i)) for i in range(0, n - lo, cap)]
+    lengths = [s["length"] for s in shards]
+    takes = [0] * len(shards)
+    left = n
+    if record.get("expected_length") is not None:  # the plan first: its shards in order, to its capacity
+        for s in open_shards(shards):
+            take = min(cap - s["length"], left)
+            takes[s["index"]] += take
+            left -= take
+    if left:  # then level: the shortest shards first, a new one while a create would cut more
+        total = sum(lengths) + n
+        lengths += [0] * max(0, min(live, -(-total // shard_keys)) - len(shards))
+        takes += [0] * (len(lengths) - len(takes))
+        grown = [length + take for length, take in zip(lengths, takes)]
+        for i, more in enumerate(_level(grown, reach_of(record), left)):
+            takes[i] += more
+        left = n - sum(takes)
+    fills, new, lo = [], [], 0
+    for index, take in enumerate(takes):
+        if take > 0:
+            (fills if index < len(shards) else new).append((index, lo, take) if index < len(shards) else (lo, take))
+            lo += take
+    new += [(lo + i, min(cap, n - lo - i)) for i in range(0, left, cap)]  # past every shard's reach
     return AppendPlan(fills, new)
 
 

@@ -53,7 +53,7 @@ async def restart(ray, directory) -> None:
     """Kill the directory actor; Ray restarts it, rebuilt from what the workers keep."""
     ray.kill(directory.handle, no_restart=False)
     await asyncio.sleep(1.0)
-    assert (await directory.ping())["rebuilt_from"] == 1
+    assert (await directory.ping())["rebuilt_from"] >= 1  # rebuilt: from the workers that hold shards
 
 
 async def read_all(pool, contexts, ctx, q, k_pos_q):
@@ -70,15 +70,15 @@ def test_an_append_whose_lease_lapsed_is_refused_never_taken_by_a_rebuild_and_it
     import service.contexts.service as contexts_service
     from service.core.settings import ServiceSettings
 
-    settings = ServiceSettings(workers=1, worker_cpus=1, context_shard_keys=4, ray_namespace=NAMESPACE)
+    settings = ServiceSettings(workers=2, worker_cpus=0.5, context_shard_keys=4, ray_namespace=NAMESPACE)
     k = rng.standard_normal((10, 1, 8)).astype(np.float32)  # [n_k, h_kv, d]
     q = rng.standard_normal((2, 2, 8)).astype(np.float32)  # [n_q, h_q, d]
 
     async def run() -> None:
         pool, directory, contexts = await started(settings)
         try:
-            # One full shard of 4 keys: sized with expected_length, the context opens a new shard past it.
-            ctx = (await contexts.create(write(k[:4], expected_length=4), Timings()))["id"]
+            # One shard of 4 keys (context_shard_keys): an append past them opens a second, on the other worker.
+            ctx = (await contexts.create(write(k[:4]), Timings()))["id"]
             committed = copy.deepcopy(await directory.get(ctx))
             with monkeypatch.context() as m:
                 m.setattr(contexts_service, "LEASE_TTL_S", 0.0)  # lapsed as soon as taken
@@ -93,7 +93,7 @@ def test_an_append_whose_lease_lapsed_is_refused_never_taken_by_a_rebuild_and_it
             assert await directory.get(ctx) == committed
             # The next append opens shard 1 again: the refused append's leftover gives way to it.
             desc = await contexts.append(ctx, write(k[4:10]), Timings())
-            assert desc["length"] == 10 and desc["shard_lengths"] == [4, 4, 2]
+            assert desc["length"] == 10 and desc["shard_lengths"] == [5, 5]  # shard 1 opened, then levelled
             # A query reads exactly the 10 committed keys (the orchestrator's path, over the shards' replicas).
             out, lse = await read_all(pool, contexts, ctx, q, np.arange(8, 10))
             assert_close_to_reference(out, lse, q, k, k, causal=True)
@@ -110,7 +110,7 @@ def test_an_append_whose_directory_restarted_before_the_workers_were_told_is_not
     (before 2026-12-06 it was: an acknowledged append the context did not hold)."""
     from service.core.settings import ServiceSettings
 
-    settings = ServiceSettings(workers=1, worker_cpus=1, context_shard_keys=4, ray_namespace=NAMESPACE)
+    settings = ServiceSettings(workers=2, worker_cpus=0.5, context_shard_keys=4, ray_namespace=NAMESPACE)
     k = rng.standard_normal((10, 1, 8)).astype(np.float32)  # [n_k, h_kv, d]
     q = rng.standard_normal((2, 2, 8)).astype(np.float32)  # [n_q, h_q, d]
 

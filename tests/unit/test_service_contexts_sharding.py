@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from service.contexts.sharding import GROWING_SHARD_KEYS, open_shards, plan_append, plan_shards, reserve_of
+from service.contexts.sharding import (GROWING_SHARD_KEYS, open_shards, plan_append, plan_shards, reach_of,
+                                       reserve_of)
 from service.core.errors import InvalidOption
 from service.wire.request import ContextWrite, InlineKV
 from workers.problem import KVDims
@@ -87,9 +88,17 @@ def test_an_append_opens_the_shards_a_create_of_its_length_would_cut_and_fills_t
     assert plan.fills == [(0, 0, 302)] and plan.new == [(302, 2349), (2651, 2349)]
 
 
-def test_a_context_sized_with_expected_length_fills_its_planned_shards_in_order_then_opens_more():
+def test_a_context_sized_with_expected_length_fills_its_planned_shards_in_order_then_levels_them():
     plan = plan_append(_context([100, 40, 0], 100, expected_length=300), 200, live=2, shard_keys=1)
-    assert plan.fills == [(1, 0, 60), (2, 60, 100)] and plan.new == [(160, 40)]
+    # 160 keys complete the plan in order; the 40 past it go to the shortest shards: 14, 13, 13.
+    assert plan.fills == [(0, 0, 14), (1, 14, 73), (2, 87, 113)] and plan.new == []
+
+
+def test_single_key_appends_past_a_plan_keep_its_shards_balanced_and_open_none():
+    rec = _context([32768, 32768], 32768, expected_length=65536)  # a chunked upload's context
+    for _ in range(10_000):
+        _apply(rec, plan_append(rec, 1, live=2, shard_keys=2048))
+    assert [s["length"] for s in rec["shards"]] == [37768, 37768]
 
 
 def test_an_append_plan_gives_every_key_of_the_write_once_in_order_and_never_overfills(rng):
@@ -103,5 +112,6 @@ def test_an_append_plan_gives_every_key_of_the_write_once_in_order_and_never_ove
         spans = sorted([(lo, keys) for _, lo, keys in plan.fills] + plan.new)
         assert [lo for lo, _ in spans] == list(np.cumsum([0] + [k for _, k in spans])[:-1])
         assert sum(k for _, k in spans) == n and all(k > 0 for _, k in spans)
-        assert all(lengths[i] + keys <= cap for i, _, keys in plan.fills)
-        assert all(keys <= cap for _, keys in plan.new)
+        reach = reach_of(_context(lengths, cap, expected))
+        assert all(lengths[i] + keys <= reach for i, _, keys in plan.fills)
+        assert all(keys <= reach for _, keys in plan.new)
