@@ -27,6 +27,11 @@ os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 # Ray rewrites "127.0.0.1" in a cluster address to the machine's own IP unless this
 # is off; with it off every test cluster stays on loopback, as tests must.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# One CPU kernel for a server's whole life: under the default ``auto`` a worker switches from NumPy to
+# the fused kernel a few seconds after it starts, and the two round differently, so a test comparing
+# answers bit for bit (batch against single, before and after a restart) would depend on when it ran.
+# Tests of the switch ask for ``auto`` themselves (tests/e2e/test_service_fused.py, the kernels' units).
+os.environ.setdefault("SPLITKEY_CPU_KERNELS", "numpy")
 
 #: The tier folders (this file's docstring).
 TIERS = ("unit", "e2e", "bench")

@@ -92,6 +92,8 @@ def assert_close_to_reference(out, lse, q, k, v, factor: float = 2.0, **opts) ->
 
 
 def contract_layout(view) -> tuple[np.ndarray, np.ndarray]:
-    """The keys and values of a ``StreamingView`` back in the contract layout (copies):
-    ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]``."""
-    return np.ascontiguousarray(view.kt.transpose(2, 0, 1)), np.ascontiguousarray(view.v.transpose(1, 0, 2))
+    """The keys and values of a ``StreamingView`` (or of a ``ShardView``'s parts, in order) back in the
+    contract layout (copies): ``k [n_k, h_kv, d]``, ``v [n_k, h_kv, d_v]``."""
+    parts = getattr(view, "parts", (view,))
+    return (np.concatenate([p.kt.transpose(2, 0, 1) for p in parts]),
+            np.concatenate([p.v.transpose(1, 0, 2) for p in parts]))

@@ -7,7 +7,7 @@ or cupy arrays (GPU backend, ``workers.gpu``). Ray actors live in
 
 from workers.api import attention, partial_attention, partial_attention_resident, partial_attention_shard
 from workers.dtypes import BFLOAT16, DTYPES, bfloat16_from_bits
-from workers.layout import NaturalKV, StreamingKV, StreamingView
+from workers.layout import NaturalKV, ShardKV, ShardView, StreamingKV, StreamingView
 from workers.options import AttentionOptions, CpuKernels, GpuKernels, KernelOptions
 
 __all__ = [
@@ -18,6 +18,8 @@ __all__ = [
     "GpuKernels",
     "KernelOptions",
     "NaturalKV",
+    "ShardKV",
+    "ShardView",
     "StreamingKV",
     "StreamingView",
     "attention",

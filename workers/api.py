@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from merge import NO_SCORE, State, finalize, merge_all
+from merge import NO_SCORE, State, finalize, merge_all, merge_group
 from workers.cpu import run_cpu_many
-from workers.layout import NaturalKV, StreamingView
+from workers.layout import NaturalKV, ShardView, StreamingView
 from workers.masking import sees_a_key
 from workers.options import AttentionOptions, GpuKernels, KernelOptions, gpu_kernels_of, is_int
 from workers.problem import Problem, build_problem, check_arrays, check_problem
@@ -89,7 +89,7 @@ def partial_attention_shard(q: Any, k: Any, v: Any, *, q_pos: Any, k_pos: Any, o
     return _run(q, NaturalKV(k, v, problem.k_pos), problem, kernel)
 
 
-def partial_attention_resident(q: Any, view: StreamingView, *, q_pos: Any, options: AttentionOptions,
+def partial_attention_resident(q: Any, view: StreamingView | ShardView, *, q_pos: Any, options: AttentionOptions,
                                kernel: KernelOptions) -> State:
     """Partial state over keys held in the streaming layout (resident contexts).
 
@@ -98,15 +98,24 @@ def partial_attention_resident(q: Any, view: StreamingView, *, q_pos: Any, optio
     return partial_attention_resident_many([(q, q_pos, options)], view, kernel=kernel)[0]
 
 
-def partial_attention_resident_many(queries: Sequence[tuple[Any, Any, AttentionOptions]], view: StreamingView, *,
-                                    kernel: KernelOptions) -> list[State]:
+def partial_attention_resident_many(queries: Sequence[tuple[Any, Any, AttentionOptions]],
+                                    view: StreamingView | ShardView, *, kernel: KernelOptions) -> list[State]:
     """:func:`partial_attention_resident` for several ``(q, q_pos, options)`` over the same keys.
 
     Decode-shaped queries of one shape share one pass over the keys (``workers.plan.batchable``);
     each state is bitwise what the query alone would give. Options may differ between queries.
+    A :class:`ShardView` (a resident shard's body and tail) runs each part and merges each
+    query's states in key order.
     """
+    if isinstance(view, ShardView):
+        pieces = [p for p in view.parts if p.n_k] or list(view.parts[:1])
+        if len(pieces) == 1:
+            return partial_attention_resident_many(queries, pieces[0], kernel=kernel)
+        per_part = [partial_attention_resident_many(queries, p, kernel=kernel) for p in pieces]
+        return [merge_group([states[i] for states in per_part]) for i in range(len(queries))]
     if not isinstance(view, StreamingView):
-        raise ValueError(f"view must be a workers.StreamingView (StreamingKV.snapshot()), got {type(view).__name__}")
+        raise ValueError(f"view must be a workers.StreamingView (StreamingKV.snapshot()) or a ShardView, got "
+                         f"{type(view).__name__}")
     if isinstance(queries, (str, bytes)) or not isinstance(queries, Sequence) or not queries:
         raise ValueError(f"queries must be a non-empty sequence of (q, q_pos, options), got {type(queries).__name__}"
                          f"{' of none' if isinstance(queries, Sequence) and not queries else ''}")

@@ -19,18 +19,21 @@ Both are array-module neutral (numpy or cupy).
 
 Pages
 -----
-On the CPU a resident shard reserves the address space of every key it may grow to
-(its ``max_capacity``) at once and holds memory only where keys were written: the
-kernel backs the reservation with a 4 KiB page on the first write to it
-(``workers.copies.reserve``), so the MMU's page table is the shard's block table.
-Appends never move or copy what is stored, a shard grows one page at a time and a
-dropped shard gives its pages back at once. What a shard holds is counted exactly
+A resident shard (:class:`ShardKV`) keeps the keys it was created with in a body of
+arrays allocated for them, and the keys appended past those in a tail. On the CPU the
+tail is a :class:`StreamingKV` that reserves the address space of every key the shard
+may grow to at once and holds memory only where keys were written: the kernel backs
+the reservation with a 4 KiB page on the first write to it (``workers.copies.reserve``),
+so the MMU's page table is the tail's block table. Appends never move or copy what is
+stored, a tail grows one page at a time and a dropped shard gives its pages back at once. What a shard holds is counted exactly
 (:func:`held_bytes`): per row of d-major keys, of values and of positions, the
 pages its written keys span. A row's keys start a cache line past a page (the
 padded stride), so a row spans at most two pages more than its keys fill, and
-:func:`page_keys` keys (8 KiB of every row) are the page a shard holds beyond its
+:func:`page_keys` keys (8 KiB of every row) are the page a tail holds beyond its
 data at most: **held <= data + one page** (1024 float64, 2048 float32, 4096
-16-bit keys). The page is the system's, per row: the d-major layout keeps each
+16-bit keys). A body holds its keys as tightly as rows padded off powers of two
+allow (:func:`padded_capacity`): a short shard, whose rows are a page or two long,
+would pay up to a page per row for the straddle if it were paged. The page is the system's, per row: the d-major layout keeps each
 (head, dim) row apart so that the kernel reads it as one long run of keys. A truncated tail stays held
 until the shard is dropped (the next append writes it again). Arrays on a GPU are
 allocated, not reserved: they grow geometrically and count what they allocated.
@@ -44,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from merge import array_module
 from workers.copies import as_bits, copy_keys_dmajor, copy_values, release, reserve
 from workers.dtypes import check_input_dtype
 from workers.plan import CALL_KEYS, DECODE_ROWS
@@ -373,3 +377,118 @@ class StreamingView:
     def block(self, start: int, stop: int, h0: int, h1: int, acc_dtype: Any) -> tuple[Any, Any]:
         """``(kt [hb, d, B], v [hb, B, d_v])`` for keys ``[start, stop)`` and kv heads ``[h0, h1)``."""
         return self.keys(start, stop, h0, h1, acc_dtype), self.values(start, stop, h0, h1, acc_dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class ShardView:
+    """The first keys of a :class:`ShardKV`: its parts in key order (the body's, then the tail's), each a
+    :class:`StreamingView`; the kernel runs each and merges their states (``workers.api``)."""
+
+    parts: tuple[StreamingView, ...]
+
+    @property
+    def n_k(self) -> int:
+        return sum(p.n_k for p in self.parts)
+
+    @property
+    def k_pos(self) -> Any:
+        """The keys' positions ``[n_k]``, in key order (a copy when there is a tail)."""
+        if len(self.parts) == 1:
+            return self.parts[0].k_pos
+        xp = array_module(self.parts[0].k_pos)
+        return xp.concatenate([p.k_pos for p in self.parts])
+
+
+class ShardKV:
+    """A resident shard: a body of arrays sized when it is created, and a tail for the keys appended past it.
+
+    The body holds the keys a create writes and the reservation it asks for (a planned context's
+    capacity): allocated for exactly that, rows padded as :func:`padded_capacity` says, as tight as
+    a shard that never grows. Keys appended past it go to the tail, which on the CPU reserves
+    address space for the rest of the shard's ``reach`` and holds it page by page (module doc,
+    "Pages"): no append copies what is stored, and the tail holds at most one page beyond its keys.
+    On a GPU there is no tail: the body grows geometrically (:meth:`StreamingKV.append`).
+
+    Invariant: the tail holds keys only while the body is full, so key ``j`` of the shard is key
+    ``j`` of the body, or key ``j - body.n_k`` of the tail.
+    """
+
+    def __init__(self, h_kv: int, d: int, d_v: int, dtype: Any, xp: Any = np, capacity: int = 0,
+                 reach: int = 0) -> None:
+        self.body = StreamingKV(h_kv, d, d_v, dtype, xp=xp, capacity=capacity)
+        self.reach = max(int(reach), self.body.capacity)
+        self.tail: StreamingKV | None = None
+
+    h_kv = property(lambda self: self.body.h_kv)
+    d = property(lambda self: self.body.d)
+    d_v = property(lambda self: self.body.d_v)
+    dtype = property(lambda self: self.body.dtype)
+
+    @property
+    def n_k(self) -> int:
+        return self.body.n_k + (self.tail.n_k if self.tail is not None else 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the body's arrays, and the tail's pages."""
+        return self.body.nbytes + (self.tail.nbytes if self.tail is not None else 0)
+
+    def bytes_per_key(self) -> int:
+        return self.body.bytes_per_key()
+
+    def _split(self, n: int) -> tuple[int, int]:
+        """How ``n`` appended keys divide: ``(into the body, into the tail)``."""
+        if self.body.xp is not np:
+            return n, 0  # a GPU body grows
+        room = self.body.capacity - self.body.n_k if self.tail is None or self.tail.n_k == 0 else 0
+        return min(n, room), n - min(n, room)
+
+    def held_after(self, n: int) -> int:
+        """Bytes held once ``n`` more keys are appended."""
+        body, tail = self._split(n)
+        held = self.body.held_after(body)
+        if tail:
+            held += self.tail.held_after(tail) if self.tail is not None else held_bytes(
+                self.h_kv, self.d, self.d_v, self.dtype, self._tail_capacity(tail), tail)
+        elif self.tail is not None:
+            held += self.tail.nbytes
+        return held
+
+    def _tail_capacity(self, n: int) -> int:
+        return padded_capacity(max(self.reach - self.body.capacity, n), self.dtype.itemsize)
+
+    def append(self, k: Any, v: Any, k_pos: Any) -> None:
+        """Add keys ``k [n, h_kv, d]``, values ``v [n, h_kv, d_v]`` at ``k_pos [n]`` (as
+        :meth:`StreamingKV.append` checks them); the body first, while it has room."""
+        body, tail = self._split(int(k.shape[0]) if k.ndim else 0)
+        if not tail:
+            self.body.append(k, v, k_pos, max_capacity=self.reach)
+            return
+        check_arrays(k=k, v=v)
+        k_pos = check_positions("k_pos", k_pos, int(k.shape[0]), self.body.xp)
+        if self.tail is None:
+            self.tail = StreamingKV(self.h_kv, self.d, self.d_v, self.dtype, xp=self.body.xp,
+                                    max_capacity=max(self.reach - self.body.capacity, tail))
+        # The tail checks the whole write before the body takes its part: a refused write changes neither.
+        self.tail.append(k[body:], v[body:], k_pos[body:])
+        if body:
+            self.body.append(k[:body], v[:body], k_pos[:body])
+
+    def truncate(self, n: int) -> None:
+        """Forget keys past the first ``n`` (an undone append); the tail gives its pages back."""
+        if not 0 <= n <= self.n_k:
+            raise ValueError(f"n must be in [0, {self.n_k}], got {n}")
+        if self.tail is not None:
+            self.tail.truncate(max(n - self.body.n_k, 0))
+        self.body.truncate(min(n, self.body.n_k))
+
+    def snapshot(self, length: int) -> ShardView:
+        """A read-only view of the first ``length`` keys (at most :attr:`n_k`)."""
+        body = self.body.snapshot()
+        cut = min(length, body.n_k)
+        parts = [StreamingView(kt=body.kt[:, :, :cut], v=body.v[:, :cut], k_pos=body.k_pos[:cut])]
+        if length > cut and self.tail is not None:
+            tail = self.tail.snapshot()
+            rest = length - cut
+            parts.append(StreamingView(kt=tail.kt[:, :, :rest], v=tail.v[:, :rest], k_pos=tail.k_pos[:rest]))
+        return ShardView(tuple(parts))

@@ -1,7 +1,7 @@
 """Resident context shards held by one worker, within a memory budget.
 
 A shard is identified by ``(context_id, index)``. The store holds it in the
-kernel's streaming layout (``StreamingKV``, in the stored dtype) and remembers
+kernel's streaming layout (``ShardKV``, in the stored dtype) and remembers
 enough about its context to let the directory rebuild itself from what the
 workers report (``held``).
 
@@ -29,7 +29,7 @@ import numpy as np
 from workers.batch import lower_priority
 from workers.copies import prefault
 from workers.dtypes import dtype_name, dtype_of
-from workers.layout import StreamingKV, StreamingView, bytes_per_key, held_bytes, padded_capacity
+from workers.layout import ShardKV, ShardView, StreamingKV, bytes_per_key, padded_capacity
 from workers.persist import ShardFiles
 from workers.tasks import ShardWrite
 
@@ -48,7 +48,7 @@ def _prefault_ahead(kv: StreamingKV) -> None:
     prefault leaves as it is. A step the appends already passed is skipped.
     """
     lower_priority(PREFAULT_NICE)
-    start, end = kv.n_k, min(kv.reserved, kv.capacity)  # the reservation, not the address space beyond it
+    start, end = kv.n_k, kv.capacity
     while start < end:
         start = max(start, kv.n_k)
         stop = min(start + PREFAULT_KEYS, end)
@@ -127,7 +127,7 @@ class ShardStore:
         self.budget = budget_bytes
         self.xp = xp
         self.files = files  # every write also on disk, durable before it returns (workers.persist)
-        self._shards: dict[tuple[str, int], StreamingKV] = {}
+        self._shards: dict[tuple[str, int], ShardKV] = {}
         self._info: dict[str, dict] = {}  # context_id -> the newest committed context record seen
         #: context_id -> the newest version noted as committed (note_context only: a create's record may
         #: not be committed yet, so it does not count here); what check_committed compares with.
@@ -175,24 +175,23 @@ class ShardStore:
         dt = dtype_of(write.dtype)
         n, h_kv, d = (int(s) for s in k.shape)
         d_v = int(v.shape[2])
-        capacity = max(n, write.reserve)
-        # Never more address space than the budget could fill: the budget refuses the keys past it anyway.
+        # The body: the reservation (a planned capacity, or a copy's own body: fewer keys than it is given, the
+        # rest then goes to its tail), else the keys written.
+        capacity = write.reserve or n
+        # The body is allocated for the keys and the reservation, charged now; the keys appended past it are
+        # held page by page (workers.layout.ShardKV), in no more address space than the budget could fill.
         reach = max(capacity, min(write.max_capacity, self.budget // bytes_per_key(h_kv, d, d_v, dt)))
-        # Address space for every key the shard may grow to, held page by page (workers.layout, "Pages");
-        # the budget is charged for the keys written and the reservation.
-        self._reserve(held_bytes(h_kv, d, d_v, dt, padded_capacity(reach, dt.itemsize),
-                                 capacity) if self.xp is np else
-                      padded_capacity(capacity, dt.itemsize) * bytes_per_key(h_kv, d, d_v, dt),
+        self._reserve(padded_capacity(capacity, dt.itemsize) * bytes_per_key(h_kv, d, d_v, dt),
                       f"shard {index} of context {context_id}")
-        kv = StreamingKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity, max_capacity=reach)
-        kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos), max_capacity=write.max_capacity)
-        if self.files is not None and persist:
-            self.files.create(context_id, index, write.dtype, capacity, write.max_capacity, (h_kv, d, d_v))
-            self.files.write(context_id, index, 0, self._host(k, dt), self._host(v, dt), np.asarray(write.k_pos))
+        kv = ShardKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity, reach=reach)
+        kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos))
         if capacity > n and self.xp is np:
             # Reserved for the appends to come: fault its memory in now, beside the
             # upload's next chunks, instead of in each append (workers.copies.prefault).
-            threading.Thread(target=_prefault_ahead, args=(kv,), name="splitkey-prefault", daemon=True).start()
+            threading.Thread(target=_prefault_ahead, args=(kv.body,), name="splitkey-prefault", daemon=True).start()
+        if self.files is not None and persist:
+            self.files.create(context_id, index, write.dtype, capacity, write.max_capacity, (h_kv, d, d_v))
+            self.files.write(context_id, index, 0, self._host(k, dt), self._host(v, dt), np.asarray(write.k_pos))
         with self._index:
             self._shards[key] = kv
         # Not a commit: the write may still be undone. A restore writes nothing: the record it read is on disk
@@ -219,14 +218,13 @@ class ShardStore:
         if self.files is not None:
             self.files.truncate(context_id, index, committed)
         n = int(k.shape[0])
-        grown = kv.growth(n, write.max_capacity)
-        if grown != kv.capacity:
-            # While growing, old and new arrays both exist: reserve the new ones in full.
-            self._reserve(grown * kv.bytes_per_key(), f"append to shard {index} of context {context_id}")
-        elif kv.paged:
-            self._reserve(kv.held_after(n) - kv.nbytes, f"append to shard {index} of context {context_id}")
-        kv.append(self._to(k, kv.dtype), self._to(v, kv.dtype), self._to_pos(write.k_pos),
-                  max_capacity=write.max_capacity)
+        # What the keys add: the tail's new pages (a GPU body that grows: its new arrays, in full, while the old
+        # ones still exist).
+        extra = kv.held_after(n) - kv.nbytes
+        if kv.body.xp is not np and extra:
+            extra = kv.held_after(n)
+        self._reserve(extra, f"append to shard {index} of context {context_id}")
+        kv.append(self._to(k, kv.dtype), self._to(v, kv.dtype), self._to_pos(write.k_pos))
         if self.files is not None:
             self.files.write(context_id, index, committed, self._host(k, kv.dtype), self._host(v, kv.dtype),
                              np.asarray(write.k_pos))
@@ -351,23 +349,21 @@ class ShardStore:
         if newest > version:
             raise RecordStale(f"context {context_id} is at version {newest} or later, the query read {version}")
 
-    def view(self, context_id: str, index: int, length: int) -> StreamingView:
+    def view(self, context_id: str, index: int, length: int) -> ShardView:
         """The first ``length`` keys of a shard (the committed prefix)."""
         kv = self._get(context_id, index)
         if length > kv.n_k:
             raise ShardMissing(f"shard {index} of context {context_id} holds {kv.n_k} keys, fewer than the {length} committed")
-        full = kv.snapshot()
-        return StreamingView(kt=full.kt[:, :, :length], v=full.v[:, :length], k_pos=full.k_pos[:length])
+        return kv.snapshot(length)
 
     def export(self, context_id: str, index: int, length: int) -> tuple[Any, Any, Any]:
         """``(k [n, h_kv, d], v [n, h_kv, d_v], k_pos [n])``: copies of the first ``length`` keys in the
         contract layout, as host arrays (to rebuild a replica elsewhere)."""
-        view = self.view(context_id, index, length)
-        k = view.kt.transpose(2, 0, 1)  # [n, h_kv, d]
-        v = view.v.transpose(1, 0, 2)  # [n, h_kv, d_v]
+        parts = self.view(context_id, index, length).parts
         to_host = getattr(self.xp, "asnumpy", np.asarray)
-        return (np.ascontiguousarray(to_host(k)), np.ascontiguousarray(to_host(v)),
-                np.ascontiguousarray(to_host(view.k_pos)))
+        k = np.concatenate([to_host(p.kt).transpose(2, 0, 1) for p in parts])  # [n, h_kv, d]
+        v = np.concatenate([to_host(p.v).transpose(1, 0, 2) for p in parts])  # [n, h_kv, d_v]
+        return k, v, np.concatenate([to_host(p.k_pos) for p in parts])
 
     def info(self, context_id: str, index: int) -> ShardInfo:
         kv = self._get(context_id, index)
@@ -387,7 +383,7 @@ class ShardStore:
                 pass
         return out
 
-    def _get(self, context_id: str, index: int) -> StreamingKV:
+    def _get(self, context_id: str, index: int) -> ShardKV:
         with self._index:
             kv = self._shards.get((context_id, index))
         if kv is None:

@@ -103,7 +103,9 @@ class ShardWrite:
     dtype: str  # the stored dtype's public name (workers.dtypes.DTYPES)
     max_capacity: int  # keys the shard may grow to
     k_pos: Any  # [n] int64 numpy array
-    reserve: int = 0  # keys to allocate (and count against the budget) when the shard is created; 0: the keys written
+    #: Keys the shard's body is allocated for (and charged) at its create; 0: the keys written. Fewer than the
+    #: keys written (a copy of a shard that has a tail): the rest go to the tail (workers.layout.ShardKV).
+    reserve: int = 0
     span: tuple[int, int] | None = None  # keys [a, b) of the k and v sent beside it; None: all of them
 
     def keys_of(self, a: Any) -> Any:

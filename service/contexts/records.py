@@ -4,7 +4,7 @@ A record is plain JSON-like data (it travels to the directory actor and to every
 worker holding a shard, which keeps it for a directory rebuild), typed here:
 
     {"id", "h_kv", "d", "d_v", "dtype", "replicas", "shard_capacity", "expected_length",
-     "next_pos", "version", "shards": [{"index", "length", "workers": [worker names]}],
+     "next_pos", "version", "shards": [{"index", "length", "workers": [worker names], "body"}],
      "uploads": [{"id", "start", "end"}], "writer"}
 
 ``length`` is the committed length: queries read only that prefix of a shard. A
@@ -25,6 +25,10 @@ class ShardEntry(TypedDict):
     index: int
     length: int  #: committed keys
     workers: list[str]  #: names of the workers holding a replica
+    #: Keys the shard's body was allocated for at its create (``workers.layout.ShardKV``): a copy made
+    #: later (repair) is cut into body and tail alike, so that every replica answers the same bits.
+    #: Absent in records written before 2026-12-06.
+    body: NotRequired[int]
 
 
 class UploadEntry(TypedDict):

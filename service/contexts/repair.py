@@ -144,10 +144,11 @@ class Repairer:
         entry["workers"] = self.pool.names(holders)  # dead names out
         ctx_id, index, n = record["id"], entry["index"], entry["length"]
         k, v, k_pos = await self.pool.export_shard(holders[0], ctx_id, index, n)
-        # Sized as the context's own shards are (service.contexts.sharding.reserve_of): a planned
-        # context's whole capacity, else its keys (the copy grows with appends, as they do).
+        # Cut as the shard's other replicas are: a body of the keys it was created with (or a planned
+        # context's whole capacity), the rest in its tail (workers.layout.ShardKV), so that every replica
+        # answers the same bits. A record written before 2026-12-06 does not say: a body of every key.
         write = ShardWrite(ctx_id, index, record["dtype"], reach_of(record), k_pos,
-                           reserve=max(n, reserve_of(record)))
+                           reserve=entry.get("body") or max(n, reserve_of(record)))
         made = 0
         for target in self._targets(holders):
             if made == need:

@@ -207,8 +207,8 @@ class ContextService:
             refs = Refs(*await self.pool.put(kv.k, kv.v))
         # The whole record first: each holder keeps the record it is sent (a call's arguments are
         # taken when it is submitted), and a directory rebuild trusts it to list every shard.
-        record["shards"] = [{"index": i, "length": hi - lo, "workers": self.pool.names(placement[i])}
-                            for i, (lo, hi) in enumerate(bounds)]
+        record["shards"] = [{"index": i, "length": hi - lo, "workers": self.pool.names(placement[i]),
+                             "body": plan.reserve or hi - lo} for i, (lo, hi) in enumerate(bounds)]
         per_worker: dict[int, list[ShardWrite]] = {}  # one call per worker, whatever the shard count
         for i, (lo, hi) in enumerate(bounds):
             shard = ShardWrite(record["id"], i, record["dtype"], reach_of(record), k_pos[lo:hi], reserve=plan.reserve,
@@ -340,7 +340,8 @@ class ContextService:
         undo: list[Undo] = []
         for lo, size, workers in zip(starts, sizes, placement):
             idx = len(new["shards"])
-            entry: ShardEntry = {"index": idx, "length": size, "workers": self.pool.names(workers)}
+            entry: ShardEntry = {"index": idx, "length": size, "workers": self.pool.names(workers),
+                                 "body": reserve or size}
             new["shards"].append(entry)
             shard = ShardWrite(new["id"], idx, new["dtype"], reach_of(new), k_pos[lo:lo + size], reserve=reserve,
                                span=(lo, lo + size))

@@ -104,10 +104,15 @@ def plan_append(record: ContextRecord, n: int, live: int, shard_keys: int) -> Ap
         for i, more in enumerate(_level(grown, reach_of(record), left)):
             takes[i] += more
         left = n - sum(takes)
-    fills, new, lo = [], [], 0
+    fills: list[tuple[int, int, int]] = []
+    new: list[tuple[int, int]] = []
+    lo = 0
     for index, take in enumerate(takes):
         if take > 0:
-            (fills if index < len(shards) else new).append((index, lo, take) if index < len(shards) else (lo, take))
+            if index < len(shards):
+                fills.append((index, lo, take))
+            else:
+                new.append((lo, take))
             lo += take
     new += [(lo + i, min(cap, n - lo - i)) for i in range(0, left, cap)]  # past every shard's reach
     return AppendPlan(fills, new)

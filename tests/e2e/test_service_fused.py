@@ -38,7 +38,18 @@ def test_a_service_started_with_the_fused_kernel_serves_with_it(tmp_path):
         srv.stop()
 
 
-def test_the_default_auto_kernel_switches_each_worker_to_fused_and_says_since_when(client, server, rng):
+def test_the_default_auto_kernel_switches_each_worker_to_fused_and_says_since_when(tmp_path, rng):
+    server = Server(tmp_path, args=("--workers", "2"))
+    server.env.pop("SPLITKEY_CPU_KERNELS", None)  # the tests' conftest pins numpy: the default here, auto
+    server.start()
+    try:
+        with Client(server.url) as client:
+            auto_switches(client, server, rng)
+    finally:
+        server.stop()
+
+
+def auto_switches(client, server, rng):
     k = rng.standard_normal((900, 2, 32)).astype(np.float32)
     v = rng.standard_normal((900, 2, 16)).astype(np.float32)
     q = rng.standard_normal((1, 8, 32)).astype(np.float32)

@@ -178,3 +178,31 @@ def test_a_context_deleted_while_a_holder_was_unreachable_is_not_rebuilt(rng, tm
             pool.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_rebuilt_copy_of_a_shard_with_a_tail_answers_the_same_bits(rng):
+    async def main():
+        pool, directory, contexts = await started(3)
+        healer = Repairer(pool, directory, contexts)
+        try:
+            k, v = kv(rng, 3000)
+            ctx = (await contexts.create(write(k[:100], v[:100], replicas=2, shards=1), Timings()))["id"]
+            for lo in range(100, 3000, 700):  # past the body of 100 keys: into the shard's tail
+                await contexts.append(ctx, write(k[lo:lo + 700], v[lo:lo + 700]), Timings())
+            q = q_of(rng)
+            before = await read(pool, contexts, [ctx], q)
+            old = await contexts.record(ctx)
+            assert old["shards"][0]["body"] == 100 and old["shards"][0]["length"] > 100  # a body and a tail
+            dead = pool.slots[pool.indexes(old["shards"][0]["workers"])[0]]
+            pool.kill(dead.index)
+            await healer.step()
+            assert healer.stats.replicas_rebuilt >= 1
+            for entry in old["shards"]:  # only the rebuilt copies answer now
+                if dead.name in entry["workers"]:
+                    for name in set(entry["workers"]) - {dead.name}:
+                        pool.lose_shard(pool.indexes([name])[0], ctx, entry["index"])
+            assert bitwise(await read(pool, contexts, [ctx], q), before)
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())

@@ -10,7 +10,7 @@ import pytest
 from reference import assert_close_to_reference, contract_layout
 
 from merge import finalize
-from workers import BFLOAT16, StreamingKV, partial_attention_resident
+from workers import BFLOAT16, ShardKV, StreamingKV, partial_attention_resident
 from workers.layout import bytes_per_key, held_bytes, padded_capacity, page_keys
 from workers.options import AttentionOptions, KernelOptions
 from workers.store import CapacityError, ShardStore
@@ -103,16 +103,22 @@ def test_the_page_is_8_kib_of_every_row():
 
 def test_an_append_that_needs_a_page_past_the_budget_fails_naming_bytes_needed_and_free_and_writes_nothing(rng):
     k = rng.standard_normal((5000, 2, 8)).astype(np.float32)
-    one = held_bytes(2, 8, 8, np.float32, padded_capacity(10**5, 4), 2048)
-    st = ShardStore(budget_bytes=one)  # one page's worth of keys: 2048, and no more
+    st = ShardStore(budget_bytes=10**9)
     st.create(ShardWrite("c", 0, "float32", 10**5, np.arange(2000)), k[:2000], k[:2000], context={})
-    st.append(ShardWrite("c", 0, "float32", 10**5, np.arange(2000, 2048)), k[2000:2048], k[2000:2048], committed=2000)
+    body = st._get("c", 0).body.capacity  # keys the created shard's arrays hold (rows padded)
+    st.budget = st.used  # what the body holds, and not a byte more
+    st.append(ShardWrite("c", 0, "float32", 10**5, np.arange(2000, body)), k[2000:body], k[2000:body],
+              committed=2000)  # the body's padding takes keys without a new byte
     used = st.used
     with pytest.raises(CapacityError, match=r"needs \d+ bytes, but this worker holds \d+ of its \d+-byte budget "
-                                            r"\(\d+ free\)"):
-        st.append(ShardWrite("c", 0, "float32", 10**5, np.arange(2048, 2049)), k[2048:2049], k[2048:2049],
-                  committed=2048)
-    assert st.used == used and st.info("c", 0).length == 2048
+                                            r"\(0 free\)"):
+        st.append(ShardWrite("c", 0, "float32", 10**5, np.arange(body, body + 1)), k[body:body + 1],
+                  k[body:body + 1], committed=body)
+    assert st.used == used and st.info("c", 0).length == body
+    st.budget = 10**9
+    st.append(ShardWrite("c", 0, "float32", 10**5, np.arange(body, body + 1)), k[body:body + 1], k[body:body + 1],
+              committed=body)
+    assert st.info("c", 0).length == body + 1 and st.used > used
     assert st.drop("c") == 1 and st.used == 0
 
 
@@ -151,3 +157,48 @@ def test_the_count_of_pages_by_offsets_is_the_count_row_by_row(rng):
         row_bytes = int(rng.integers(1, 5)) * 4096 + int(rng.integers(0, 64)) * 64
         used = int(rng.integers(1, row_bytes + 1))
         assert spanned(rows, row_bytes, used) == _spanned_rows(rows, row_bytes, used), (rows, row_bytes, used)
+
+
+@linux
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_a_shard_holds_its_created_keys_tightly_and_what_appends_add_at_most_a_page_beyond_them(rng, dtype):
+    st = ShardStore(budget_bytes=10**10)
+    n = 2048  # a short context's shard: 4 KiB rows in float16, where a tail's straddled pages would cost most
+    k = rng.standard_normal((n + 5000, 8, 64)).astype(dtype)
+    st.create(ShardWrite("c", 0, np.dtype(dtype).name, 10**6, np.arange(n)), k[:n], k[:n], context={})
+    per_key = bytes_per_key(8, 64, 64, dtype)
+    created = st.used
+    assert created == padded_capacity(n, np.dtype(dtype).itemsize) * per_key  # rows padded, nothing more
+    length = n
+    for step in (1, 1, 30, 1000, 1, 3967):
+        st.append(ShardWrite("c", 0, np.dtype(dtype).name, 10**6, np.arange(length, length + step)),
+                  k[length:length + step], k[length:length + step], committed=length)
+        length += step
+        kv = st._get("c", 0)
+        appended = (length - kv.body.capacity) * per_key if kv.tail is not None else 0
+        page = page_keys(np.dtype(dtype).itemsize) * per_key
+        assert st.used - created <= appended + page and st.used == kv.nbytes
+    got_k, _ = contract_layout(st.view("c", 0, length))
+    np.testing.assert_array_equal(got_k, k[:length])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16, np.float16])
+@pytest.mark.parametrize("kernel", [KernelOptions(), KernelOptions(cpu_kernels="fused", threads=2)])
+def test_attention_over_a_shards_body_and_tail_matches_the_reference(rng, dtype, kernel):
+    n = 700
+    k = rng.standard_normal((n, 2, 16)).astype(dtype)
+    v = rng.standard_normal((n, 2, 8)).astype(dtype)
+    q = rng.standard_normal((2, 4, 16)).astype(dtype)
+    kv = ShardKV(2, 16, 8, dtype, capacity=300, reach=10_000)
+    kv.append(k[:250], v[:250], np.arange(250))
+    for lo in range(250, n, 97):  # past the body's padded capacity into the tail
+        kv.append(k[lo:lo + 97], v[lo:lo + 97], np.arange(lo, min(lo + 97, n)))
+    view = kv.snapshot(n)
+    assert len(view.parts) == 2 and view.n_k == n
+    q_pos = np.array([400, 699])
+    st = partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(causal=True, window=(300, 0)),
+                                    kernel=kernel)
+    out, lse = finalize(st)
+    assert_close_to_reference(out, lse, q, k, v, causal=True, window=(300, 0), q_pos=q_pos)
+    short = kv.snapshot(100)  # a committed prefix inside the body: the body's part alone
+    assert [p.n_k for p in short.parts] == [100]

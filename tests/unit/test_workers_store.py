@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from reference import contract_layout
 
-from workers.layout import held_bytes, padded_capacity
+from workers.layout import bytes_per_key, padded_capacity
 from workers.store import CapacityError, ShardMissing, ShardStore
 from workers.tasks import ShardWrite
 
@@ -16,9 +16,9 @@ def kv(n, h_kv=2, d=8, d_v=4, seed=0):
 
 
 def held(keys, max_capacity):
-    """What a float32 shard of ``kv``'s heads holds with ``keys`` written, reserved for ``max_capacity``
-    keys (within a budget that does not bound it)."""
-    return held_bytes(2, 8, 4, np.float32, padded_capacity(max(keys, max_capacity), 4), keys)
+    """What a float32 shard of ``kv``'s heads holds once created with ``keys`` (its body, allocated for
+    them; ``max_capacity`` is how far it may grow, page by page, and costs nothing until it does)."""
+    return padded_capacity(keys, 4) * bytes_per_key(2, 8, 4, np.float32)
 
 
 def test_create_append_view_and_held_report():
@@ -92,12 +92,13 @@ def test_a_reserved_shard_is_charged_once_and_never_grows():
     k, v = kv(1000)
     st.create(ShardWrite("c", 0, "float32", 1000, np.arange(10), reserve=1000), k[:10], v[:10], context={})
     assert st.used == held(1000, 1000)  # the whole reservation, charged now
-    arrays = st.view("c", 0, 10).kt.base
+    arrays = st.view("c", 0, 10).parts[0].kt.base
     for lo in range(10, 1000, 330):
         hi = min(lo + 330, 1000)
         st.append(ShardWrite("c", 0, "float32", 1000, np.arange(lo, hi)), k[lo:hi], v[lo:hi], committed=lo)
     assert st.used == held(1000, 1000)
-    assert st.view("c", 0, 1000).kt.base is arrays, "the shard must fill its first arrays, not copy into larger ones"
+    view = st.view("c", 0, 1000)
+    assert len(view.parts) == 1 and view.parts[0].kt.base is arrays, "the shard must fill its body, not copy it"
     got_k, got_v = contract_layout(st.view("c", 0, 1000))
     np.testing.assert_array_equal(got_k, k)
     np.testing.assert_array_equal(got_v, v)
