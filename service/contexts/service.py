@@ -228,11 +228,13 @@ class ContextService:
         return self.describe(record)
 
     async def append(self, ctx_id: str, write: ContextWrite, timings: Timings) -> dict:
-        """The write's keys after the context's; ``timings`` as for :meth:`create` (commit includes the lease)."""
+        """The write's keys after the context's; ``timings`` gets its put, lease (take the turn and the lease,
+        read the record, give the lease back), place (new shards), store, commit and note stages."""
         with timings.measure("put"):  # before the lease: the next write's keys travel while this one is stored
             refs = Refs(*await self.pool.put(write.kv.k, write.kv.v))
         async with self._lease(ctx_id, timings) as lease:
-            old = await self._record(ctx_id)
+            with timings.measure("lease"):
+                old = await self._record(ctx_id)
             state = self.health(old)
             if state["state"] == LOST:  # keys after a hole would answer wrongly: refuse, as queries do
                 raise ContextLost(f"context {ctx_id} has lost shards {state['lost_shards']}: no live worker holds a "
@@ -273,6 +275,7 @@ class ContextService:
                 raise
             with timings.measure("commit"):
                 lease.committed = await self.directory.commit(new, lease.owner)
+            with timings.measure("note"):
                 # Under the lease, and before the answer: every holder keeps the record for a directory
                 # rebuild, and refuses reads of older cached records from now on. A directory that restarts
                 # before some holder has it rebuilds without this append; the release sees the restart.
@@ -486,19 +489,19 @@ class ContextService:
         Writes that reach this front end take turns on a lock of its own first, in
         the order they arrived (an upload's chunks in flight together wait there
         without asking the directory); then the directory's lease keeps out other
-        front ends. The time to take and give back both is ``timings``' commit.
+        front ends. The time to take and give back both is ``timings``' lease.
         """
         turn = self._turns.setdefault(ctx_id, asyncio.Lock())
-        with timings.measure("commit"):
+        with timings.measure("lease"):
             await turn.acquire()
         try:
-            with timings.measure("commit"):
+            with timings.measure("lease"):
                 owner = await self._acquire(ctx_id)
             lease = Lease(owner)
             try:
                 yield lease
             finally:
-                with timings.measure("commit"):
+                with timings.measure("lease"):
                     lease.released = await self.directory.release(ctx_id, owner)
         finally:
             turn.release()
