@@ -162,6 +162,11 @@ class DirectoryActor:
         self.leases[ctx_id] = (owner, now + ttl_s)
         return True
 
+    def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]:
+        """:meth:`acquire` and, when it is taken, :meth:`get` in one call: a write's first round trip."""
+        taken = self.acquire(ctx_id, owner, ttl_s)
+        return taken, self.records.get(ctx_id) if taken else None
+
     def release(self, ctx_id: str, owner: str) -> str:
         """Give the lease back if the caller holds it; returns the incarnation."""
         if self._holds(ctx_id, owner):
@@ -197,6 +202,7 @@ class DirectorySurface(Protocol):
     async def remove(self, ctx_id: str) -> ContextRecord | None: ...
     async def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int: ...
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool: ...
+    async def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]: ...
     async def release(self, ctx_id: str, owner: str) -> str: ...
 
 
@@ -269,6 +275,16 @@ class Directory:
         result: bool = await self._call(lambda h: h.acquire.remote(ctx_id, owner, ttl_s))
         return result
 
+    async def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]:
+        """Take the lease and read the record in one round trip (:meth:`DirectoryActor.begin`); a directory of a
+        release without ``begin`` (joined detached) is asked in two."""
+        try:
+            taken, record = await self._call(lambda h: h.begin.remote(ctx_id, owner, ttl_s))
+        except AttributeError:
+            taken = await self.acquire(ctx_id, owner, ttl_s)
+            record = await self.get(ctx_id) if taken else None
+        return bool(taken), record
+
     async def release(self, ctx_id: str, owner: str) -> str:
         """Give the lease back; returns the directory's incarnation."""
         result: str = await self._call(lambda h: h.release.remote(ctx_id, owner))
@@ -321,6 +337,10 @@ class LocalDirectory:
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
         result: bool = await self._call("acquire", ctx_id, owner, ttl_s)
         return result
+
+    async def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]:
+        taken, record = await self._call("begin", ctx_id, owner, ttl_s)
+        return bool(taken), record
 
     async def release(self, ctx_id: str, owner: str) -> str:
         result: str = await self._call("release", ctx_id, owner)

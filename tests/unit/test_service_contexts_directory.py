@@ -1,5 +1,7 @@
 """The directory actor's records and leases, without Ray."""
 
+import pytest
+
 from service.contexts.directory import DirectoryActor
 
 
@@ -80,3 +82,11 @@ def test_health_says_ready_degraded_or_lost_from_the_live_workers():
     assert health(rec, {"w0", "w2"})["degraded_shards"] == [0, 1]
     lost = health(rec, {"w0"})
     assert lost["state"] == "lost" and lost["lost_shards"] == [1] and lost["degraded_shards"] == [0]
+
+
+def test_begin_takes_the_lease_and_reads_the_record_in_one_call():
+    d = DirectoryActor([], "ns")
+    d.commit(record("c"))
+    assert d.begin("c", "a", 60) == (True, record("c"))
+    assert d.begin("c", "b", 60) == (False, None)  # held by a
+    assert d.begin("new", "b", 60) == (True, None)  # no such context (yet): the lease all the same
