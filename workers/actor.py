@@ -252,7 +252,15 @@ class ShardWorker:
             self.calls += 1
             self.channel_calls += 1
             return gather(self._submit_many(items), lambda results: frames.many_reply(call_id, results))
-        raise frames.FrameError(f"op must be resident or many, got {str(op)[:40]!r}")
+        if op == "append":  # a small append (an engine's token): as append_shard, on the writes thread
+            write, k, v, committed = frames.parse_append(header, arrays)
+            done = self.writes.submit(functools.partial(self.store.append, write, k, v, committed=committed))
+            return then(done, lambda info: frames.done_frame(call_id, info.summary()))
+        if op == "note":  # as note_context, on the writes thread (never in the connection's reader)
+            context_id, record = frames.parse_note(header, arrays)
+            done = self.writes.submit(functools.partial(self.store.note_context, context_id, record))
+            return then(done, lambda _: frames.done_frame(call_id, None))
+        raise frames.FrameError(f"op must be resident, many, append or note, got {str(op)[:40]!r}")
 
     def partial_resident_many(self, items: Sequence[ResidentQuery]) -> list[tuple[ComputeStatus, list[State]] | Exception]:
         """Each item's states, one per read in the order listed (unmerged), or the exception it raised.

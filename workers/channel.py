@@ -2,10 +2,12 @@
 
 A Ray actor call costs a few milliseconds on a small machine whatever it carries
 (docs/BENCHMARKS.md, "Engine calls"); a decode query's arguments and answer are tens of
-kilobytes. The front end therefore sends resident queries to each worker over a socket
-of its own, in :mod:`workers.frames` (JSON headers and raw arrays, never pickle), and
-keeps Ray for everything else: writes, repairs, merges on the workers, and any call the
-channel cannot carry.
+kilobytes. The front end therefore sends resident queries and small context writes to
+each worker over a socket of its own, in :mod:`workers.frames` (JSON headers and raw
+arrays, never pickle), and keeps Ray for everything else: creates, large appends,
+repairs, merges on the workers, and any call the channel cannot carry. The contexts
+directory serves the calls of a write on a listener of this module too
+(``service.contexts.directory``).
 
 Who may connect: the listener binds the address Ray uses for this node, on a port the
 system picks, and a connection is served only after its first frame, ``hello``, names

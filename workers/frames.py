@@ -14,9 +14,11 @@ Ops: ``hello`` (the first frame of a connection: the worker's token), ``resident
 ``ShardWorker.partial_resident`` takes: ``q``, its positions and options, the seconds left
 of its request's deadline (``budget``, null for none), the shard reads and the merge
 fan-in), ``many`` (what ``ShardWorker.partial_resident_many`` takes: a batch's
-queries on one worker) and their replies: ``state`` (a ``ComputeStatus`` and the state's
-``m, l, acc``), ``many`` (per item its status and states, or its error) or ``error`` (the
-exception's type name and message).
+queries on one worker), ``append`` (what ``ShardWorker.append_shard`` takes, for a small
+append: the write's keys, values and positions) and ``note`` (``ShardWorker.note_context``:
+a committed record) and their replies: ``state`` (a ``ComputeStatus`` and the state's
+``m, l, acc``), ``many`` (per item its status and states, or its error), ``done`` (a write's
+JSON answer) or ``error`` (the exception's type name and message).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from merge import State
 from workers.dtypes import BFLOAT16
 from workers.options import AttentionOptions
 from workers.problem import Arange
-from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead
+from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, arrive
 
 PREFIX = struct.Struct("<IQ")
 #: Largest JSON header (a query's reads are ~60 bytes each: thousands of shards fit).
@@ -259,6 +261,68 @@ def parse_many_reply(header: Mapping[str, Any], arrays: Sequence[np.ndarray]
         raise FrameError(f"a many reply must carry each item's status and states, or its error: "
                          f"{type(exc).__name__}: {exc}") from None
     return out
+
+
+# -- context writes (small ones: an engine's append of a token) --------------------------------------
+
+def append_frame(call_id: int, write: ShardWrite, k: Any, v: Any, committed: int) -> list[bytes | memoryview]:
+    """An ``append`` request: ``ShardWorker.append_shard(write, k, v, committed)``; only the write's span of
+    ``k`` and ``v`` travels."""
+    header = {"id": call_id, "op": "append", "context_id": write.context_id, "index": write.index,
+              "dtype": write.dtype, "max_capacity": write.max_capacity, "committed": committed}
+    return encode(header, [write.keys_of(arrive(k)), write.keys_of(arrive(v)), np.asarray(write.k_pos, dtype=np.int64)])
+
+
+def parse_append(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> tuple[ShardWrite, Any, Any, int]:
+    """``(write, k, v, committed)`` of an ``append`` request; a malformed one raises :class:`FrameError`."""
+    try:
+        k, v, k_pos = arrays
+        write = ShardWrite(_text(header["context_id"]), _count(header["index"]), _text(header["dtype"]),
+                           _count(header["max_capacity"]), k_pos)
+        committed = _count(header["committed"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FrameError(f"an append must carry its shard, committed length, k, v and k_pos: "
+                         f"{type(exc).__name__}: {exc}") from None
+    if k.ndim != 3 or v.ndim != 3 or k_pos.ndim != 1 or k_pos.dtype != np.int64 \
+            or not k.shape[0] == v.shape[0] == k_pos.shape[0]:
+        raise FrameError(f"an append must carry k [n, h_kv, d], v [n, h_kv, d_v] and int64 k_pos [n], got "
+                         f"{k.shape}, {v.shape} and {k_pos.shape}")
+    return write, k, v, committed
+
+
+def note_frame(call_id: int, context_id: str, record: Mapping[str, Any]) -> list[bytes | memoryview]:
+    """A ``note`` request: ``ShardWorker.note_context(context_id, record)`` (the record as JSON)."""
+    return encode({"id": call_id, "op": "note", "context_id": context_id, "record": dict(record)})
+
+
+def parse_note(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> tuple[str, dict[str, Any]]:
+    record = header.get("record")
+    if arrays or not isinstance(record, dict) or not isinstance(header.get("context_id"), str):
+        raise FrameError("a note must carry a context id and its record, and no arrays")
+    return header["context_id"], record
+
+
+def done_frame(call_id: int, result: Any) -> list[bytes | memoryview]:
+    """A ``done`` reply: a write's answer (JSON: a shard's summary, or null)."""
+    return encode({"id": call_id, "op": "done", "result": result})
+
+
+def parse_done(header: Mapping[str, Any]) -> Any:
+    if header.get("op") != "done":
+        raise FrameError(f"a write's reply must be done or error, got {str(header.get('op'))[:40]!r}")
+    return header.get("result")
+
+
+def _text(x: Any) -> str:
+    if not isinstance(x, str):
+        raise TypeError(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def _count(x: Any) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise ValueError(f"expected an integer >= 0, got {x!r:.40}")
+    return x
 
 
 def error_frame(call_id: int, exc: BaseException) -> list[bytes | memoryview]:

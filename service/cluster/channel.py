@@ -93,6 +93,16 @@ class WorkerChannel:
             raise frames.parse_error(header)
         return frames.parse_many_reply(header, arrays)
 
+    async def write(self, frame: Any) -> Any:
+        """A context write (``frames.append_frame``, ``frames.note_frame``; ``frame(call_id)`` gives its
+        buffers) over the channel: its ``done`` answer. Raises :class:`frames.RemoteError` for what the
+        worker raised, and :class:`ChannelClosed` when the connection went before the answer (the worker
+        may or may not have run it: both writes may run again, ``ContextService``)."""
+        header, _ = await self._call(frame)
+        if header.get("op") == "error":
+            raise frames.parse_error(header)
+        return frames.parse_done(header)
+
     async def _call(self, frame: Any) -> tuple[dict[str, Any], list[Any]]:
         if self._closed is not None:
             raise ChannelClosed(str(self._closed))

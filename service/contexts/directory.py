@@ -17,17 +17,24 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import logging
+import math
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, cast
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar, cast
 
 import ray
 
+from service.cluster.channel import ChannelClosed, WorkerChannel
 from service.contexts.records import ContextRecord
 from service.core.errors import WorkersUnavailable
 from service.core.settings import ServiceSettings
+from workers import frames
+from workers.channel import Listener
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,26 @@ LEASE_TTL_S = 60.0
 #: How long a directory call waits for a restarting directory, and how often it retries.
 DIRECTORY_WAIT_S = 30.0
 DIRECTORY_RETRY_S = 0.1
+#: The calls of a write (:meth:`ContextService.append`) that go over the directory's direct channel.
+CHANNEL_OPS = frozenset({"begin", "commit", "release"})
+#: Seconds before a directory channel that could not be opened is tried again (Ray meanwhile).
+CHANNEL_RETRY_S = 30.0
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    """One call at a time: Ray's (the actor's thread) and the direct channel's (its connections' threads)."""
+    @functools.wraps(method)
+    def run(self: DirectoryActor, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return cast(_F, run)
+
+
+def _node_address() -> str:
+    """The address Ray uses for this node (as ``workers.actor``'s: front ends on other nodes connect there)."""
+    return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
 
 
 class LeaseLost(ValueError):
@@ -68,14 +95,46 @@ def ray_reporter(namespace: str) -> Reporter:
 
 
 class DirectoryActor:
-    def __init__(self, worker_names: list[str], namespace: str, reporter: Reporter | None = None) -> None:
-        """``reporter``: how the rebuild asks each worker (default: the Ray actors of ``namespace``)."""
+    def __init__(self, worker_names: list[str], namespace: str, reporter: Reporter | None = None, *,
+                 listen: bool = False) -> None:
+        """``reporter``: how the rebuild asks each worker (default: the Ray actors of ``namespace``);
+        ``listen``: open a direct channel for the calls of a write (:meth:`channel`)."""
         self.records: dict[str, ContextRecord] = {}
         self.leases: dict[str, tuple[str, float]] = {}
+        self._lock = threading.RLock()
         #: Which life of the actor this is: new at every (re)start, so a writer that sees the same one
         #: at its commit and at its lease's release knows no restart came between (ContextService.append).
         self.incarnation = secrets.token_hex(8)
         self.rebuilt_from = self._rebuild(worker_names, reporter or ray_reporter(namespace))
+        self.listener: Listener | None = None
+        if listen:  # after the rebuild: no call is served before the records are back
+            try:
+                self.listener = Listener(self._channel_submit, host=_node_address(), name=DIRECTORY_NAME)
+            except OSError as exc:
+                log.warning("directory: direct channel not opened (%s); writes call it through Ray", exc)
+
+    # -- the direct channel ---------------------------------------------------------
+    def channel(self) -> dict | None:
+        """Where and how to reach this directory's direct channel (host, port, token); None without one.
+
+        A Ray actor call costs a millisecond or more on a small machine, and an append makes three
+        (docs/CONTEXTS.md, "Append latency"): over the channel (``workers.channel``: JSON frames, a
+        token only Ray's callers learn) :data:`CHANNEL_OPS` cost a fraction of that. Same methods,
+        same answers; a restart closes the channel with the process."""
+        return None if self.listener is None else self.listener.address()
+
+    def _channel_submit(self, header: dict[str, Any], arrays: list[Any], alone: bool = False) -> Future:
+        """One call from the channel, run at once (``_locked``, as every call): its reply, or its error."""
+        op, args = header.get("op"), header.get("args")
+        if op not in CHANNEL_OPS or not isinstance(args, list) or arrays:
+            raise frames.FrameError(f"op must be one of {', '.join(sorted(CHANNEL_OPS))} with a list of args, "
+                                    f"got {str(op)[:40]!r}")
+        done: Future = Future()
+        try:
+            done.set_result(frames.done_frame(int(header["id"]), getattr(self, op)(*args)))
+        except Exception as exc:  # noqa: BLE001 - the call's own answer (LeaseLost, a bad argument)
+            done.set_exception(exc)
+        return done
 
     def _rebuild(self, worker_names: list[str], reporter: Reporter) -> int:
         """Rebuild records from the workers' reports; returns how many workers answered."""
@@ -110,15 +169,19 @@ class DirectoryActor:
         return answered
 
     # -- records ------------------------------------------------------------------
+    @_locked
     def get(self, ctx_id: str) -> ContextRecord | None:
         return self.records.get(ctx_id)
 
+    @_locked
     def get_many(self, ids: list[str]) -> list[ContextRecord | None]:
         return [self.records.get(i) for i in ids]
 
+    @_locked
     def all(self) -> list[ContextRecord]:
         return [self.records[k] for k in sorted(self.records)]
 
+    @_locked
     def commit(self, record: ContextRecord, owner: str | None = None) -> str:
         """Store a record; for an existing context only under the caller's lease. Returns the incarnation."""
         ctx_id = record["id"]
@@ -127,10 +190,12 @@ class DirectoryActor:
         self.records[ctx_id] = record
         return self.incarnation
 
+    @_locked
     def remove(self, ctx_id: str) -> ContextRecord | None:
         self.leases.pop(ctx_id, None)
         return self.records.pop(ctx_id, None)
 
+    @_locked
     def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int:
         """A worker of this name died or was replaced: it holds none of its replicas any more,
         but for ``keep`` (``"CONTEXT/SHARD"`` -> keys held, from a live replacement's own report).
@@ -154,6 +219,7 @@ class DirectoryActor:
         return forgotten
 
     # -- leases -------------------------------------------------------------------
+    @_locked
     def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
         now = time.monotonic()
         held = self.leases.get(ctx_id)
@@ -162,6 +228,13 @@ class DirectoryActor:
         self.leases[ctx_id] = (owner, now + ttl_s)
         return True
 
+    @_locked
+    def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]:
+        """:meth:`acquire` and, when it is taken, :meth:`get` in one call: a write's first round trip."""
+        taken = self.acquire(ctx_id, owner, ttl_s)
+        return taken, self.records.get(ctx_id) if taken else None
+
+    @_locked
     def release(self, ctx_id: str, owner: str) -> str:
         """Give the lease back if the caller holds it; returns the incarnation."""
         if self._holds(ctx_id, owner):
@@ -172,6 +245,7 @@ class DirectoryActor:
         held = self.leases.get(ctx_id)
         return held is not None and held[0] == owner and held[1] > time.monotonic()
 
+    @_locked
     def ping(self) -> dict:
         return {"contexts": len(self.records), "rebuilt_from": self.rebuilt_from}
 
@@ -197,14 +271,26 @@ class DirectorySurface(Protocol):
     async def remove(self, ctx_id: str) -> ContextRecord | None: ...
     async def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int: ...
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool: ...
+    async def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]: ...
     async def release(self, ctx_id: str, owner: str) -> str: ...
 
 
 class Directory:
-    """Front-end handle of the directory actor: typed calls that wait out a restart."""
+    """Front-end handle of the directory actor: typed calls that wait out a restart.
 
-    def __init__(self, handle: Any) -> None:
+    The calls of a write (:data:`CHANNEL_OPS`) go over the directory's direct channel when it has
+    one (:meth:`DirectoryActor.channel`), through Ray otherwise, and through Ray again when the
+    channel breaks before the answer (the directory died, or the socket did): :meth:`_call` then
+    waits out a restart as for any call. Sending one again is what a Ray call retried after a
+    restart already does: ``begin`` and ``release`` by the same owner repeat harmlessly, and a
+    ``commit`` a restarted directory did not keep is refused (its lease went with the restart)."""
+
+    def __init__(self, handle: Any, channel: bool = False) -> None:
         self.handle = handle
+        self._channel: WorkerChannel | None = None
+        self._channel_lock = asyncio.Lock()
+        #: monotonic time before which no channel is opened (inf: never; none asked for, or none there)
+        self._channel_retry_at = 0.0 if channel else math.inf
 
     @classmethod
     async def connect(cls, settings: ServiceSettings, worker_names: list[str], detached: bool) -> Directory:
@@ -212,10 +298,52 @@ class Directory:
                                 "max_restarts": -1, "num_cpus": 0}
         if detached:
             opts["lifetime"] = "detached"
-        handle = ray.remote(DirectoryActor).options(**opts).remote(worker_names, settings.ray_namespace)
-        directory = cls(handle)
+        handle = ray.remote(DirectoryActor).options(**opts).remote(worker_names, settings.ray_namespace,
+                                                                   listen=settings.worker_channel)
+        directory = cls(handle, channel=settings.worker_channel)
         await directory.ping()
         return directory
+
+    async def _open_channel(self) -> WorkerChannel | None:
+        """The directory's open channel, opened now if need be; None when there is none to use now."""
+        if self._channel is not None and not self._channel.closed:
+            return self._channel
+        async with self._channel_lock:
+            if self._channel is not None and not self._channel.closed:
+                return self._channel
+            if time.monotonic() < self._channel_retry_at:
+                return None
+            try:
+                address = await self._call(lambda h: h.channel.remote())
+            except (AttributeError, ray.exceptions.RayTaskError):  # a directory of a release without one
+                address = None
+            if address is None:  # a directory started without one (or one that could not bind): ask again later
+                self._channel_retry_at = time.monotonic() + CHANNEL_RETRY_S
+                return None
+            try:
+                self._channel = await WorkerChannel.open(DIRECTORY_NAME, address)
+            except ChannelClosed as exc:
+                log.warning("directory: %s; writes call it through Ray for %.0f s", exc, CHANNEL_RETRY_S)
+                self._channel_retry_at = time.monotonic() + CHANNEL_RETRY_S
+                return None
+            return self._channel
+
+    async def _fast(self, op: str, *args: Any) -> Any:
+        """``op(*args)`` over the direct channel, through Ray (:meth:`_call`) when it has none or it broke."""
+        channel = await self._open_channel()
+        if channel is not None:
+            try:
+                return await channel.write(lambda i: frames.encode({"id": i, "op": op, "args": list(args)}))
+            except frames.RemoteError as exc:
+                if exc.kind == "LeaseLost":
+                    raise LeaseLost(exc.message) from None
+                raise
+            except ChannelClosed as exc:  # no answer: through Ray, which waits out a restart
+                log.info("directory: %s; the %s goes through Ray", exc, op)
+                channel.close()
+            except (frames.FrameError, TypeError) as exc:  # arguments that are not JSON, or a bad reply
+                log.info("directory: the channel could not carry a %s (%s); it goes through Ray", op, exc)
+        return await self._call(lambda h: getattr(h, op).remote(*args))
 
     async def _call(self, call: Callable[[Any], Any]) -> Any:
         """Call the directory; while Ray restarts it (it rebuilds from the workers), retry.
@@ -253,7 +381,8 @@ class Directory:
         lost before it (``LeaseLost``) is a 503 saying the write was not stored: nothing a directory rebuilt
         from the workers could take names it (the workers keep only committed records: ``ContextService``)."""
         try:
-            result: str = await self._call(lambda h: h.commit.remote(record, owner))
+            result: str = await (self._fast("commit", record, owner) if owner is not None
+                                 else self._call(lambda h: h.commit.remote(record, owner)))
             return result
         except LeaseLost:
             raise lapsed(record["id"]) from None
@@ -269,9 +398,19 @@ class Directory:
         result: bool = await self._call(lambda h: h.acquire.remote(ctx_id, owner, ttl_s))
         return result
 
+    async def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]:
+        """Take the lease and read the record in one round trip (:meth:`DirectoryActor.begin`); a directory of a
+        release without ``begin`` (joined detached) is asked in two."""
+        try:
+            taken, record = await self._fast("begin", ctx_id, owner, ttl_s)
+        except AttributeError:
+            taken = await self.acquire(ctx_id, owner, ttl_s)
+            record = await self.get(ctx_id) if taken else None
+        return bool(taken), record
+
     async def release(self, ctx_id: str, owner: str) -> str:
         """Give the lease back; returns the directory's incarnation."""
-        result: str = await self._call(lambda h: h.release.remote(ctx_id, owner))
+        result: str = await self._fast("release", ctx_id, owner)
         return result
 
 
@@ -321,6 +460,10 @@ class LocalDirectory:
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
         result: bool = await self._call("acquire", ctx_id, owner, ttl_s)
         return result
+
+    async def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]:
+        taken, record = await self._call("begin", ctx_id, owner, ttl_s)
+        return bool(taken), record
 
     async def release(self, ctx_id: str, owner: str) -> str:
         result: str = await self._call("release", ctx_id, owner)

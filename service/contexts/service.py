@@ -94,6 +94,7 @@ class Lease:
     directory restarted in between (leases and records in memory lost, records rebuilt from the workers)."""
 
     owner: str
+    record: ContextRecord | None = None  #: the committed record when the lease was taken (None: no such context)
     committed: str | None = None  #: the incarnation the commit went to (None: nothing committed)
     released: str | None = None  #: the incarnation the release went to
 
@@ -228,11 +229,14 @@ class ContextService:
         return self.describe(record)
 
     async def append(self, ctx_id: str, write: ContextWrite, timings: Timings) -> dict:
-        """The write's keys after the context's; ``timings`` as for :meth:`create` (commit includes the lease)."""
+        """The write's keys after the context's; ``timings`` gets its put, lease (take the turn and the lease,
+        read the record, give the lease back), place (new shards), store, commit and note stages."""
         with timings.measure("put"):  # before the lease: the next write's keys travel while this one is stored
             refs = Refs(*await self.pool.put(write.kv.k, write.kv.v))
         async with self._lease(ctx_id, timings) as lease:
-            old = await self._record(ctx_id)
+            if lease.record is None:
+                raise ContextNotFound(f"id must name an existing context, got {ctx_id!r}")
+            old = lease.record
             state = self.health(old)
             if state["state"] == LOST:  # keys after a hole would answer wrongly: refuse, as queries do
                 raise ContextLost(f"context {ctx_id} has lost shards {state['lost_shards']}: no live worker holds a "
@@ -274,6 +278,7 @@ class ContextService:
                 raise
             with timings.measure("commit"):
                 lease.committed = await self.directory.commit(new, lease.owner)
+            with timings.measure("note"):
                 # Under the lease, and before the answer: every holder keeps the record for a directory
                 # rebuild, and refuses reads of older cached records from now on. A directory that restarts
                 # before some holder has it rebuilds without this append; the release sees the restart.
@@ -484,26 +489,29 @@ class ContextService:
         Writes that reach this front end take turns on a lock of its own first, in
         the order they arrived (an upload's chunks in flight together wait there
         without asking the directory); then the directory's lease keeps out other
-        front ends. The time to take and give back both is ``timings``' commit.
+        front ends. The call that takes the lease also reads the record (``Lease.record``).
+        The time to take and give back both is ``timings``' lease.
         """
         turn = self._turns.setdefault(ctx_id, asyncio.Lock())
-        with timings.measure("commit"):
+        with timings.measure("lease"):
             await turn.acquire()
         try:
-            with timings.measure("commit"):
-                owner = await self._acquire(ctx_id)
-            lease = Lease(owner)
+            with timings.measure("lease"):
+                lease = await self._acquire(ctx_id)
             try:
                 yield lease
             finally:
-                with timings.measure("commit"):
-                    lease.released = await self.directory.release(ctx_id, owner)
+                with timings.measure("lease"):
+                    lease.released = await self.directory.release(ctx_id, lease.owner)
         finally:
             turn.release()
 
-    async def _acquire(self, ctx_id: str) -> str:
-        """Take the directory's lease on the context; returns the owner token to commit and release with."""
+    async def _acquire(self, ctx_id: str) -> Lease:
+        """Take the directory's lease on the context, reading its record in the same call; the :class:`Lease`
+        names the owner token to commit and release with."""
         owner = f"{self.owner}-{secrets.token_hex(6)}"
-        while not await self.directory.acquire(ctx_id, owner, LEASE_TTL_S):
+        while True:
+            taken, record = await self.directory.begin(ctx_id, owner, LEASE_TTL_S)
+            if taken:
+                return Lease(owner, record)
             await asyncio.sleep(LEASE_POLL_S)
-        return owner

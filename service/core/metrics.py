@@ -22,7 +22,7 @@ from prometheus_client.utils import floatToGoString
 #: and within compute, worker (the longest pass a worker ran for it: its kernels and local merge);
 #: a context write is parse, place (pick workers), put (into Ray's object store), store
 #: (the workers copy the keys in), commit (the directory, and the record on each holder).
-STAGES = ("parse", "lookup", "scatter", "compute", "worker", "merge", "encode", "place", "put", "store", "commit", "total")
+STAGES = ("parse", "lookup", "scatter", "compute", "worker", "merge", "encode", "place", "put", "lease", "store", "commit", "note", "total")
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 

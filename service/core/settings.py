@@ -76,8 +76,9 @@ class ServiceSettings(BaseSettings):
                                                                  "decode-shape bfloat16 context fits on two).")
     worker_concurrency: int = Field(64, ge=1, description="Calls a worker accepts at once (each waits in its own "
                                                           "thread; one compute thread serves them, docs/CONTEXTS.md).")
-    worker_channel: bool = Field(True, description="Send resident queries to the workers over a direct "
-                                 "socket each (token-checked, no pickle) instead of a Ray call; false: Ray only.")
+    worker_channel: bool = Field(True, description="Send resident queries and small appends to the workers, and "
+                                 "a write's lease and commit to the contexts directory, over a direct socket each "
+                                 "(token-checked, no pickle) instead of a Ray call; false: Ray only.")
     batch_rows: int = Field(1024, ge=1, description="Query rows (n_q*h_q) one pass over resident keys serves at "
                                                     "most; 1 turns batching off.")
     gpu_kernels: GpuKernels = Field(GpuKernels.GENERIC, description="GPU implementation: generic or fused "

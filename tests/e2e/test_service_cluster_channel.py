@@ -293,3 +293,27 @@ def test_a_query_the_worker_fails_is_a_500_naming_the_worker_not_a_lost_context(
         assert same(st, want)
 
     pool_call(ray_cluster, rng, channel, act)
+
+
+def test_the_pool_sends_small_appends_and_notes_over_the_channel_as_ray_stores_them(ray_cluster, rng):
+    from workers.store import ShardMissing
+
+    async def act(pool, q, query, work, want) -> None:
+        k, v = keys(rng)
+        write = ShardWrite("ctx", 0, "float32", 2 * N_K, np.arange(N_K, N_K + 2), span=(3, 5))
+        info = await pool.append_shard(0, write, k, v, N_K)
+        assert info["length"] == N_K + 2 and pool.slots[0].channel is not None  # opened for the write
+        got_k, _, k_pos = await pool.slots[0].handle.export_shard.remote("ctx", 0, N_K + 2)
+        assert np.array_equal(got_k[N_K:], k[3:5]) and k_pos[N_K:].tolist() == [N_K, N_K + 1]
+        with pytest.raises(ShardMissing):  # the worker's exception by its class, as from Ray
+            await pool.append_shard(0, ShardWrite("nope", 0, "float32", 8, np.arange(1)), k[:1], v[:1], 0)
+        record = {"id": "ctx", "version": 5, "shards": [{"index": 0, "length": N_K + 2, "workers": ["w"]}]}
+        await pool.note_context(0, "ctx", record)
+        held = await pool.slots[0].handle.held.remote()
+        assert held[0]["context"] == record
+        # A channel that broke before the answer: the write goes through Ray (it is safe to run twice).
+        pool.slots[0].channel._writer.transport.abort()
+        info = await pool.append_shard(0, write, k, v, N_K)
+        assert info["length"] == N_K + 2 and pool.slots[0].outstanding == 0
+
+    pool_call(ray_cluster, rng, True, act)

@@ -399,7 +399,7 @@ def test_context_writes_report_their_stages_in_server_timing_and_metrics(server,
     created = post_kv(server.url, "/v1/contexts", k[:200], v[:200])
     appended = post_kv(server.url, f"/v1/contexts/{created.json()['id']}/append", k[200:], v[200:])
     for r, expected in ((created, {"parse", "place", "put", "store", "commit", "total"}),
-                        (appended, {"parse", "put", "store", "commit", "total"})):  # place: only for new shards
+                        (appended, {"parse", "put", "lease", "store", "commit", "note", "total"})):  # place: new shards
         stages = {part.split(";")[0].strip() for part in r.headers["server-timing"].split(",")}
         assert expected <= stages
     metrics = httpx.get(server.url + "/metrics", timeout=30).text

@@ -165,15 +165,20 @@ def test_an_append_whose_directory_restarted_after_the_workers_were_told_stands(
         try:
             ctx = (await contexts.create(write(k[:3]), Timings()))["id"]
             release = directory.release
+            channels = []
 
             async def die_then_release(ctx_id, owner):  # once: the append's release
                 directory.release = release
+                channels.append(directory._channel)  # the lease and the commit went over the direct channel
                 await restart(ray_cluster, directory)
                 return await release(ctx_id, owner)
 
             directory.release = die_then_release
             desc = await contexts.append(ctx, write(k[3:9]), Timings())
             assert desc["length"] == 9 and (await directory.get(ctx))["version"] == 2
+            # The restart closed that channel; the release opened one to the new directory.
+            assert channels[0] is not None and channels[0].closed
+            assert directory._channel is not channels[0] and not directory._channel.closed
             out, lse = await read_all(pool, contexts, ctx, q, np.arange(7, 9))
             assert_close_to_reference(out, lse, q, k, k, causal=True)
         finally:

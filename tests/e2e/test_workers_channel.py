@@ -172,7 +172,7 @@ def test_an_unknown_op_is_that_request_s_error(worker):
         receive(s)
         send(s, frames.encode({"id": 3, "op": "drop_everything"}))
         header, _ = receive(s)
-    assert header["op"] == "error" and header["id"] == 3 and "op must be resident or many" in header["message"]
+    assert header["op"] == "error" and header["id"] == 3 and "op must be resident, many, append or note" in header["message"]
 
 
 def test_a_connection_that_does_not_say_hello_in_time_is_closed(worker, monkeypatch):

@@ -1,5 +1,7 @@
 """The directory actor's records and leases, without Ray."""
 
+import pytest
+
 from service.contexts.directory import DirectoryActor
 
 
@@ -80,3 +82,140 @@ def test_health_says_ready_degraded_or_lost_from_the_live_workers():
     assert health(rec, {"w0", "w2"})["degraded_shards"] == [0, 1]
     lost = health(rec, {"w0"})
     assert lost["state"] == "lost" and lost["lost_shards"] == [1] and lost["degraded_shards"] == [0]
+
+
+def test_begin_takes_the_lease_and_reads_the_record_in_one_call():
+    d = DirectoryActor([], "ns")
+    d.commit(record("c"))
+    assert d.begin("c", "a", 60) == (True, record("c"))
+    assert d.begin("c", "b", 60) == (False, None)  # held by a
+    assert d.begin("new", "b", 60) == (True, None)  # no such context (yet): the lease all the same
+
+
+class FakeHandle:
+    """A Ray actor handle's shape over a DirectoryActor in this process: ``h.op.remote(*args)``; counts calls."""
+
+    def __init__(self, actor):
+        self.actor, self.calls = actor, []
+
+    def __getattr__(self, op):
+        handle = self
+
+        class Method:
+            @staticmethod
+            async def remote(*args):
+                handle.calls.append(op)
+                return getattr(handle.actor, op)(*args)
+        return Method
+
+
+class FakeChannel:
+    """The direct channel without a socket: frames encoded, handed to the actor's channel, the reply decoded."""
+
+    closed = False
+
+    def __init__(self, actor, broken=False):
+        self.actor, self.broken, self.calls = actor, broken, []
+
+    async def write(self, frame):
+        from service.cluster.channel import ChannelClosed
+        from workers import frames
+
+        if self.broken:
+            raise ChannelClosed("the directory's channel closed")
+        data = b"".join(bytes(b) for b in frame(1))
+        header_len, _ = frames.sizes(data[:frames.PREFIX.size])
+        header, arrays = frames.decode(data[frames.PREFIX.size:frames.PREFIX.size + header_len],
+                                       bytearray(data[frames.PREFIX.size + header_len:]))
+        self.calls.append(header["op"])
+        try:
+            reply = self.actor._channel_submit(header, arrays).result()
+        except Exception as exc:  # noqa: BLE001 - as the listener answers it
+            reply = frames.error_frame(1, exc)
+        data = b"".join(bytes(b) for b in reply)
+        header_len, _ = frames.sizes(data[:frames.PREFIX.size])
+        header, _ = frames.decode(data[frames.PREFIX.size:frames.PREFIX.size + header_len], b"")
+        if header["op"] == "error":
+            raise frames.parse_error(header)
+        return frames.parse_done(header)
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_writes_directory_calls_go_over_the_channel_with_ray_s_answers():
+    import asyncio
+
+    from service.contexts.directory import Directory
+    from service.core.errors import WorkersUnavailable
+
+    actor = DirectoryActor([], "ns")
+    actor.commit(record("c"))
+    handle, channel = FakeHandle(actor), FakeChannel(actor)
+    d = Directory(handle, channel=True)
+    d._channel = channel
+
+    async def run():
+        assert await d.begin("c", "a", 60) == (True, record("c"))
+        assert await d.begin("c", "b", 60) == (False, None)
+        incarnation = await d.commit(record("c", 2), "a")
+        assert incarnation == actor.incarnation == await d.release("c", "a")
+        with pytest.raises(WorkersUnavailable, match="the write to context c was not stored: its lease lapsed"):
+            await d.commit(record("c", 3), "a")  # released: LeaseLost, as from Ray
+        assert await d.commit(record("n"), None) == actor.incarnation  # a create's commit: through Ray
+
+    asyncio.run(run())
+    assert channel.calls == ["begin", "begin", "commit", "release", "commit"] and handle.calls == ["commit"]
+    assert actor.get("c")["version"] == 2
+
+
+def test_a_call_whose_channel_broke_goes_through_ray():
+    import asyncio
+
+    from service.contexts.directory import Directory
+
+    actor = DirectoryActor([], "ns")
+    actor.commit(record("c"))
+    handle, channel = FakeHandle(actor), FakeChannel(actor, broken=True)
+    d = Directory(handle, channel=True)
+    d._channel = channel
+    d._channel_retry_at = float("inf")  # no new channel: the next calls go through Ray
+
+    async def run():
+        assert await d.begin("c", "a", 60) == (True, record("c"))
+        assert await d.release("c", "a") == actor.incarnation
+
+    asyncio.run(run())
+    assert channel.closed and handle.calls == ["begin", "release"]
+
+
+def test_a_call_the_channel_cannot_carry_goes_through_ray():
+    import asyncio
+
+    import numpy as np
+
+    from service.contexts.directory import Directory
+
+    actor = DirectoryActor([], "ns")
+    actor.commit(record("c"))
+    handle, channel = FakeHandle(actor), FakeChannel(actor)
+    d = Directory(handle, channel=True)
+    d._channel = channel
+
+    async def run():
+        assert (await d.begin("c", "a", 60))[0]
+        await d.commit({**record("c", 2), "next_pos": np.int64(7)}, "a")  # not JSON: through Ray
+
+    asyncio.run(run())
+    assert channel.calls == ["begin"] and handle.calls == ["commit"] and not channel.closed
+    assert actor.get("c")["next_pos"] == 7
+
+
+def test_the_channel_serves_only_a_writes_calls():
+    from workers import frames
+
+    d = DirectoryActor([], "ns")
+    for header in ({"id": 1, "op": "remove", "args": ["c"]}, {"id": 1, "op": "begin", "args": "c"}):
+        with pytest.raises(frames.FrameError, match="op must be one of begin, commit, release"):
+            d._channel_submit(header, [])
+    assert d.channel() is None  # not listening: started without listen
