@@ -115,6 +115,11 @@ def decode(head: bytes | bytearray, body: bytes | bytearray | memoryview) -> tup
     return header, arrays
 
 
+def spec_of(spec: Any) -> tuple[np.dtype, tuple[int, ...]]:
+    """The dtype and shape one ``arrays`` entry of a header names (checked)."""
+    return _spec(spec)
+
+
 def _spec(spec: Any) -> tuple[np.dtype, tuple[int, ...]]:
     if not isinstance(spec, dict) or spec.get("dtype") not in WIRE_DTYPES:
         raise FrameError(f"arrays[].dtype must be one of {', '.join(WIRE_DTYPES)}, got {spec!r:.80}")
