@@ -11,7 +11,7 @@ context) serves every step, in this order, ``--rounds`` times:
 1. **idle probe**: a small context (4K keys) is queried by one client in a closed
    loop (``--probe-requests`` decode queries): p50 and p99 at rest;
 2. **inline ingest**: ``--repeat`` ``Client.attention(q, k, v)`` requests whose k, v
-   are one upload chunk (the chunk the client picks from ``/v1/limits``, 64 MiB of
+   are one upload chunk (the chunk the client picks from ``/v1/limits``, 16 MiB of
    K+V): bytes of K+V per second of each request, and its Server-Timing stages;
 3. **upload**: ``Client.create_context(k, v)`` of the whole context (default 1M keys
    of ``h_kv=8, d=128``, bfloat16: 4 GiB), chunked by the client, while the probe
