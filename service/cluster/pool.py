@@ -619,6 +619,12 @@ class WorkerPool(Roster[Slot]):
                                      f"the write was undone: send it again") from None
         finally:
             slot.outstanding -= 1
+        if header.get("op") == "error" and header.get("kind") == "FrameError":
+            # Refused before anything was stored: a worker of a release without context writes on its
+            # channel ("op must be resident or many"), or a frame it could not read. Ray carries it.
+            log.info("worker %s refused a context write over its channel (%s); it goes through Ray", slot.name,
+                     str(header.get("message", ""))[:200])
+            return None
         return _written(slot.name, header, arrays)
 
     def export_shard(self, index: int, context_id: str, shard: int, length: int) -> Awaitable[Any]:

@@ -17,7 +17,7 @@ from workers.actor import ShardWorker
 from workers.config import WorkerConfig
 from workers.frames import RemoteError
 from workers.options import AttentionOptions
-from workers.tasks import ShardQuery, ShardRead, ShardWrite, carry
+from workers.tasks import ShardQuery, ShardRead, ShardWrite, arrive, carry
 
 N_K, H_KV, H_Q, D = 500, 2, 4, 16
 
@@ -291,5 +291,35 @@ def test_a_query_the_worker_fails_is_a_500_naming_the_worker_not_a_lost_context(
         assert pool.slots[0].alive and pool.slots[0].outstanding == 0
         _, st = await pool.compute(0, q, query, work, keep_state=False, state_nbytes=1024)
         assert same(st, want)
+
+    pool_call(ray_cluster, rng, channel, act)
+
+
+@pytest.mark.parametrize("channel", [True, False])
+def test_context_writes_go_over_the_write_channel_and_store_what_ray_stores(ray_cluster, rng, channel):
+    """Issue 47: within staged_writes the pool keeps a write's arrays here and sends them over a write channel
+    of their own (an append in parts, only its span); with the channel off, through Ray as before."""
+    from service.cluster.channel import staged_writes
+    from service.cluster.pool import Staged
+
+    n = 90
+    k = rng.standard_normal((n, H_KV, D)).astype(np.float32)
+    v = rng.standard_normal((n, H_KV, D)).astype(np.float32)
+
+    async def act(pool, q, query, work, want) -> None:
+        with staged_writes():
+            sk, sv = await pool.put(k, v)
+        assert isinstance(sk, Staged) == channel
+        before = channel_calls(pool)
+        create = ShardWrite("new", 0, "float32", 256, np.arange(40), reserve=256, span=(0, 40))
+        [info] = await pool.create_shards(0, [create], sk, sv, {"version": 1})
+        info = await pool.append_shard(0, ShardWrite("new", 0, "float32", 256, np.arange(40, n), span=(40, n)),
+                                       sk, sv, 40)
+        assert info["length"] == n
+        assert channel_calls(pool) - before == (2 if channel else 0)
+        assert (pool.slots[0].write_channel is not None) == channel
+        got_k, got_v, _ = await pool.export_shard(0, "new", 0, n)
+        assert np.asarray(arrive(await got_k)).tobytes() == k.tobytes()
+        assert np.asarray(arrive(await got_v)).tobytes() == v.tobytes()
 
     pool_call(ray_cluster, rng, channel, act)
