@@ -27,7 +27,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from merge import State, merge_all, merge_group
-from workers.api import partial_attention_resident_many, partial_attention_shard
 from workers import frames
+from workers.api import partial_attention_resident_many, partial_attention_shard
 from workers.batch import Batcher
-from workers.channel import Listener, gather, then
+from workers.channel import Listener, gather, parse_append, parse_write, then, written_frame
 from workers.config import WorkerConfig, settings_of
 from workers.fused import available as fused_available
 from workers.fused import ready_at as fused_ready_at
@@ -48,7 +48,6 @@ from workers.options import CpuKernels
 from workers.persist import ShardFiles
 from workers.store import Expired, ShardInfo, ShardStore
 from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, arrive, carry
-
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +152,8 @@ class ShardWorker:
         self.listener: Listener | None = None
         if config.channel:
             try:
-                self.listener = Listener(self._channel_submit, host=_node_address(), name=name)
+                self.listener = Listener(self._channel_submit, host=_node_address(), name=name,
+                                         stream=self._channel_append)
             except OSError as exc:  # no socket for it: the worker serves through Ray alone
                 log.warning("worker %s: direct channel not opened (%s); queries come through Ray", name, exc)
 
@@ -252,15 +252,57 @@ class ShardWorker:
             self.calls += 1
             self.channel_calls += 1
             return gather(self._submit_many(items), lambda results: frames.many_reply(call_id, results))
-        if op == "append":  # a small append (an engine's token): as append_shard, on the writes thread
-            write, k, v, committed = frames.parse_append(header, arrays)
-            done = self.writes.submit(functools.partial(self.store.append, write, k, v, committed=committed))
-            return then(done, lambda info: frames.done_frame(call_id, info.summary()))
+        if op == "write":  # a context write (create or append) whose keys came over the channel
+            writes, k, v, record, committed = parse_write(header, arrays)
+            self.calls += 1
+            self.channel_calls += 1
+            if record is not None:
+                done = self.writes.submit(functools.partial(self._create_all, writes, k, v, record))
+                return then(done, lambda infos: written_frame(call_id, [info.summary() for info in infos]))
+            if committed is None or len(writes) != 1:
+                raise frames.FrameError("a write frame without a record must append to one shard")
+            [write] = writes
+            done = self.writes.submit(functools.partial(self.store.append, write, write.keys_of(k), write.keys_of(v),
+                                                        committed=committed))
+            return then(done, lambda info: written_frame(call_id, [info.summary()]))
         if op == "note":  # as note_context, on the writes thread (never in the connection's reader)
             context_id, record = frames.parse_note(header, arrays)
             done = self.writes.submit(functools.partial(self.store.note_context, context_id, record))
             return then(done, lambda _: frames.done_frame(call_id, None))
-        raise frames.FrameError(f"op must be resident, many, append or note, got {str(op)[:40]!r}")
+        raise frames.FrameError(f"op must be resident, many, write or note, got {str(op)[:40]!r}")
+
+    def _channel_append(self, header: dict, arrays: Iterator[Any]) -> Future:
+        """An append whose parts arrive over the channel one after another (``workers.channel.append_frame``):
+        each part goes to the writes thread as it arrives, after the keys of the parts before it, so the
+        shard takes a part while the next is on the wire. A part that fails fails the append, and the
+        parts after it are not stored (the front end undoes the append: docs/CONTEXTS.md, "Consistency")."""
+        call_id = int(header["id"])
+        write, committed, parts = parse_append(header, next(arrays))
+        self.calls += 1
+        self.channel_calls += 1
+        done: list[Future] = []
+        at = 0
+        for n in parts:
+            k, v = next(arrays), next(arrays)
+            part = ShardWrite(write.context_id, write.index, write.dtype, write.max_capacity, write.k_pos[at:at + n])
+            done.append(self.writes.submit(functools.partial(self._append_part, part, k, v, committed + at,
+                                                             done[-1] if done else None)))
+            at += n
+
+        def reply(results: list[Any]) -> list[bytes | memoryview]:
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            return written_frame(call_id, [results[-1].summary()])
+
+        return gather(done, reply)
+
+    def _append_part(self, write: ShardWrite, k: Any, v: Any, committed: int, before: Future | None) -> ShardInfo:
+        """One part of a streamed append, after ``committed`` keys; not stored when the part before it failed
+        (the writes thread runs them in order: ``before`` is done)."""
+        if before is not None and before.exception() is not None:
+            raise before.exception()  # type: ignore[misc]
+        return self.store.append(write, k, v, committed=committed)
 
     def partial_resident_many(self, items: Sequence[ResidentQuery]) -> list[tuple[ComputeStatus, list[State]] | Exception]:
         """Each item's states, one per read in the order listed (unmerged), or the exception it raised.
@@ -342,12 +384,11 @@ class ShardWorker:
         writes thread; each keeps ``context``. One call per worker, however many shards: sent once per shard,
         the record (which lists every shard) made a create of 1024 shards cost their square, 50 s on 2 cores,
         and its calls kept the worker's other calls waiting. Returns each shard's summary (no record)."""
-        k, v = arrive(k), arrive(v)
+        infos = self.writes.call(functools.partial(self._create_all, writes, arrive(k), arrive(v), context))
+        return [info.summary() for info in infos]
 
-        def create_all() -> list[ShardInfo]:
-            return [self.store.create(w, w.keys_of(k), w.keys_of(v), context=context) for w in writes]
-
-        return [info.summary() for info in self.writes.call(create_all)]
+    def _create_all(self, writes: list[ShardWrite], k: Any, v: Any, context: dict) -> list[ShardInfo]:
+        return [self.store.create(w, w.keys_of(k), w.keys_of(v), context=context) for w in writes]
 
     def append_shard(self, write: ShardWrite, k: Any, v: Any, committed: int) -> dict:
         k, v = write.keys_of(arrive(k)), write.keys_of(arrive(v))

@@ -26,16 +26,21 @@ from __future__ import annotations
 
 import functools
 import hmac
+import json
 import logging
+import math
 import secrets
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from workers import frames
+from workers.tasks import ShardWrite
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +53,20 @@ MAX_CONNECTIONS = 64
 #: buffers; ``alone``: no other request waits on the connection, so the worker may run this one in the
 #: connection's thread (``workers.batch.Batcher.run_here``) instead of waking its compute thread.
 Submit = Callable[[dict[str, Any], list[Any], bool], Future]
+#: ``stream(header, arrays)``: a request of op :data:`STREAMED_OP` whose arrays are read from the socket one at
+#: a time as ``arrays`` is iterated (in the connection's thread); it takes them all and returns the future of
+#: its reply, so that the worker stores a part of an append while the next part is still arriving.
+Stream = Callable[[dict[str, Any], Iterator[Any]], Future]
+#: The op whose arrays are streamed (an append's parts: :func:`append_frame`).
+STREAMED_OP = "append"
 
 
 class Listener:
     """Serves the direct channel of one worker until the process ends (or :meth:`close`)."""
 
-    def __init__(self, submit: Submit, *, host: str, name: str) -> None:
+    def __init__(self, submit: Submit, *, host: str, name: str, stream: Stream | None = None) -> None:
         self._submit = submit
+        self._stream = stream
         self.name = name
         self.token = secrets.token_urlsafe(32)
         self._sock = socket.create_server((host, 0))
@@ -94,10 +106,15 @@ class Listener:
             threading.Thread(target=replies.drain, name=f"{self.name}-channel-write", daemon=True).start()
             replies.send(frames.encode({"op": "hello", "worker": self.name}))
             while True:
-                header, arrays = _read(conn)
+                header, body_len, head = _read_head(conn)
                 call_id = header.get("id")
                 if not isinstance(call_id, int):
                     raise frames.FrameError(f"id must be an int, got {call_id!r:.40}")
+                if self._stream is not None and header.get("op") == STREAMED_OP:
+                    self._streamed(conn, replies, header, body_len)
+                    continue
+                body = _exactly(conn, body_len) if body_len < BIG_BODY_BYTES else _body(conn, body_len).data
+                _, arrays = frames.decode(head, body)
                 try:
                     future = self._submit(header, arrays, not _pending(conn))
                 except Exception as exc:  # noqa: BLE001 - a request the worker refuses is that request's answer
@@ -111,6 +128,24 @@ class Listener:
             replies.close()
             conn.close()
             self._slots.release()
+
+    def _streamed(self, conn: socket.socket, replies: _Replies, header: dict[str, Any], body_len: int) -> None:
+        """Hand a streamed request its arrays as they arrive; its reply once its future is done. Whatever
+        it refuses, the rest of its body is read (the connection stays framed) and its answer is the error."""
+        call_id = int(header["id"])
+        arrays = _arrays(conn, header, body_len)
+        try:
+            future = self._stream(header, arrays)  # type: ignore[misc]
+        except frames.FrameError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a request the worker refuses is that request's answer
+            for _ in arrays:  # the rest of the body, read and dropped
+                pass
+            replies.send(frames.error_frame(call_id, exc))
+            return
+        if next(arrays, None) is not None:
+            raise frames.FrameError("a streamed request must take every array it carries")
+        future.add_done_callback(functools.partial(self._done, replies, call_id))
 
     def _done(self, replies: _Replies, call_id: int, future: Future) -> None:
         replies.send(self._answer(call_id, future))
@@ -232,8 +267,141 @@ def _read(conn: socket.socket) -> tuple[dict[str, Any], list[Any]]:
     prefix = _exactly(conn, frames.PREFIX.size)
     header_len, body_len = frames.sizes(prefix)
     head = _exactly(conn, header_len)
-    body = _exactly(conn, body_len)
-    return frames.decode(head, body)
+    return frames.decode(head, _exactly(conn, body_len))
+
+
+def _read_head(conn: socket.socket) -> tuple[dict[str, Any], int, bytearray]:
+    """A frame's header (parsed), its body's length and the header's bytes; the body is left on the socket."""
+    header_len, body_len = frames.sizes(_exactly(conn, frames.PREFIX.size))
+    head = _exactly(conn, header_len)
+    header, _ = frames.decode(head, b"") if body_len == 0 else (_json_header(head), None)
+    return header, body_len, head
+
+
+def _json_header(head: bytearray) -> dict[str, Any]:
+    try:
+        header = json.loads(head)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise frames.FrameError(f"header must be JSON, got {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("arrays", []), list):
+        raise frames.FrameError("header must be an object whose arrays is a list")
+    return header
+
+
+def _arrays(conn: socket.socket, header: dict[str, Any], body_len: int) -> Iterator[Any]:
+    """The arrays a header names, each read from ``conn`` as it is taken (``frames.decode``'s rules: the
+    body holds exactly them)."""
+    at = 0
+    for spec in header.get("arrays", []):
+        dtype, shape = frames.spec_of(spec)
+        n = math.prod(shape) * dtype.itemsize
+        if at + n > body_len:
+            raise frames.FrameError(f"body must hold the arrays the header names, got {body_len} bytes for at "
+                                    f"least {at + n}")
+        at += n
+        yield _body(conn, n).view(dtype).reshape(shape)
+    if at != body_len:
+        raise frames.FrameError(f"body must hold exactly the arrays the header names ({at} bytes), got {body_len}")
+
+
+#: Bodies from this size on are read into memory that is not zeroed first (a context write's keys).
+BIG_BODY_BYTES = 2**20
+
+
+def _body(conn: socket.socket, n: int) -> np.ndarray:
+    """``n`` bytes read straight into a fresh, writable array: no pass that zeroes it first, as
+    ``bytearray(n)`` makes (a context write's 16 MiB of keys is read once, then copied into its shard)."""
+    buf = np.empty(n, np.uint8)
+    view, got = buf.data, 0
+    while got < n:
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("the peer closed the connection")
+        got += k
+    return buf
+
+
+# -- context writes over the channel ----------------------------------------------------------------
+#
+# ``write`` frames carry what ``ShardWorker.create_shards`` and ``append_shard`` take through Ray: the
+# shard writes (JSON), the context record of a create or the committed length of an append, and the
+# arrays ``k, v`` and each write's ``k_pos``; the reply, ``written``, carries the shards' summaries.
+
+#: The fields of a :class:`ShardWrite` a frame carries beside its ``k_pos`` array.
+_WRITE_FIELDS = ("context_id", "index", "dtype", "max_capacity", "reserve", "span")
+
+
+def write_frame(call_id: int, writes: Sequence[ShardWrite], k: Any, v: Any, *, record: dict | None = None,
+                committed: int | None = None) -> list[bytes | memoryview]:
+    """A create (``record`` given) or an append (``committed`` given) of ``writes`` with ``k``, ``v``."""
+    if (record is None) == (committed is None):
+        raise ValueError("write_frame needs exactly one of record (a create) and committed (an append)")
+    header: dict[str, Any] = {"id": call_id, "op": "write",
+                              "writes": [{f: getattr(w, f) for f in _WRITE_FIELDS} for w in writes]}
+    if record is not None:
+        header["record"] = record
+    else:
+        header["committed"] = committed
+    return frames.encode(header, [k, v, *(np.asarray(w.k_pos, dtype=np.int64) for w in writes)])
+
+
+def parse_write(header: dict[str, Any], arrays: Sequence[Any]) -> tuple[list[ShardWrite], Any, Any, dict | None,
+                                                                         int | None]:
+    """``(writes, k, v, record, committed)`` of a ``write`` frame (:func:`write_frame`); FrameError if malformed."""
+    try:
+        specs = header["writes"]
+        if not isinstance(specs, list) or len(arrays) != 2 + len(specs):
+            raise ValueError(f"a write frame must carry k, v and a k_pos per write, got {len(arrays)} arrays")
+        writes = []
+        for spec, k_pos in zip(specs, arrays[2:]):
+            span = spec["span"]
+            writes.append(ShardWrite(str(spec["context_id"]), int(spec["index"]), str(spec["dtype"]),
+                                     int(spec["max_capacity"]), k_pos, reserve=int(spec["reserve"]),
+                                     span=None if span is None else (int(span[0]), int(span[1]))))
+        record, committed = header.get("record"), header.get("committed")
+        if (record is None) == (committed is None) or not (record is None or isinstance(record, dict)):
+            raise ValueError("a write frame must carry a record (a create) or committed (an append)")
+        return writes, arrays[0], arrays[1], record, None if committed is None else int(committed)
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise frames.FrameError(f"a write frame must name its writes: {type(exc).__name__}: {exc}") from None
+
+
+def append_frame(call_id: int, write: ShardWrite, k: Any, v: Any, committed: int,
+                 part_keys: int) -> list[bytes | memoryview]:
+    """An append of ``k``, ``v`` (all of them: ``write.span`` is not sent) after ``committed`` keys, in parts
+    of ``part_keys`` keys: the worker stores each part while the next one arrives (op :data:`STREAMED_OP`)."""
+    n = int((k.bits if hasattr(k, "bits") else k).shape[0])
+    bounds = [(lo, min(lo + part_keys, n)) for lo in range(0, n, max(part_keys, 1))] or [(0, 0)]
+    spec = {f: getattr(write, f) for f in _WRITE_FIELDS if f != "span"}
+    header = {"id": call_id, "op": STREAMED_OP, "write": spec, "committed": committed,
+              "parts": [hi - lo for lo, hi in bounds]}
+    parts = [a for lo, hi in bounds for a in (_rows(k, lo, hi), _rows(v, lo, hi))]
+    return frames.encode(header, [np.asarray(write.k_pos, dtype=np.int64), *parts])
+
+
+def _rows(a: Any, lo: int, hi: int) -> Any:
+    """Keys ``[lo, hi)`` of an array, or of the bits a ``Carried`` holds (kept carried)."""
+    return type(a)(a.bits[lo:hi]) if hasattr(a, "bits") else a[lo:hi]
+
+
+def parse_append(header: dict[str, Any], k_pos: Any) -> tuple[ShardWrite, int, list[int]]:
+    """``(write, committed, part keys)`` of an :func:`append_frame` whose first array, ``k_pos``, was read."""
+    try:
+        spec, parts = header["write"], header["parts"]
+        if not isinstance(parts, list) or not all(type(p) is int and p >= 0 for p in parts):
+            raise ValueError(f"parts must be a list of key counts, got {parts!r:.80}")
+        if len(header.get("arrays", [])) != 1 + 2 * len(parts) or sum(parts) != len(k_pos):
+            raise ValueError("an append frame must carry k_pos and each part's k and v")
+        write = ShardWrite(str(spec["context_id"]), int(spec["index"]), str(spec["dtype"]),
+                           int(spec["max_capacity"]), k_pos, reserve=int(spec["reserve"]))
+        return write, int(header["committed"]), parts
+    except (KeyError, TypeError, ValueError) as exc:
+        raise frames.FrameError(f"an append frame must name its write: {type(exc).__name__}: {exc}") from None
+
+
+def written_frame(call_id: int, infos: Sequence[dict]) -> list[bytes | memoryview]:
+    """The reply to a ``write``: each shard's summary (``ShardInfo.summary``)."""
+    return frames.encode({"id": call_id, "op": "written", "infos": list(infos)})
 
 
 def _exactly(conn: socket.socket, n: int) -> bytearray:

@@ -117,6 +117,11 @@ def decode(head: bytes | bytearray, body: bytes | bytearray | memoryview) -> tup
     return header, arrays
 
 
+def spec_of(spec: Any) -> tuple[np.dtype, tuple[int, ...]]:
+    """The dtype and shape one ``arrays`` entry of a header names (checked)."""
+    return _spec(spec)
+
+
 def _spec(spec: Any) -> tuple[np.dtype, tuple[int, ...]]:
     if not isinstance(spec, dict) or spec.get("dtype") not in WIRE_DTYPES:
         raise FrameError(f"arrays[].dtype must be one of {', '.join(WIRE_DTYPES)}, got {spec!r:.80}")
@@ -264,31 +269,6 @@ def parse_many_reply(header: Mapping[str, Any], arrays: Sequence[np.ndarray]
 
 
 # -- context writes (small ones: an engine's append of a token) --------------------------------------
-
-def append_frame(call_id: int, write: ShardWrite, k: Any, v: Any, committed: int) -> list[bytes | memoryview]:
-    """An ``append`` request: ``ShardWorker.append_shard(write, k, v, committed)``; only the write's span of
-    ``k`` and ``v`` travels."""
-    header = {"id": call_id, "op": "append", "context_id": write.context_id, "index": write.index,
-              "dtype": write.dtype, "max_capacity": write.max_capacity, "committed": committed}
-    return encode(header, [write.keys_of(arrive(k)), write.keys_of(arrive(v)), np.asarray(write.k_pos, dtype=np.int64)])
-
-
-def parse_append(header: Mapping[str, Any], arrays: Sequence[np.ndarray]) -> tuple[ShardWrite, Any, Any, int]:
-    """``(write, k, v, committed)`` of an ``append`` request; a malformed one raises :class:`FrameError`."""
-    try:
-        k, v, k_pos = arrays
-        write = ShardWrite(_text(header["context_id"]), _count(header["index"]), _text(header["dtype"]),
-                           _count(header["max_capacity"]), k_pos)
-        committed = _count(header["committed"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise FrameError(f"an append must carry its shard, committed length, k, v and k_pos: "
-                         f"{type(exc).__name__}: {exc}") from None
-    if k.ndim != 3 or v.ndim != 3 or k_pos.ndim != 1 or k_pos.dtype != np.int64 \
-            or not k.shape[0] == v.shape[0] == k_pos.shape[0]:
-        raise FrameError(f"an append must carry k [n, h_kv, d], v [n, h_kv, d_v] and int64 k_pos [n], got "
-                         f"{k.shape}, {v.shape} and {k_pos.shape}")
-    return write, k, v, committed
-
 
 def note_frame(call_id: int, context_id: str, record: Mapping[str, Any]) -> list[bytes | memoryview]:
     """A ``note`` request: ``ShardWorker.note_context(context_id, record)`` (the record as JSON)."""

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
-from collections.abc import Sequence
+import socket
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from merge import State
@@ -21,11 +24,31 @@ from workers import frames
 from workers.frames import RemoteError
 from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead
 
+#: A context write's keys and values travel over the channel up to the frame's bound; larger go through Ray.
+MAX_WRITE_BYTES = frames.MAX_BODY_BYTES
+#: Seconds a context write's frame may take to send and be answered (the worker stores it meanwhile).
+WRITE_TIMEOUT_S = 300.0
 #: Seconds to connect and hear the worker's hello.
 CONNECT_TIMEOUT_S = 5.0
 #: A query (q, its positions, ALiBi slopes) and its state must each fit this to use the channel;
 #: larger ones go through Ray's object store, whose call overhead is small beside them.
 MAX_CALL_BYTES = 16 * 2**20
+
+
+#: Set while a context write (create or append) runs (:func:`staged_writes`): the pool keeps its arrays
+#: in this process (``service.cluster.pool.Staged``) for the workers' write channels, instead of
+#: copying them into Ray's object store first.
+STAGED_WRITES: contextvars.ContextVar[bool] = contextvars.ContextVar("splitkey_staged_writes", default=False)
+
+
+@contextlib.contextmanager
+def staged_writes() -> Iterator[None]:
+    """Within: the arrays the pool is asked to ``put`` are a context write's (``service.routes.contexts``)."""
+    token = STAGED_WRITES.set(True)
+    try:
+        yield
+    finally:
+        STAGED_WRITES.reset(token)
 
 
 class ChannelClosed(ConnectionError):
@@ -149,3 +172,90 @@ async def _read(reader: asyncio.StreamReader) -> tuple[dict[str, Any], list[Any]
     head = await reader.readexactly(header_len)
     body = bytearray(await reader.readexactly(body_len))  # writable: the merge may work in place
     return frames.decode(head, body)
+
+
+class WriteChannel:
+    """A second connection to a worker's channel, for context writes: one at a time, sent from a thread.
+
+    Bulk bytes never share the query connection (a decode query would wait behind 16 MiB of keys),
+    and a blocking ``sendall`` of each array's memory sends it without a copy in this process (an
+    asyncio transport joins or buffers what the socket does not take at once). Writes to one
+    worker are stored one at a time there anyway, so one in flight per worker loses nothing.
+    """
+
+    def __init__(self, name: str, sock: socket.socket) -> None:
+        self.name = name
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._closed = False
+
+    @classmethod
+    def open(cls, name: str, address: dict[str, Any], timeout_s: float = CONNECT_TIMEOUT_S) -> WriteChannel:
+        """Connect to ``address`` (``ShardWorker.channel()``) and say hello; blocking (run it in a thread)."""
+        try:
+            sock = socket.create_connection((str(address["host"]), int(address["port"])), timeout=timeout_s)
+        except OSError as exc:
+            raise ChannelClosed(f"worker {name}'s channel could not be opened: {type(exc).__name__}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for buf in frames.encode({"op": "hello", "token": str(address["token"])}):
+                sock.sendall(buf)
+            header, _ = _read_blocking(sock)
+            if header.get("op") != "hello":
+                raise ChannelClosed(f"worker {name}'s channel must answer hello, got {header.get('op')!r:.40}")
+            sock.settimeout(WRITE_TIMEOUT_S)
+        except (OSError, EOFError, frames.FrameError) as exc:
+            sock.close()
+            raise ChannelClosed(f"worker {name}'s channel could not be opened: {type(exc).__name__}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return cls(name, sock)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def call(self, frame: Any) -> tuple[dict[str, Any], list[Any]]:
+        """Send ``frame(id)`` and wait for its reply; blocking. :class:`ChannelClosed` when the connection
+        fails on the way: the write may or may not have been stored (the caller undoes it)."""
+        with self._lock:
+            if self._closed:
+                raise ChannelClosed(f"worker {self.name}'s write channel was closed")
+            call_id = next(self._ids)
+            buffers = frame(call_id)  # FrameError (too large) before anything is sent
+            try:
+                for buf in buffers:
+                    self._sock.sendall(buf)
+                header, arrays = _read_blocking(self._sock)
+            except (OSError, EOFError, frames.FrameError) as exc:
+                self.close()
+                raise ChannelClosed(f"worker {self.name}'s write channel closed: {type(exc).__name__}") from exc
+            if header.get("id") != call_id:
+                self.close()
+                raise ChannelClosed(f"worker {self.name}'s write channel answered call {header.get('id')!r:.20}, "
+                                    f"not {call_id}")
+            return header, arrays
+
+
+def _read_blocking(sock: socket.socket) -> tuple[dict[str, Any], list[Any]]:
+    header_len, body_len = frames.sizes(_exactly(sock, frames.PREFIX.size))
+    head = _exactly(sock, header_len)
+    return frames.decode(head, _exactly(sock, body_len))
+
+
+def _exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("the worker closed the connection")
+        got += k
+    return buf

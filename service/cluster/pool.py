@@ -20,6 +20,7 @@ the exception's kind, the same over the direct channel and over Ray, and not ret
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import math
 import time
@@ -32,8 +33,14 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from merge import State
-from service.core import deadline
-from service.cluster.channel import MAX_CALL_BYTES, ChannelClosed, WorkerChannel
+from service.cluster.channel import (
+    MAX_CALL_BYTES,
+    MAX_WRITE_BYTES,
+    STAGED_WRITES,
+    ChannelClosed,
+    WorkerChannel,
+    WriteChannel,
+)
 from service.cluster.startup import (
     WORKER_PREFIX,
     check_fits,
@@ -48,23 +55,41 @@ from service.cluster.surface import (
     InlineWork,
     ResidentWork,
     Roster,
-    answered,
-    missed_ping,
     WorkerSlot,
     WorkerSurface,
+    answered,
     failed,
     last_line,
+    missed_ping,
 )
 from service.cluster.surface import domain as _domain
+from service.core import deadline
 from service.core.errors import WorkersUnavailable
 from service.core.settings import ServiceSettings
 from workers import frames
 from workers.actor import ShardWorker
+from workers.channel import append_frame, write_frame
 from workers.config import settings_of
+from workers.frames import FrameError, RemoteError
 from workers.options import CpuKernels
-from workers.frames import RemoteError
 from workers.store import CapacityError, ShardMissing
 from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, carry
+
+#: Bytes of k and v per part of an append sent over a write channel: the worker stores a part while the
+#: next one arrives (``workers.channel.append_frame``), so a smaller part overlaps more; each costs a hand-off.
+APPEND_PART_BYTES = 2 * 2**20
+
+
+def _span(carried: Any, write: ShardWrite) -> Any:
+    """The write's keys of a (carried) array, carried as it was."""
+    return Carried(write.keys_of(carried.bits)) if isinstance(carried, Carried) else write.keys_of(carried)
+
+
+def _part_keys(k: Any, v: Any) -> int:
+    """Keys per part of an append of ``k``, ``v`` over a write channel (:data:`APPEND_PART_BYTES`)."""
+    n = int((k.bits if isinstance(k, Carried) else k).shape[0])
+    per_key = max((_nbytes(k) + _nbytes(v)) // max(n, 1), 1)
+    return max(1, APPEND_PART_BYTES // per_key)
 
 _T = TypeVar("_T")
 
@@ -108,6 +133,7 @@ class Slot:
     channel: WorkerChannel | None = None  #: the direct channel, once opened (``service.cluster.channel``)
     channel_retry_at: float = 0.0  #: monotonic time before which no channel is opened (one just failed)
     channel_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    write_channel: WriteChannel | None = None  #: the connection for context writes, once opened
 
     @property
     def held(self) -> dict:
@@ -120,6 +146,9 @@ class Slot:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
+        if self.write_channel is not None:
+            self.write_channel.close()
+            self.write_channel = None
 
 
 async def _await(ref: Any) -> Any:
@@ -129,6 +158,46 @@ async def _await(ref: Any) -> Any:
 
 def _nbytes(a: Any) -> int:
     return int((a.bits if isinstance(a, Carried) else a).nbytes)
+
+
+class Staged:
+    """A context write's array (carried: ``workers.tasks.carry``) kept here until a worker's call takes it.
+
+    Over a worker's write channel it is sent from this memory as it is; a call that goes through
+    Ray instead (no channel, or more than a frame holds) puts it into the object store once, on
+    the first such call, and every other replica's call reads that object (:meth:`for_ray`).
+    """
+
+    def __init__(self, carried: Any) -> None:
+        self.carried = carried
+        self.nbytes = _nbytes(carried)
+        self._ref: asyncio.Future | None = None
+
+    async def for_ray(self) -> Any:
+        """What a Ray call takes: the array itself when small (inlined in the call), else its ObjectRef."""
+        if self.nbytes <= INLINE_ARG_BYTES:
+            return self.carried
+        if self._ref is None:
+            self._ref = asyncio.ensure_future(asyncio.to_thread(ray.put, self.carried))
+        try:
+            return await asyncio.shield(self._ref)
+        except ray.exceptions.RayError as exc:
+            raise WorkersUnavailable(f"the object store must take the request's arrays, got "
+                                     f"{type(exc).__name__}") from None
+
+
+def _written(name: str, header: dict, arrays: list[Any]) -> list[dict]:
+    """The shards' summaries a ``written`` reply carries; a worker's error raised as a Ray call raises it."""
+    if header.get("op") == "error":
+        err = RemoteError(str(header.get("kind", "Exception")), str(header.get("message", "")))
+        known = {"CapacityError": CapacityError, "ShardMissing": ShardMissing}.get(err.kind)
+        if known is not None:
+            raise known(err.message)
+        raise failed(name, err.kind, err.message)
+    infos = header.get("infos")
+    if header.get("op") != "written" or not isinstance(infos, list):
+        raise failed(name, "FrameError", f"a write must be answered written, got {header.get('op')!r:.40}")
+    return infos
 
 
 class WorkerPool(Roster[Slot]):
@@ -278,9 +347,15 @@ class WorkerPool(Roster[Slot]):
     async def put(self, *arrays: Any) -> list[Any]:
         """Arrays as task arguments: large ones copied into the object store once (off the
         event loop, so every replica's call reads the same object), small ones passed by
-        value (Ray inlines them in the call, which saves a round trip to the store)."""
-        big = [i for i, a in enumerate(arrays) if a.nbytes > INLINE_ARG_BYTES]
+        value (Ray inlines them in the call, which saves a round trip to the store).
+
+        Within a context write (``service.cluster.channel.staged_writes``) with the direct
+        channel on, each array stays here, :class:`Staged`, and goes to the workers over their
+        write channels (:meth:`create_shards`, :meth:`append_shard`): no copy into the store."""
         out = [carry(a) for a in arrays]  # bfloat16 as its bits (workers.tasks.Carried)
+        if STAGED_WRITES.get() and self.settings.worker_channel:
+            return [Staged(a) for a in out]
+        big = [i for i, a in enumerate(arrays) if a.nbytes > INLINE_ARG_BYTES]
         if big:
             try:
                 refs = await asyncio.to_thread(lambda: [ray.put(out[i]) for i in big])
@@ -467,16 +542,93 @@ class WorkerPool(Roster[Slot]):
 
     def create_shards(self, index: int, writes: Sequence[ShardWrite], k: Any, v: Any,
                       record: Mapping[str, object]) -> Awaitable[Any]:
-        """Several new shards of one context on one worker, in one call (``ShardWorker.create_shards``)."""
-        return self._call(index, lambda h: h.create_shards.remote(list(writes), k, v, record))
+        """Several new shards of one context on one worker, in one call (``ShardWorker.create_shards``).
+        Staged arrays (:meth:`put`) go over the worker's write channel when it has one."""
+        if not isinstance(k, Staged) or not isinstance(v, Staged):
+            return self._call(index, lambda h: h.create_shards.remote(list(writes), k, v, record))
+        shards, kept = list(writes), copy.deepcopy(dict(record))  # as a Ray call takes them: now
+
+        async def run() -> Any:
+            sent = await self._write_over(index, k.nbytes + v.nbytes, lambda i: write_frame(
+                i, shards, k.carried, v.carried, record=kept))
+            if sent is not None:
+                return sent
+            rk, rv = await k.for_ray(), await v.for_ray()
+            return await self._call(index, lambda h: h.create_shards.remote(shards, rk, rv, kept))
+        return run()
 
     def append_shard(self, index: int, write: ShardWrite, k: Any, v: Any, committed: int) -> Awaitable[Any]:
-        """Append to a shard (``ShardWorker.append_shard``): a small append (k and v passed by value, not
-        through the object store: :meth:`put`) over the worker's direct channel, any other through Ray."""
-        if self.settings.worker_channel and not any(isinstance(a, ray.ObjectRef) for a in (k, v)):
-            return self._write_over(index, lambda i: frames.append_frame(i, write, k, v, committed),
-                                    lambda h: h.append_shard.remote(write, k, v, committed))
-        return self._call(index, lambda h: h.append_shard.remote(write, k, v, committed))
+        """Keys appended to one shard (``ShardWorker.append_shard``); staged arrays (:meth:`put`) go over
+        the worker's write channel when it has one, only the write's span of them, in parts that the
+        worker stores as they arrive."""
+        if not isinstance(k, Staged) or not isinstance(v, Staged):
+            return self._call(index, lambda h: h.append_shard.remote(write, k, v, committed))
+
+        async def run() -> Any:
+            ks, vs = _span(k.carried, write), _span(v.carried, write)
+            sent = await self._write_over(index, _nbytes(ks) + _nbytes(vs), lambda i: append_frame(
+                i, write, ks, vs, committed, _part_keys(ks, vs)))
+            if sent is not None:
+                [info] = sent
+                return info
+            rk, rv = await k.for_ray(), await v.for_ray()
+            return await self._call(index, lambda h: h.append_shard.remote(write, rk, rv, committed))
+        return run()
+
+    async def _write_channel(self, index: int) -> WriteChannel | None:
+        """The worker's write channel, opened now if need be; None when it has no direct channel (or one
+        just failed to open: its writes go through Ray meanwhile)."""
+        slot = self.slots[index]
+        if slot.write_channel is not None and not slot.write_channel.closed:
+            return slot.write_channel
+        if await self._channel(index) is None:  # none, or none for now (its retry time is the query channel's)
+            return None
+        async with slot.channel_lock:
+            if slot.write_channel is not None and not slot.write_channel.closed:
+                return slot.write_channel
+            try:
+                address = await self._call(index, lambda h: h.channel.remote())
+                if address is None:
+                    return None
+                slot.write_channel = await asyncio.to_thread(WriteChannel.open, slot.name, address)
+            except ChannelClosed as exc:
+                log.warning("worker %s: %s; its context writes go through Ray for %.0f s", slot.name, exc,
+                            CHANNEL_RETRY_S)
+                slot.drop_channel()
+                slot.channel_retry_at = time.monotonic() + CHANNEL_RETRY_S
+                return None
+            return slot.write_channel
+
+    async def _write_over(self, index: int, nbytes: int, frame: Callable[[int], Any]) -> Any:
+        """A context write over worker ``index``'s write channel: the shards' summaries, or None when it
+        must go through Ray (no channel, more than a frame holds, a frame that cannot be built: nothing was
+        sent then). A connection that breaks on the way is 503: the write may be half stored, and the
+        caller undoes it (docs/CONTEXTS.md, "Consistency")."""
+        if not self.settings.worker_channel or nbytes > MAX_WRITE_BYTES:
+            return None
+        channel = await self._write_channel(index)
+        if channel is None:
+            return None
+        slot = self.slots[index]
+        slot.outstanding += 1
+        try:
+            header, arrays = await asyncio.to_thread(channel.call, frame)
+        except (FrameError, TypeError, ValueError) as exc:  # raised building the frame, before any byte went
+            log.info("worker %s: a context write could not be framed (%s); it goes through Ray", slot.name, exc)
+            return None
+        except ChannelClosed as exc:
+            slot.drop_channel()
+            raise WorkersUnavailable(f"worker {slot.name}'s channel closed during a context write ({exc}); "
+                                     f"the write was undone: send it again") from None
+        finally:
+            slot.outstanding -= 1
+        if header.get("op") == "error" and header.get("kind") == "FrameError":
+            # Refused before anything was stored: a worker of a release without context writes on its
+            # channel ("op must be resident or many"), or a frame it could not read. Ray carries it.
+            log.info("worker %s refused a context write over its channel (%s); it goes through Ray", slot.name,
+                     str(header.get("message", ""))[:200])
+            return None
+        return _written(slot.name, header, arrays)
 
     def export_shard(self, index: int, context_id: str, shard: int, length: int) -> Awaitable[Any]:
         """The first ``length`` keys of a shard, ``(k, v, k_pos)``: k and v stay in the object store
@@ -494,16 +646,15 @@ class WorkerPool(Roster[Slot]):
         """Tell a holder of a committed record (``ShardWorker.note_context``): over its direct channel when
         it has one, through Ray otherwise."""
         if self.settings.worker_channel:
-            return self._write_over(index, lambda i: frames.note_frame(i, context_id, record),
+            return self._note_over(index, lambda i: frames.note_frame(i, context_id, record),
                                     lambda h: h.note_context.remote(context_id, record))
         return self._call(index, lambda h: h.note_context.remote(context_id, record))
 
-    async def _write_over(self, index: int, frame: Callable[[int], Any], call: Callable[[Any], Any]) -> Any:
-        """A context write over the worker's direct channel (a Ray call costs a millisecond or more here,
-        docs/CONTEXTS.md "Append latency"), through Ray (``call``) when it has none or the channel broke
-        first. Both writes sent here are safe to run twice: an append cuts the shard back to the committed
-        length it names before it writes, and a note keeps the newest version it was told. What the worker
-        raised comes back as its own class for the errors a write expects (:data:`WRITE_ERRORS`)."""
+    async def _note_over(self, index: int, frame: Callable[[int], Any], call: Callable[[Any], Any]) -> Any:
+        """A note of a committed record over the worker's direct channel (a Ray call costs a millisecond or
+        more here, docs/CONTEXTS.md "Append latency"), through Ray (``call``) when it has none or the channel
+        broke first: safe to run twice, a note keeps the newest version it was told. What the worker raised
+        comes back as its own class for the errors a write expects (:data:`WRITE_ERRORS`)."""
         async def send(channel: WorkerChannel) -> tuple[Any] | None:
             try:
                 return (await channel.write(frame),)

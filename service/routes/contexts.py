@@ -7,6 +7,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from service.cluster.channel import staged_writes
 from service.core.errors import ContextNotFound, InvalidOption, error_responses
 from service.core.metrics import Timings
 from service.routes.common import app_state, body_limit, decode_body, off_loop, read_body, runtime, to_completion
@@ -66,7 +67,9 @@ def _decode(fmt: Format, body: memoryview, query: object, kind: BodyKind, limits
              openapi_extra=_body_doc(ContextCreateRequestModel))
 async def create_context(request: Request) -> JSONResponse:
     rt, t0, timings = runtime(request), time.perf_counter(), Timings()
-    desc = await to_completion(rt.contexts.create(await _write(request, CONTEXT_CREATE, timings), timings))
+    write = await _write(request, CONTEXT_CREATE, timings)
+    with staged_writes():  # the keys go to the workers over their write channels (service.cluster.pool.Staged)
+        desc = await to_completion(rt.contexts.create(write, timings))
     return _timed(request, ROUTE, timings, t0,
                   JSONResponse(desc, status_code=201, headers={"Location": f"{ROUTE}/{desc['id']}"}))
 
@@ -77,7 +80,9 @@ async def create_context(request: Request) -> JSONResponse:
 async def append_context(ctx_id: str, request: Request) -> JSONResponse:
     rt, t0, timings = runtime(request), time.perf_counter(), Timings()
     _check_id(app_state(request), ctx_id)
-    desc = await to_completion(rt.contexts.append(ctx_id, await _write(request, CONTEXT_APPEND, timings), timings))
+    write = await _write(request, CONTEXT_APPEND, timings)
+    with staged_writes():
+        desc = await to_completion(rt.contexts.append(ctx_id, write, timings))
     return _timed(request, APPEND_ROUTE, timings, t0, JSONResponse(desc))
 
 

@@ -4,6 +4,7 @@ No timing is asserted: the roof arithmetic, the reports built from made-up round
 and that the in-process batch measurement checks every batched state bitwise.
 """
 
+import numpy as np
 import pytest
 from benchloader import benchmark_module
 
@@ -49,9 +50,17 @@ def test_the_upload_report_takes_medians_over_rounds(uploads):
     total = 2 * args.n_k * 8 * 128 * 2
     rounds = [uploads.Round(idle=[0.010] * 50, during=[0.020] * 50,
                             inline=[uploads.common.Record(chunk_bytes / 1e9, {"parse": 0.5})],
-                            upload_s=total / 0.8e9, probed_upload_s=total / 0.5e9, chunks=[{"store": 0.1}])
+                            upload_s=total / 0.8e9, probed_upload_s=total / 0.5e9, chunks=[{"store": 0.1}],
+                            raw_s=[total / 1.0e9, total / 2.0e9, total / 1.5e9])
               for _ in range(3)]
     text = uploads.report(args, rounds, chunk, [])
     assert "upload >= 0.8 x inline ingest: 0.80 (met)" in text
+    assert "upload >= 0.5 x the raw socket: 0.40 (missed)" in text  # the best of three: 2 GB/s
     assert "probe p99 during the upload <= 3 x idle: 2.00 (met)" in text
     assert "store 100" in text and "parse 500" in text
+
+
+def test_the_raw_socket_moves_every_byte_into_another_process(uploads):
+    a, b = np.arange(3000, dtype=np.uint16), np.ones((5, 7), np.float32)
+    seconds = uploads.raw_socket([a, b], tries=2)
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)

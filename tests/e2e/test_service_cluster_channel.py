@@ -17,7 +17,7 @@ from workers.actor import ShardWorker
 from workers.config import WorkerConfig
 from workers.frames import RemoteError
 from workers.options import AttentionOptions
-from workers.tasks import ShardQuery, ShardRead, ShardWrite, carry
+from workers.tasks import ShardQuery, ShardRead, ShardWrite, arrive, carry
 
 N_K, H_KV, H_Q, D = 500, 2, 4, 16
 
@@ -295,25 +295,47 @@ def test_a_query_the_worker_fails_is_a_500_naming_the_worker_not_a_lost_context(
     pool_call(ray_cluster, rng, channel, act)
 
 
-def test_the_pool_sends_small_appends_and_notes_over_the_channel_as_ray_stores_them(ray_cluster, rng):
-    from workers.store import ShardMissing
-
+def test_the_pool_sends_notes_over_the_channel_as_ray_keeps_them(ray_cluster, rng):
     async def act(pool, q, query, work, want) -> None:
-        k, v = keys(rng)
-        write = ShardWrite("ctx", 0, "float32", 2 * N_K, np.arange(N_K, N_K + 2), span=(3, 5))
-        info = await pool.append_shard(0, write, k, v, N_K)
-        assert info["length"] == N_K + 2 and pool.slots[0].channel is not None  # opened for the write
-        got_k, _, k_pos = await pool.slots[0].handle.export_shard.remote("ctx", 0, N_K + 2)
-        assert np.array_equal(got_k[N_K:], k[3:5]) and k_pos[N_K:].tolist() == [N_K, N_K + 1]
-        with pytest.raises(ShardMissing):  # the worker's exception by its class, as from Ray
-            await pool.append_shard(0, ShardWrite("nope", 0, "float32", 8, np.arange(1)), k[:1], v[:1], 0)
-        record = {"id": "ctx", "version": 5, "shards": [{"index": 0, "length": N_K + 2, "workers": ["w"]}]}
+        record = {"id": "ctx", "version": 5, "shards": [{"index": 0, "length": N_K, "workers": ["w"]}]}
         await pool.note_context(0, "ctx", record)
+        assert pool.slots[0].channel is not None  # opened for the note
         held = await pool.slots[0].handle.held.remote()
         assert held[0]["context"] == record
-        # A channel that broke before the answer: the write goes through Ray (it is safe to run twice).
+        # A channel that broke before the answer: the note goes through Ray (it is safe to run twice).
         pool.slots[0].channel._writer.transport.abort()
-        info = await pool.append_shard(0, write, k, v, N_K)
-        assert info["length"] == N_K + 2 and pool.slots[0].outstanding == 0
+        newer = {**record, "version": 6}
+        await pool.note_context(0, "ctx", newer)
+        assert (await pool.slots[0].handle.held.remote())[0]["context"] == newer and pool.slots[0].outstanding == 0
 
     pool_call(ray_cluster, rng, True, act)
+
+
+@pytest.mark.parametrize("channel", [True, False])
+def test_context_writes_go_over_the_write_channel_and_store_what_ray_stores(ray_cluster, rng, channel):
+    """Issue 47: within staged_writes the pool keeps a write's arrays here and sends them over a write channel
+    of their own (an append in parts, only its span); with the channel off, through Ray as before."""
+    from service.cluster.channel import staged_writes
+    from service.cluster.pool import Staged
+
+    n = 90
+    k = rng.standard_normal((n, H_KV, D)).astype(np.float32)
+    v = rng.standard_normal((n, H_KV, D)).astype(np.float32)
+
+    async def act(pool, q, query, work, want) -> None:
+        with staged_writes():
+            sk, sv = await pool.put(k, v)
+        assert isinstance(sk, Staged) == channel
+        before = channel_calls(pool)
+        create = ShardWrite("new", 0, "float32", 256, np.arange(40), reserve=256, span=(0, 40))
+        [info] = await pool.create_shards(0, [create], sk, sv, {"version": 1})
+        info = await pool.append_shard(0, ShardWrite("new", 0, "float32", 256, np.arange(40, n), span=(40, n)),
+                                       sk, sv, 40)
+        assert info["length"] == n
+        assert channel_calls(pool) - before == (2 if channel else 0)
+        assert (pool.slots[0].write_channel is not None) == channel
+        got_k, got_v, _ = await pool.export_shard(0, "new", 0, n)
+        assert np.asarray(arrive(await got_k)).tobytes() == k.tobytes()
+        assert np.asarray(arrive(await got_v)).tobytes() == v.tobytes()
+
+    pool_call(ray_cluster, rng, channel, act)

@@ -172,7 +172,7 @@ def test_an_unknown_op_is_that_request_s_error(worker):
         receive(s)
         send(s, frames.encode({"id": 3, "op": "drop_everything"}))
         header, _ = receive(s)
-    assert header["op"] == "error" and header["id"] == 3 and "op must be resident, many, append or note" in header["message"]
+    assert header["op"] == "error" and header["id"] == 3 and "op must be resident, many, write or note" in header["message"]
 
 
 def test_a_connection_that_does_not_say_hello_in_time_is_closed(worker, monkeypatch):
@@ -201,3 +201,46 @@ def test_connections_past_the_bound_are_closed_at_once(worker):
 def test_a_worker_configured_without_a_channel_has_none():
     w = ShardWorker(WorkerConfig(channel=False), "w-none")
     assert w.channel() is None and w.listener is None
+
+
+def test_an_append_streamed_in_parts_stores_what_append_shard_stores(worker, rng):
+    """Issue 47: an append over the channel, its parts stored as they arrive, holds the same bits as one through
+    the Ray method; a create over the channel as well."""
+    n = 70
+    k = rng.standard_normal((n, H_KV, D)).astype(np.float32)
+    v = rng.standard_normal((n, H_KV, D)).astype(np.float32)
+    twin = ShardWorker(WorkerConfig(memory_budget_bytes=2**24, channel=False), "w-twin")
+    base = worker.store.export("ctx", 0, N_K)
+    twin.create_shard(ShardWrite("ctx", 0, "float32", 1024, np.arange(N_K)), base[0], base[1], {"version": 1})
+    twin.append_shard(ShardWrite("ctx", 0, "float32", 1024, np.arange(N_K, N_K + n)), k, v, N_K)
+    write = ShardWrite("ctx", 0, "float32", 1024, np.arange(N_K, N_K + n))
+    with connect(worker) as s:
+        receive(s)
+        send(s, channel.append_frame(4, write, k, v, N_K, 16))  # parts of 16, 16, 16, 16, 6 keys
+        header, _ = receive(s)
+        assert header["op"] == "written" and header["id"] == 4 and header["infos"][0]["length"] == N_K + n
+        create = [ShardWrite("ctx2", 0, "float32", 64, np.arange(n), reserve=64)]
+        send(s, channel.write_frame(5, create, k, v, record={"version": 1}))
+        header, _ = receive(s)
+        assert header["op"] == "written" and header["infos"][0]["length"] == n
+    for a, b in zip(worker.store.export("ctx", 0, N_K + n), twin.store.export("ctx", 0, N_K + n)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert np.asarray(worker.store.export("ctx2", 0, n)[0]).tobytes() == k.tobytes()
+    assert_serves(worker, rng)
+
+
+def test_a_streamed_append_that_fails_answers_its_error_and_stores_no_later_part(worker, rng):
+    """An append after more keys than the shard holds (ShardMissing) is that request's error: its body is read
+    to the end, the connection goes on, and the shard keeps what it held."""
+    k = rng.standard_normal((40, H_KV, D)).astype(np.float32)
+    bad = ShardWrite("ctx", 0, "float32", 1024, np.arange(N_K + 5, N_K + 45))
+    with connect(worker) as s:
+        receive(s)
+        send(s, channel.append_frame(1, bad, k, k, N_K + 5, 8))
+        header, _ = receive(s)
+        assert header["op"] == "error" and header["kind"] == "ShardMissing"
+        assert worker.store.info("ctx", 0).length == N_K
+        send(s, channel.append_frame(2, ShardWrite("ctx", 0, "float32", 1024, np.arange(N_K, N_K + 40)), k, k,
+                                     N_K, 8))
+        assert receive(s)[0]["infos"][0]["length"] == N_K + 40
+    assert_serves(worker, rng)

@@ -1,5 +1,6 @@
-"""A shard worker's small writes over its direct channel (``append`` and ``note`` frames), without a socket:
-the frames go to ``ShardWorker._channel_submit`` as the channel's reader hands them over."""
+"""A shard worker's notes of committed records over its direct channel (``note`` frames), without a socket:
+the frames go to ``ShardWorker._channel_submit`` as the channel's reader hands them over. (Appends come
+as streamed ``write`` frames: tests/unit/test_workers_write_frames.py.)"""
 
 from __future__ import annotations
 
@@ -39,25 +40,6 @@ def worker(rng):
     k = rng.standard_normal((4, H_KV, D)).astype(np.float32)
     w.create_shard(ShardWrite("ctx", 0, "float32", 16, np.arange(4)), k, k, {"id": "ctx", "version": 1})
     return w
-
-
-def test_an_append_over_the_channel_stores_what_the_ray_method_stores(worker, rng):
-    k = rng.standard_normal((3, H_KV, D)).astype(np.float32)
-    reply = over_channel(worker, frames.append_frame(5, ShardWrite("ctx", 0, "float32", 16, np.arange(4, 6),
-                                                                   span=(1, 3)), k, k, committed=4))
-    assert reply["op"] == "done" and reply["id"] == 5 and reply["result"]["length"] == 6
-    got_k, _, k_pos = worker.export_shard("ctx", 0, 6)
-    assert np.array_equal(got_k[4:], k[1:3]) and k_pos.tolist() == list(range(6))
-    # Sent again (its answer lost), it cuts back to the committed length first: stored once.
-    reply = over_channel(worker, frames.append_frame(6, ShardWrite("ctx", 0, "float32", 16, np.arange(4, 6),
-                                                                   span=(1, 3)), k, k, committed=4))
-    assert reply["result"]["length"] == 6
-
-
-def test_an_append_the_store_refuses_is_that_requests_error_by_name(worker, rng):
-    k = rng.standard_normal((1, H_KV, D)).astype(np.float32)
-    reply = over_channel(worker, frames.append_frame(7, ShardWrite("ctx", 9, "float32", 16, np.arange(1)), k, k, 0))
-    assert reply["op"] == "error" and reply["kind"] == "ShardMissing"
 
 
 def test_a_note_over_the_channel_keeps_the_record_and_refuses_older_reads(worker):

@@ -233,44 +233,7 @@ def test_a_many_request_needs_a_non_empty_list_of_items(items):
         frames.parse_many({"id": 1, "op": "many", "items": items}, [])
 
 
-# -- small context writes (an engine's append of a token) -------------------------------------------
-
-@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16])
-def test_an_append_frame_carries_only_its_span_exactly(dtype, rng):
-    from workers.tasks import ShardWrite
-
-    k = rng.standard_normal((5, 2, 4)).astype(np.float32).astype(dtype)
-    v = rng.standard_normal((5, 2, 3)).astype(np.float32).astype(dtype)
-    write = ShardWrite("ctx_a", 3, np.dtype(dtype).name, 64, np.array([7, 8], dtype=np.int64), span=(1, 3))
-    header, arrays = roundtrip(frames.append_frame(9, write, carry(k), carry(v), committed=11))
-    got, gk, gv, committed = frames.parse_append(header, arrays)
-    assert header["op"] == "append" and header["id"] == 9 and committed == 11
-    assert (got.context_id, got.index, got.dtype, got.max_capacity, got.span) == ("ctx_a", 3, write.dtype, 64, None)
-    assert gk.dtype == dtype and np.array_equal(gk.view(np.uint8), k[1:3].view(np.uint8))
-    assert np.array_equal(gv.view(np.uint8), v[1:3].view(np.uint8)) and got.k_pos.tolist() == [7, 8]
-
-
-@pytest.mark.parametrize("change", [{"committed": -1}, {"committed": True}, {"index": "0"}, {"context_id": 5},
-                                    {"max_capacity": None}])
-def test_an_append_with_a_bad_field_is_refused(change, rng):
-    from workers.tasks import ShardWrite
-
-    k = rng.standard_normal((1, 2, 4)).astype(np.float32)
-    header, arrays = roundtrip(frames.append_frame(1, ShardWrite("c", 0, "float32", 8, np.arange(1)), k, k, 0))
-    with pytest.raises(frames.FrameError, match="an append must carry"):
-        frames.parse_append({**header, **change}, arrays)
-
-
-def test_an_append_whose_arrays_disagree_on_the_keys_is_refused(rng):
-    from workers.tasks import ShardWrite
-
-    k = rng.standard_normal((2, 2, 4)).astype(np.float32)
-    header, arrays = roundtrip(frames.append_frame(1, ShardWrite("c", 0, "float32", 8, np.arange(2)), k, k, 0))
-    with pytest.raises(frames.FrameError, match="k \\[n, h_kv, d\\]"):
-        frames.parse_append(header, [arrays[0], arrays[1][:1], arrays[2]])
-    with pytest.raises(frames.FrameError, match="an append must carry"):
-        frames.parse_append(header, arrays[:2])
-
+# -- notes of committed records over the channel --------------------------------------------------------
 
 def test_a_note_and_a_done_reply_carry_their_json():
     record = {"id": "c", "version": 4, "shards": [{"index": 0, "length": 3, "workers": ["w0"]}], "writer": "f-1"}
