@@ -532,3 +532,58 @@ def test_a_context_id_too_long_to_quote_whole_is_cut_visibly_in_the_404(server):
     assert r.json()["detail"] == f"id must name an existing context, got {'b' * 64!r}... (129 characters)"
     r = httpx.get(f"{server.url}/v1/contexts/a$b")  # short: quoted whole
     assert r.json()["detail"] == "id must name an existing context, got 'a$b'"
+
+
+def test_every_refused_append_leaves_the_context_and_the_workers_memory_exactly_as_acknowledged(tmp_path, rng):
+    """Issue 47, point 7: an append of the wrong dtype, heads or dims, a body cut short, a client gone mid-upload
+    and an append the workers have no room for (507 naming the bytes needed and free) each leave the context
+    holding exactly what was acknowledged, answering the same bits, and the workers holding the same bytes."""
+    import socket
+
+    from server import Server
+
+    from service.wire.safetensors import encode_safetensors, to_bytes
+
+    srv = Server(tmp_path, args=("--workers", "2"), env={"SPLITKEY_WORKER_MEMORY_BYTES": str(48 * 2**20)}).start()
+    try:
+        with Client(srv.url) as c:
+            k, v = kv(rng, 60_000, h_kv=4, d=64, d_v=64)  # 2056 bytes a key: 48 MiB a worker holds ~24K
+            ctx = c.create_context(k[:4000], v[:4000])["id"]
+            c.append(ctx, k[4000:5000], v[4000:5000])  # past the shards' bodies: into their tails
+            q = rng.standard_normal((2, 8, 64)).astype(np.float32)
+            q_pos = np.array([4998, 4999])
+            answer = c.attention(q, contexts=[ctx], q_pos=q_pos)
+
+            def unchanged(what):
+                desc = c.get_context(ctx)
+                assert desc["length"] == 5000 and desc["state"] == "ready", (what, desc)
+                assert c.cluster()["bytes_held"] == held, what
+                out, lse = c.attention(q, contexts=[ctx], q_pos=q_pos)
+                assert out.tobytes() == answer[0].tobytes() and lse.tobytes() == answer[1].tobytes(), what
+
+            held = c.cluster()["bytes_held"]
+            for bad_k, bad_v, words in ((k[:5].astype(np.float16), v[:5].astype(np.float16), "dtype float32"),
+                                        (k[:5, :1], v[:5, :1], r"\[h_kv, d, d_v\]"),
+                                        (k[:5, :, :8], v[:5], r"\[h_kv, d, d_v\]")):
+                with pytest.raises(SplitkeyError, match=words) as err:
+                    c.append(ctx, bad_k, bad_v)
+                assert err.value.status == 422
+                unchanged(words)
+            body = to_bytes(encode_safetensors({"k": k[5000:8000], "v": v[5000:8000]}))
+            for cut in (len(body) // 2, len(body) - 10):  # a body cut short, its client gone mid-upload
+                with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+                    sock.sendall(f"POST /v1/contexts/{ctx}/append HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                                 f"application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n".encode())
+                    sock.sendall(body[:cut])
+                unchanged(f"cut at {cut}")
+            # 55K more keys, 113 MB, in one request (the client would send chunks, each its own append):
+            # past the 2 x 48 MiB of the workers.
+            r = post_kv(srv.url, f"/v1/contexts/{ctx}/append", k[5000:], v[5000:])
+            assert (r.status_code, r.json()["code"]) == (507, "insufficient_capacity"), r.text
+            assert re.search(r"needs \d+ bytes, but this worker holds \d+ of its 50331648-byte budget \(\d+ free\)",
+                             r.json()["detail"]), r.text
+            unchanged("507")
+            c.delete_context(ctx)
+            assert c.cluster()["bytes_held"] == 0
+    finally:
+        srv.stop()
