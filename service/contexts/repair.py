@@ -43,6 +43,7 @@ class RepairStats:
     workers_replaced: int = 0
     replicas_forgotten: int = 0
     replicas_rebuilt: int = 0
+    replicas_readopted: int = 0  # lost shards listed again on a worker that reloaded them from disk
     failures: int = 0
     under_replicated_shards: int = 0  # below their replica count, at least one live replica
     lost_shards: int = 0  # no live replica
@@ -105,6 +106,8 @@ class Repairer:
         # record of leaves its memory again (service.contexts.orphans; workers seen before are not asked).
         await self.orphans.sweep()
         records = await self.directory.all()
+        if await self.readopt(records):
+            records = await self.directory.all()
         await self._count(records)
         for record in records:
             if self.contexts.health(record)["degraded_shards"]:
@@ -116,6 +119,60 @@ class Repairer:
         states = [self.contexts.health(r) for r in records]
         self.stats.under_replicated_shards = sum(len(h["degraded_shards"]) for h in states)
         self.stats.lost_shards = sum(len(h["lost_shards"]) for h in states)
+
+    async def readopt(self, records: list[ContextRecord]) -> int:
+        """List again the replicas a live worker reloaded from its ``--persist-dir`` (a worker restarted in
+        place of one that died) for shards that no live worker is listed for; returns the shards adopted.
+
+        Safe because such a shard is lost: while a context has a lost shard no append to it is committed
+        (``ContextService.append`` refuses it), so its committed length has not moved since its last holder
+        died, and a copy holding at least that many keys holds the committed ones (a write is on disk before
+        it is acknowledged). The keys past that length, an append that never committed, are never read. A
+        shard with a live replica left is copied from it instead (:meth:`rebuild`): a copy reloaded then
+        may lack keys committed since.
+        """
+        lost = {r["id"]: set(self.contexts.health(r)["lost_shards"]) for r in records}
+        lost = {ctx: shards for ctx, shards in lost.items() if shards}
+        if not lost:
+            return 0
+        found: dict[tuple[str, int], list[tuple[str, int]]] = {}  # (context, shard) -> [(worker, keys held)]
+        gone: tuple[type[BaseException], ...] = (TimeoutError, *self.pool.call_errors)
+        for slot in self.pool.alive:
+            try:
+                held = await asyncio.wait_for(self.pool.held(slot.index), PING_TIMEOUT_S)
+            except gone:
+                continue  # its shards are looked for again next round
+            for h in held:
+                if h["index"] in lost.get(h["context_id"], ()):
+                    found.setdefault((h["context_id"], h["index"]), []).append((slot.name, int(h["length"])))
+        adopted = 0
+        for ctx_id in sorted({ctx for ctx, _ in found}):
+            try:
+                async with self.contexts.lease(ctx_id) as lease:
+                    new: ContextRecord = copy.deepcopy(await self.contexts.record(ctx_id))
+                    here = 0
+                    for entry in new["shards"]:
+                        if self.pool.indexes(entry["workers"], alive=True):
+                            continue  # not lost (any more)
+                        holders = [name for name, keys in found.get((ctx_id, entry["index"]), ())
+                                   if keys >= entry["length"]]
+                        if holders:
+                            entry["workers"] = holders[:new["replicas"]]
+                            here += 1
+                    if here:
+                        new["version"] += 1
+                        await self.contexts.commit(new, lease)
+            except ContextNotFound:
+                continue  # deleted meanwhile
+            if here:
+                await self.contexts.note(new)
+                adopted += here
+                self.stats.replicas_readopted += here
+                self.stats.recent = [*self.stats.recent[-9:], f"context {ctx_id}: {here} lost shard(s) listed "
+                                     "again on the workers that reloaded them from disk"]
+                log.warning("context %s: %d lost shard(s) listed again on the workers that reloaded them from disk",
+                            ctx_id, here)
+        return adopted
 
     async def rebuild(self, ctx_id: str) -> int:
         """Copy the context's under-replicated shards to other live workers; replicas made."""

@@ -122,3 +122,37 @@ def test_a_dead_worker_is_listed_holding_nothing(tmp_path):
             assert f'splitkey_worker_bytes_held{{worker="{dead["name"]}"}} 0.0' in metrics
     finally:
         srv.stop()
+
+
+def test_a_lost_shard_reloaded_from_disk_by_its_restarted_worker_is_served_again_within_seconds(tmp_path):
+    """Issue 50, finding 1: with --persist-dir, a SIGKILLed only holder comes back (Ray restarts it) holding
+    its shard from disk; the context was kept `lost` (appends told to delete it) until a full restart."""
+    srv = Server(tmp_path, args=("--workers", "2", "--persist-dir", str(tmp_path / "store")),
+                 env={"SPLITKEY_HEAL_INTERVAL_S": "0.5"})
+    srv.start()
+    try:
+        q, k, v = problem(5, 400)
+        with Client(srv.url) as c:
+            ctx = c.create_context(k[:300], v[:300], shards=2)["id"]  # replicas 1: a shard on each worker
+            c.append(ctx, k[300:], v[300:])
+            before = c.attention(q, contexts=[ctx])
+            pids = shard_worker_pids(srv.proc.pid)
+            assert len(pids) == 2, pids
+            os.kill(pids[0], signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            desc: dict = {}
+            seen_lost = False
+            while time.monotonic() < deadline:
+                desc = c.get_context(ctx)
+                seen_lost = seen_lost or desc["state"] == "lost"
+                if seen_lost and desc["state"] == "ready":
+                    break
+                time.sleep(0.25)
+            else:
+                pytest.fail(f"not served again in 60 s: {desc}, repair {c.cluster()['repair']}")
+            assert c.cluster()["repair"]["replicas_readopted"] >= 1
+            out, lse = c.attention(q, contexts=[ctx])
+            assert out.tobytes() == before[0].tobytes() and lse.tobytes() == before[1].tobytes()
+            assert c.append(ctx, k[:3], v[:3])["length"] == 403  # writable again
+    finally:
+        srv.stop()

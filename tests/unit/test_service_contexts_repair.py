@@ -206,3 +206,27 @@ def test_a_rebuilt_copy_of_a_shard_with_a_tail_answers_the_same_bits(rng):
             pool.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_lost_shard_its_restarted_holder_reloaded_from_disk_is_listed_again_and_answers_as_before(rng, tmp_path):
+    async def main():
+        pool, directory, contexts = await started(2, persist_dir=tmp_path)
+        healer = Repairer(pool, directory, contexts)
+        try:
+            k, v = kv(rng, 300)
+            ctx = (await contexts.create(write(k[:200], v[:200], shards=1), Timings()))["id"]
+            await contexts.append(ctx, write(k[200:], v[200:]), Timings())
+            q = q_of(rng)
+            before = await read(pool, contexts, [ctx], q)
+            [holder] = pool.indexes((await contexts.record(ctx))["shards"][0]["workers"])
+            pool.kill(holder)
+            await healer.step()  # forgotten, replaced: the replacement loads the shard from its folder
+            assert healer.stats.replicas_forgotten == 1 and healer.stats.replicas_readopted == 1
+            desc = await contexts.get(ctx)
+            assert desc["state"] == "ready" and desc["length"] == 300, desc
+            assert bitwise(await read(pool, contexts, [ctx], q), before)
+            await contexts.append(ctx, write(k[:5], v[:5]), Timings())  # writable again, not "delete it"
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
