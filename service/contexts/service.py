@@ -193,9 +193,12 @@ class ContextService:
         k_pos = self._positions(kv, start=0)
         live = len(self.pool.alive)
         replicas = 1 if write.replicas is None else write.replicas
-        if not 1 <= replicas <= min(live, self.settings.max_replicas):
-            raise InvalidOption(f"replicas must be in [1, {min(live, self.settings.max_replicas)}] "
-                                f"(live workers), got {replicas}")
+        most = min(self.pool.size, self.settings.max_replicas)
+        if not 1 <= replicas <= most:  # never possible here: the client's to change
+            raise InvalidOption(f"replicas must be in [1, {most}] (workers), got {replicas}")
+        if replicas > live:  # possible once the dead workers are replaced: a retry may succeed
+            raise WorkersUnavailable(f"replicas={replicas} needs {replicas} live workers, {live} of "
+                                     f"{self.pool.size} are live now; send it again shortly")
         plan = plan_shards(write, live, self.settings.context_shard_keys)
         record: ContextRecord = {
             "id": new_context_id(), "h_kv": dims.h_kv, "d": dims.d, "d_v": dims.d_v, "dtype": dtype_name(kv.k.dtype),

@@ -7,6 +7,7 @@ orchestrator, each worker's constructor); nothing reads them from globals later.
 from __future__ import annotations
 
 import ipaddress
+import os
 import pathlib
 import stat
 from typing import Literal
@@ -189,10 +190,18 @@ class ServiceSettings(BaseSettings):
         if not self.api_key_file.is_file():
             raise ValueError(f"{where} must be a readable file holding the token, got "
                              f"{'a directory' if self.api_key_file.is_dir() else 'no such file'}")
-        mode = self.api_key_file.stat().st_mode
+        info = self.api_key_file.stat()
+        mode = info.st_mode
         if mode & stat.S_IROTH:
             raise ValueError(f"{where} must not be readable by every user, got mode {stat.S_IMODE(mode):04o}: "
                              "chmod 600 it")
+        if mode & (stat.S_IWOTH | stat.S_IWGRP):
+            raise ValueError(f"{where} must not be writable by other users (they could replace the key), got mode "
+                             f"{stat.S_IMODE(mode):04o}: chmod 600 it")
+        # Group-readable only for a group this process is in (Kubernetes gives a secret the pod's fsGroup: 0440).
+        if mode & stat.S_IRGRP and info.st_gid not in {os.getgid(), *os.getgroups()}:
+            raise ValueError(f"{where} must not be readable by a group this process is not in, got mode "
+                             f"{stat.S_IMODE(mode):04o} and group {info.st_gid}: chmod 600 it")
         key = self.api_key_file.read_text().strip()
         if not key:
             raise ValueError(f"{where} must hold a non-empty token, got an empty file")

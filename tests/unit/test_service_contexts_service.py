@@ -12,7 +12,7 @@ from faulty_pool import bitwise, kv, read, restart_directory, started, write
 from reference import assert_close_to_reference
 
 from service.contexts.service import ContextService
-from service.core.errors import ContextLost, ContextNotFound, InsufficientCapacity, WorkersUnavailable
+from service.core.errors import ContextLost, ContextNotFound, InsufficientCapacity, InvalidOption, WorkersUnavailable
 from service.core.metrics import Timings
 from workers.store import CapacityError
 
@@ -194,6 +194,23 @@ def test_an_append_refused_by_one_replica_leaves_every_worker_holding_what_it_he
             out, lse = await read(pool, contexts, [ctx], q)
             assert_close_to_reference(out, lse, q, np.concatenate([k, k2[:5]]), np.concatenate([v, v2[:5]]),
                                       q_pos=np.arange(103, 105), k_pos=np.arange(105))
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_create_with_more_replicas_than_live_workers_is_503_and_more_than_workers_is_422(rng):
+    async def main():
+        pool, _, contexts = await started(2)
+        try:
+            k, v = kv(rng, 20)
+            pool.kill(1)
+            await pool.refresh()
+            with pytest.raises(WorkersUnavailable, match="replicas=2 needs 2 live workers, 1 of 2 are live now"):
+                await contexts.create(write(k, v, replicas=2), Timings())
+            with pytest.raises(InvalidOption, match=r"replicas must be in \[1, 2\] \(workers\), got 3"):
+                await contexts.create(write(k, v, replicas=3), Timings())
         finally:
             pool.shutdown()
 

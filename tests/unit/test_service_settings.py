@@ -45,6 +45,33 @@ def test_api_key_is_read_from_its_file(tmp_path):
                               "got mode 0644: chmod 600 it")
 
 
+@pytest.mark.parametrize("mode", [0o602, 0o620, 0o622])
+def test_an_api_key_file_others_could_rewrite_is_refused(tmp_path, mode):
+    f = tmp_path / "key"
+    f.write_text("abc123")
+    f.chmod(mode)
+    with pytest.raises(ValueError, match=f"must not be writable by other users \\(they could replace the key\\), "
+                                         f"got mode 0{mode:o}: chmod 600 it"):
+        ServiceSettings(api_key_file=f).api_key()
+
+
+def test_a_group_readable_api_key_file_is_read_only_for_a_group_of_this_process(tmp_path):
+    import os
+
+    f = tmp_path / "key"
+    f.write_text("abc123")
+    f.chmod(0o440)  # as Kubernetes mounts a secret for the pod's fsGroup
+    assert ServiceSettings(api_key_file=f).api_key() == "abc123"  # the file's group is this process's
+    foreign = max({os.getgid(), *os.getgroups()}) + 4242
+    try:
+        os.chown(f, -1, foreign)
+    except PermissionError:
+        pytest.skip("changing a file's group needs root here")
+    with pytest.raises(ValueError, match=f"must not be readable by a group this process is not in, got mode 0440 "
+                                         f"and group {foreign}: chmod 600 it"):
+        ServiceSettings(api_key_file=f).api_key()
+
+
 @pytest.mark.parametrize("blank", ["", "  "])
 def test_a_blank_api_key_file_is_refused_not_read_as_the_current_directory(blank, monkeypatch):
     with pytest.raises(ValidationError, match="must be the path of a file holding the token, not blank"):
