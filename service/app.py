@@ -185,7 +185,8 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
         # A worker or actor failure no layer below turned into a service error: the
         # cluster is at fault, not the client, so 503 rather than 500.
         log.warning("request %s: Ray error reached the route: %s", request_id.current(), exc)
-        return _respond(WorkersUnavailable(f"the cluster must answer, got {type(exc).__name__}"), request)
+        return _respond(WorkersUnavailable("the cluster did not answer (a worker or Ray failed: the server's log "
+                                           "names the error under this request's id); send it again"), request)
 
     async def _client_closed(request: Request, exc: Exception) -> Response:
         # The client went away mid-request: not the service's fault, nobody to answer. Status

@@ -47,7 +47,7 @@ class FakeWorkers(Roster):
         self.many.append((index, [[(r.context_id, r.index) for r in item.reads] for item in items]))
         fault = self.faults.get(index)
         if isinstance(fault, type):
-            raise fault(f"worker {self.slots[index].name} died: RayActorError")
+            raise fault(f"worker {self.slots[index].name} died during the call")
         answers = []
         for item in items:
             try:

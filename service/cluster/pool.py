@@ -182,8 +182,9 @@ class Staged:
         try:
             return await asyncio.shield(self._ref)
         except ray.exceptions.RayError as exc:
-            raise WorkersUnavailable(f"the object store must take the request's arrays, got "
-                                     f"{type(exc).__name__}") from None
+            log.warning("the object store refused a request's arrays: %s", type(exc).__name__)
+            raise WorkersUnavailable("the object store could not take the request's arrays (see the server's "
+                                     "log); send it again") from None
 
 
 def _written(name: str, header: dict, arrays: list[Any]) -> list[dict]:
@@ -360,8 +361,9 @@ class WorkerPool(Roster[Slot]):
             try:
                 refs = await asyncio.to_thread(lambda: [ray.put(out[i]) for i in big])
             except ray.exceptions.RayError as exc:
-                raise WorkersUnavailable(f"the object store must take the request's arrays, got "
-                                         f"{type(exc).__name__}") from None
+                log.warning("the object store refused a request's arrays: %s", type(exc).__name__)
+                raise WorkersUnavailable("the object store could not take the request's arrays (see the server's "
+                                         "log); send it again") from None
             for i, ref in zip(big, refs):
                 out[i] = ref
         return out
@@ -381,7 +383,8 @@ class WorkerPool(Roster[Slot]):
         except RayActorError as exc:
             slot.alive = False
             slot.drop_channel()
-            raise WorkersUnavailable(f"worker {slot.name} died: {type(exc).__name__}") from exc
+            log.warning("worker %s died during a call: %s", slot.name, type(exc).__name__)
+            raise WorkersUnavailable(f"worker {slot.name} died during the call") from exc
         finally:
             slot.outstanding -= 1
 
@@ -534,7 +537,8 @@ class WorkerPool(Roster[Slot]):
             root: State = await state
             return root
         except ray.exceptions.RayError as exc:
-            raise WorkersUnavailable(f"the merge tree lost a node: {type(exc).__name__}") from exc
+            log.warning("the merge tree lost a node: %s", type(exc).__name__)
+            raise WorkersUnavailable("the merge tree lost a node (a worker died or Ray lost a state)") from exc
 
     def create_shard(self, index: int, write: ShardWrite, k: Any, v: Any,
                      record: Mapping[str, object]) -> Awaitable[Any]:

@@ -234,6 +234,9 @@ INTERNALS: Mapping[str, re.Pattern[str]] = {
     # a client's number echoed, of letters alone a client's name: both the detail must keep).
     "a Ray id": re.compile(r"(?<![0-9a-fA-F])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{28,}(?![0-9a-fA-F])"
                            r"|\b(?:Actor|Node|Worker|Task|Job|Object)ID\b"),
+    # Ray's exception classes (RayActorError, ActorDiedError, ObjectLostError, ...): the server's log names them.
+    "a Ray exception": re.compile(r"\b(?:Ray\w*Error|Actor\w*Error|Object\w*Error|OwnerDiedError|"
+                                  r"TaskCancelledError|WorkerCrashedError|RaySystemError)\b"),
 }
 
 

@@ -85,6 +85,9 @@ RAY_TRACEBACK = (
     ("actor '6f1c0b3a9e2d4f5a8b7c6d5e01000000' died, got 'x'", "a Ray id"),
     ('{"detail":"actor 6f1c0b3a9e2d4f5a8b7c6d5e01000000 died, got \\"x\\""}', "a Ray id"),
     ("The ActorID is unknown", "a Ray id"),
+    ("worker splitkey-worker-1 died: ActorDiedError", "a Ray exception"),
+    ("the merge tree lost a node: ObjectLostError", "a Ray exception"),
+    ("the cluster must answer, got RaySystemError", "a Ray exception"),
 ])
 def test_internals_are_found_in_a_detail(detail, kind):
     assert errors.internals(detail) == kind
