@@ -25,7 +25,7 @@ from service.routes.common import (
     runtime,
     with_deadline,
 )
-from service.routes.ops import workers_ready
+from service.routes.ops import can_serve, workers_ready
 from service.wire.json_text import write_json
 from service.wire.kserve import (
     MODEL_NAME,
@@ -59,9 +59,9 @@ def _decode(body: memoryview, header_len: int | None, limits: Limits) -> tuple[I
 
 
 async def _ready(request: Request) -> bool:
-    """Ray connected and every worker answering a ping (as ``GET /readyz``)."""
+    """Ray connected and a worker answering a ping (as ``GET /readyz``, ``service.routes.ops.can_serve``)."""
     alive, total = await workers_ready(request)
-    return total > 0 and alive == total
+    return can_serve(alive, total)
 
 
 @router.get("/v2", summary="Server metadata (KServe v2)")
@@ -74,7 +74,7 @@ async def live() -> JSONResponse:
     return JSONResponse({"live": True})
 
 
-@router.get("/v2/health/ready", summary="Every worker answers (KServe v2)")
+@router.get("/v2/health/ready", summary="A worker answers (KServe v2)")
 async def ready(request: Request) -> JSONResponse:
     ok = await _ready(request)
     return JSONResponse({"ready": ok}, status_code=200 if ok else 503)

@@ -25,12 +25,22 @@ async def healthz() -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/readyz", summary="Ray is connected and every worker answers")
+def can_serve(alive: int, total: int) -> bool:
+    """Whether this front end can answer: Ray connected and a worker answering. One worker lost of several
+    leaves inline requests and every context with a live replica servable, so readiness holds; what was
+    lost is reported beside it (``degraded``, ``/metrics``), not by taking every front end out of service."""
+    return total > 0 and alive > 0
+
+
+@router.get("/readyz", summary="Ray is connected and a worker answers; lost capacity reported beside it")
 async def readyz(request: Request) -> JSONResponse:
     alive, total = await workers_ready(request)
-    draining = app_state(request).drain.draining
-    ready = total > 0 and alive == total and not draining
-    body = {"ready": ready, "workers": total, "alive": alive, **({"draining": True} if draining else {})}
+    state = app_state(request)
+    draining = state.drain.draining
+    ready = can_serve(alive, total) and not draining
+    lost = state.runtime.repair.stats.lost_shards if state.runtime is not None else 0
+    body = {"ready": ready, "workers": total, "alive": alive, "degraded": alive < total or lost > 0,
+            "lost_shards": lost, **({"draining": True} if draining else {})}
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
