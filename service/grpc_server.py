@@ -22,16 +22,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from service.core import request_id
 from service.grpc_auth import KeyFirst
-from service.core.errors import ERRORS, ErrorKind, Internal, RouteNotFound, ServiceError, ShuttingDown, internals
+from service.core.errors import (
+    ERRORS,
+    ErrorKind,
+    Internal,
+    InvalidBody,
+    RouteNotFound,
+    ServiceError,
+    ShuttingDown,
+    internals,
+)
 from service.core.metrics import Timings
 from service.routes.common import off_loop, with_deadline
+from service.routes.ops import can_serve
 from service.runtime import AppState
 from service.wire.kserve import MODEL_NAME, MODEL_VERSION, PLATFORM, decode_infer_request, model_metadata
 from service.wire.kserve_grpc import infer_body, infer_response, not_served, served
@@ -84,8 +96,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[tensor(name=t["name"], datatype=t["datatype"], shape=t["shape"]) for t in meta["outputs"]])
 
     def _ready(self) -> bool:
+        """As ``GET /readyz``: Ray joined, a worker answering, not draining (``service.routes.ops.can_serve``)."""
         rt = self.state.runtime
-        return rt is not None and not self.state.drain.draining and len(rt.pool.alive) == rt.pool.size
+        return rt is not None and not self.state.drain.draining and can_serve(len(rt.pool.alive), rt.pool.size)
 
     # -- inference -------------------------------------------------------------------------
     async def ModelInfer(self, request: Any, context: Any) -> Any:  # noqa: N802
@@ -97,6 +110,9 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         ticket = state.admission.ticket() if state.admission is not None else None
         task = state.drain.track()  # in flight for the shutdown drain, as an HTTP request is
         try:
+            if isinstance(request, Undecodable):
+                raise InvalidBody(f"the request must be a ModelInferRequest message, got {request.size} bytes that "
+                                  "do not parse as one")
             if not served(request.model_name, request.model_version):
                 code = 404
                 context.set_trailing_metadata((("x-request-id", rid), ("splitkey-code", ERRORS[RouteNotFound].code)))
@@ -181,6 +197,45 @@ for _name in dir(service_pb2_grpc.GRPCInferenceServiceServicer):
         setattr(Servicer, _name, _not_served(_name))
 
 
+#: The protocol's service name (``inference.GRPCInferenceService``).
+SERVICE = "inference.GRPCInferenceService"
+
+
+@dataclass(frozen=True)
+class Undecodable:
+    """A ModelInfer request whose bytes are not a ``ModelInferRequest``: answered by the servicer as any bad
+    request is (INVALID_ARGUMENT, ``splitkey-code``, counted), not by gRPC (UNKNOWN, a Python class name)."""
+
+    size: int
+
+
+def _lenient(raw: bytes) -> Any:
+    """``ModelInferRequest.FromString``, or :class:`Undecodable` for bytes that do not parse."""
+    try:
+        return service_pb2.ModelInferRequest.FromString(raw)
+    except DecodeError:
+        return Undecodable(len(raw))
+
+
+def _handlers(servicer: Servicer) -> dict[str, Any]:
+    """The protocol's method handlers (as the generated ``add_GRPCInferenceServiceServicer_to_server`` builds
+    them, taken from it), with ModelInfer's request parsed by :func:`_lenient`."""
+    taken: dict[str, Any] = {}
+
+    class Taker:
+        def add_generic_rpc_handlers(self, handlers: Any) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, method_handlers: dict[str, Any]) -> None:
+            taken.update(method_handlers)
+
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, Taker())
+    taken["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
+        servicer.ModelInfer, request_deserializer=_lenient,
+        response_serializer=service_pb2.ModelInferResponse.SerializeToString)
+    return taken
+
+
 def _served(request: Any) -> bool:
     """Whether a ``ModelReady``/``ModelMetadata`` request names the model served (:func:`served`)."""
     return served(request.name, request.version)
@@ -202,7 +257,9 @@ async def start(state: AppState, host: str, port: int) -> tuple[Any, int]:
     server = grpc.aio.server(interceptors=[KeyFirst(key.encode() if key else None, state.metrics)], options=[("grpc.max_receive_message_length", size),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_concurrent_streams", max(16, state.settings.max_inflight))])
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(state), server)
+    handlers = _handlers(Servicer(state))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
         raise RuntimeError(f"grpc_port must be free on {host}, got {port} in use")

@@ -284,3 +284,27 @@ def test_doc_grpc_example_runs_and_prints_what_it_says(grpc_server):
     run = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == re.search(r"# (\(.*)$", code.strip().splitlines()[-1]).group(1).strip()
+
+
+def test_a_model_infer_that_is_not_protobuf_is_invalid_argument_with_its_code_and_counted(grpc_server):
+    """Issue 50, finding 6: bytes that do not parse as a ModelInferRequest got UNKNOWN with a Python class
+    name, no splitkey-code, and were not counted in the metrics."""
+    import grpc
+
+    def counted() -> float:
+        text = httpx.get(grpc_server.url + "/metrics", headers=AUTH, timeout=30).text
+        lines = [line for line in text.splitlines()
+                 if line.startswith("splitkey_requests_total{") and 'route="grpc:ModelInfer"' in line
+                 and 'code="400"' in line]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    before = counted()
+    with grpc.insecure_channel(grpc_server.grpc) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff\xff not a protobuf message", metadata=tuple(AUTH.items()), timeout=30)
+    err = info.value
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+    assert err.details() == "the request must be a ModelInferRequest message, got 27 bytes that do not parse as one"
+    assert dict(err.trailing_metadata())["splitkey-code"] == "invalid_body"
+    assert counted() == before + 1
