@@ -99,7 +99,7 @@ class Listener:
         replies = _Replies(conn)
         try:
             conn.settimeout(HELLO_TIMEOUT_S)
-            header, _ = _read(conn)
+            header, _ = read_frame(conn)
             if header.get("op") != "hello" or not hmac.compare_digest(str(header.get("token", "")), self.token):
                 return  # not one of ours: closed without an answer
             conn.settimeout(None)
@@ -263,7 +263,8 @@ def _pending(conn: socket.socket) -> bool:
     return True
 
 
-def _read(conn: socket.socket) -> tuple[dict[str, Any], list[Any]]:
+def read_frame(conn: socket.socket) -> tuple[dict[str, Any], list[Any]]:
+    """One whole frame off a blocking socket: ``(header, arrays)``; EOFError when the peer closed first."""
     prefix = _exactly(conn, frames.PREFIX.size)
     header_len, body_len = frames.sizes(prefix)
     head = _exactly(conn, header_len)

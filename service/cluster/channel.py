@@ -21,6 +21,7 @@ from typing import Any
 
 from merge import State
 from workers import frames
+from workers.channel import read_frame
 from workers.frames import RemoteError
 from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead
 
@@ -201,7 +202,7 @@ class WriteChannel:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for buf in frames.encode({"op": "hello", "token": str(address["token"])}):
                 sock.sendall(buf)
-            header, _ = _read_blocking(sock)
+            header, _ = read_frame(sock)
             if header.get("op") != "hello":
                 raise ChannelClosed(f"worker {name}'s channel must answer hello, got {header.get('op')!r:.40}")
             sock.settimeout(WRITE_TIMEOUT_S)
@@ -233,7 +234,7 @@ class WriteChannel:
             try:
                 for buf in buffers:
                     self._sock.sendall(buf)
-                header, arrays = _read_blocking(self._sock)
+                header, arrays = read_frame(self._sock)
             except (OSError, EOFError, frames.FrameError) as exc:
                 self.close()
                 raise ChannelClosed(f"worker {self.name}'s write channel closed: {type(exc).__name__}") from exc
@@ -242,20 +243,3 @@ class WriteChannel:
                 raise ChannelClosed(f"worker {self.name}'s write channel answered call {header.get('id')!r:.20}, "
                                     f"not {call_id}")
             return header, arrays
-
-
-def _read_blocking(sock: socket.socket) -> tuple[dict[str, Any], list[Any]]:
-    header_len, body_len = frames.sizes(_exactly(sock, frames.PREFIX.size))
-    head = _exactly(sock, header_len)
-    return frames.decode(head, _exactly(sock, body_len))
-
-
-def _exactly(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise EOFError("the worker closed the connection")
-        got += k
-    return buf
