@@ -39,8 +39,10 @@ def test_a_worker_process_killed_is_replaced_and_its_replicas_rebuilt(tmp_path):
             desc: dict = {}
             while time.monotonic() < deadline:
                 desc = c.get_context(ctx)
-                ready = httpx.get(srv.url + "/readyz", timeout=5).status_code == 200
-                if ready and desc["state"] == "ready" and sorted(desc["live_replicas"]) == [2]:
+                ready = httpx.get(srv.url + "/readyz", timeout=5)  # ready throughout; degraded until replaced
+                whole = ready.status_code == 200 and not ready.json()["degraded"]
+                replaced = c.cluster()["repair"]["workers_replaced"] >= 1
+                if whole and replaced and desc["state"] == "ready" and sorted(desc["live_replicas"]) == [2]:
                     break
                 time.sleep(0.5)
             else:

@@ -155,6 +155,9 @@ def test_a_context_whose_only_replica_died_answers_503_context_lost(cluster, tmp
             record = directory_record(ctx["id"])
             holder = record["shards"][0]["workers"][0]
             ray.kill(ray.get_actor(holder, namespace=NAMESPACE))
+            # Dead once the front end sees it so (a query sent at once may reach the process before the kill
+            # does, over the channel the create opened, and be answered).
+            wait_for(lambda: c.get_context(ctx["id"])["state"] == "lost")
             with pytest.raises(SplitkeyError) as err:
                 c.attention(rng.standard_normal((1, 2, 16)).astype(np.float32), contexts=[ctx["id"]])
             assert err.value.status == 503 and err.value.code == "context_lost"
