@@ -26,7 +26,7 @@ def test_gpu_worker_inline_and_resident_shards_are_exact(rng, kernels):
     v = rng.standard_normal((5000, 2, 64)).astype(np.float16)
     query = ShardQuery(q_pos=np.arange(4997, 5000), options=AttentionOptions(causal=True))
     w.create_shard(ShardWrite("ctx", 0, "float16", 4096, np.arange(3000)), k[:3000], v[:3000], {"version": 1})
-    assert isinstance(w.store.view("ctx", 0, 3000).kt, gpu.cupy.ndarray)  # the shard lives on the device
+    assert isinstance(w.store.view("ctx", 0, 3000).parts[0].kt, gpu.cupy.ndarray)  # the shard lives on the device
     _, resident = w.partial_resident(q, query, (ShardRead("ctx", 0, 3000),), 2)
     _, inline = w.partial(q, k[3000:], v[3000:], query, Arange(3000, 2000))
     assert isinstance(inline.m, np.ndarray)  # states come back to the host for the merge
