@@ -12,6 +12,7 @@ from service.routes.common import (
     app_state,
     body_limit,
     client_timeout,
+    client_waits,
     decode_body,
     answer_limit,
     encode_result,
@@ -71,7 +72,9 @@ async def attention(request: Request) -> Response:
     req = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
     timings.add("parse", time.perf_counter() - t0)
     seconds = query_deadline(state.settings.request_timeout_s, client, t0)
+    await client_waits(request)
     out, lse = await with_deadline(rt.attention.attention(req, timings, answer_limit(state.limits, resp_fmt)), seconds)
+    await client_waits(request)
     response = await encode_result(resp_fmt, out, lse, timings)
     timings.add("total", time.perf_counter() - t0)
     response.headers["Server-Timing"] = timings.header()

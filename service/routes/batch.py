@@ -16,6 +16,7 @@ from service.routes.common import (
     app_state,
     body_limit,
     client_timeout,
+    client_waits,
     off_loop,
     query_deadline,
     read_body,
@@ -100,7 +101,9 @@ async def attention_batch(request: Request) -> Response:
     items = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
     timings.add("parse", time.perf_counter() - t0)
     seconds = query_deadline(state.settings.request_timeout_s, client, t0)
+    await client_waits(request)
     answers = await with_deadline(rt.batch.run(items, timings, answer_limit(state.limits, resp_fmt)), seconds)
+    await client_waits(request)
     t1 = time.perf_counter()
     if resp_fmt == "json":  # on the loop in pieces (service.wire.json_text), as a single answer
         content = await write_json(json_batch(answers))

@@ -10,10 +10,11 @@ from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 from fastapi import Request, Response
+from starlette.requests import ClientDisconnect
 
+from service.attention import V1_BINARY, JsonAnswerLimit
 from service.core import deadline
 from service.core.admission import TICKET, Ticket
-from service.attention import V1_BINARY, JsonAnswerLimit
 from service.core.errors import DeadlineExceeded, RequestTimeout, UnsupportedMediaType, WorkersUnavailable
 from service.core.metrics import Timings
 from service.runtime import AppState, Runtime
@@ -143,6 +144,15 @@ def query_deadline(limit: float, client: float | None, started: float) -> float:
         raise DeadlineExceeded(f"the request must finish within its {TIMEOUT_HEADER} of {client:g} s, "
                                "got longer before its work began")
     return min(limit, left)
+
+
+async def client_waits(request: Request) -> None:
+    """Raise ``ClientDisconnect`` when the client has closed its connection after sending its whole body:
+    the query is then not sent to the workers (checked after parsing) or its answer not encoded (checked
+    after the compute), and the request is counted 499 as a body cut short is (``service.app``). A look
+    at the connection, not a wait: Starlette's ``is_disconnected`` takes a message only if one is there."""
+    if await request.is_disconnected():
+        raise ClientDisconnect()
 
 
 async def with_deadline(work: Awaitable[T], seconds: float) -> T:
