@@ -9,6 +9,8 @@
   between markers: :func:`marker`, :func:`replace_marked`;
 * Server-Timing stages: ``STAGES``, :class:`Record`, :func:`median_stages`, :func:`stage_cells`;
 * in-process runs: :func:`blas_threads`, :func:`time_calls`, :func:`max_diff`, :func:`check_same`;
+  :func:`aliased`, an array whose memory repeats so that a kernel streams it from cache
+  (with :func:`l2_bytes`);
 * waiting until the shared machine is quiet: :func:`wait_for_quiet` (with
   :func:`others_running`, :func:`cpu_times`, :func:`busy_fraction`, :func:`cpu_busy`); what
   other processes took meanwhile: :func:`cpu_sample`, :func:`others_cores` (with
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import json
+import mmap
 import os
 import platform
 import re
@@ -39,6 +43,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,8 +320,9 @@ def check_same(name: str, got: np.ndarray, want: np.ndarray) -> float:
 # ------------------------------------------------------------------ the machine
 
 
-#: /proc/cpuinfo flags that decide the kernels' rates (vector width, fused multiply-add, F16C).
-CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f")
+#: /proc/cpuinfo flags that decide the kernels' rates: vector width, fused multiply-add, F16C, and the
+#: 16-bit arithmetic a host may offer beyond them (AVX-512 BF16 and FP16 instructions, AMX tiles).
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
 def describe_cpu(cpuinfo: str) -> str:
@@ -351,6 +357,60 @@ def cpu_model() -> str:
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
         return describe_cpu(f.read())
     return platform.processor() or "unknown"
+
+
+def l2_bytes(default: int = 1 * MIB) -> int:
+    """The first CPU's level-2 cache in bytes (sysfs), ``default`` where it is not given."""
+    with contextlib.suppress(OSError, ValueError):
+        for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+            if (index / "level").read_text().strip() == "2":
+                size = (index / "size").read_text().strip().upper()  # e.g. "2048K"
+                unit = {"K": KIB, "M": MIB}.get(size[-1], 1)
+                return int(size.rstrip("KM")) * unit
+    return default
+
+
+def aliased(shape: tuple[int, ...], dtype: Any, period_bytes: int, seed: int) -> np.ndarray:
+    """An array of ``shape`` whose memory repeats every ``period_bytes`` (rounded up to an odd
+    number of pages), filled with normal draws: the same physical pages mapped again and again.
+
+    A kernel that streams the whole array then reads data that stays in cache, at the
+    array's own size, strides and key count: its rate is what the kernel's arithmetic
+    allows, not what memory delivers (kernel.py's in-cache roof). The page count is odd so
+    that rows whose length is a power of two pages start at different offsets of the
+    period, and a block of every row is a different part of it. Linux only
+    (``memfd_create``); the mappings go back to the system with the array.
+    """
+    dt = np.dtype(dtype)
+    page = mmap.PAGESIZE
+    pages = max(1, -(-period_bytes // page)) | 1
+    period = pages * page
+    count = int(np.prod(shape, dtype=np.int64))
+    size = -(-max(count, 1) * dt.itemsize // period) * period
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.memfd_create("splitkey-in-cache")
+    try:
+        os.ftruncate(fd, period)
+        # Reserve the whole range (PROT_NONE: 0), then lay the period over it again and again (MAP_FIXED: 0x10).
+        base = libc.mmap(None, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if base is None or base == ctypes.c_void_p(-1).value:
+            raise OSError(ctypes.get_errno(), f"mmap of {size} bytes failed")
+        for off in range(0, size, period):
+            got = libc.mmap(base + off, period, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | 0x10, fd, 0)
+            if got != base + off:
+                libc.munmap(base, size)
+                raise OSError(ctypes.get_errno(), f"mapping the period at offset {off} failed")
+    finally:
+        os.close(fd)  # the mappings hold the memory
+    first = np.frombuffer((ctypes.c_char * period).from_address(base), dtype=dt)  # [period / itemsize]
+    first[:] = np.random.default_rng(seed).standard_normal(first.size, dtype=np.float32).astype(dt)
+    buffer = (ctypes.c_char * size).from_address(base)
+    # Every view of the array keeps ``buffer`` alive (numpy's base chain): unmapped when the last one goes.
+    weakref.finalize(buffer, libc.munmap, base, size)
+    return np.frombuffer(buffer, dtype=dt, count=count).reshape(shape)
 
 
 def meminfo(field_name: str) -> int | None:

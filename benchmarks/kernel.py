@@ -8,13 +8,16 @@ for the SDPA column, which is skipped cleanly without it)::
 Everything runs in one process with the same number of threads for everyone:
 
 * limits: read bandwidth of a large float32 GEMV and sgemm FLOP/s, BLAS at
-  ``T`` threads (and the GEMV at one thread, the per-core figure); from them,
-  decode's roof for each K/V dtype: the lower of the GEMV bandwidth and the
-  compute roof, sgemm's FLOP/s over decode's flops per K+V byte (see
-  :func:`decode_roof`); and, in every decode case's interleaved rounds, a
-  GEMV over 256 MiB at ``T`` BLAS threads ("GEMV beside"): this VM's
-  bandwidth moves by 1.5-2x within minutes, so each case's share of GEMV is
-  taken against the GEMV of the same minutes, not the run's first;
+  ``T`` threads (and the GEMV at one thread, the per-core figure); in every
+  decode case's interleaved rounds, a GEMV over 256 MiB at ``T`` BLAS threads
+  ("GEMV beside"): this VM's bandwidth moves by 1.5-2x within minutes, so each
+  case's share of GEMV is taken against the GEMV of the same minutes, not the
+  run's first; and in the same rounds the **in-cache roof**: the fused kernel
+  itself over keys and values whose memory repeats every quarter of the L2
+  cache (``benchmarks.common.aliased``), so that it streams them from cache at
+  the case's shape, strides and dtype (at most ``ROOF_KEYS`` keys): the rate its
+  own arithmetic allows on this host. Decode's roof is the lower of the two
+  (:func:`decode_roof`): the memory bound or the compute bound, whichever binds;
 * splitkey: ``threads=T`` worker threads with BLAS at one thread each (the
   kernel splits the work itself; README, "Library use"), on the resident
   streaming layout (``StreamingKV.from_arrays(...).snapshot()`` +
@@ -75,10 +78,21 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # The repository's packages, also when run as a script from elsewhere.
-from benchmarks.common import GIB, blas_threads, cpu_model, emit_report, meminfo, parse_keys, positive
+from benchmarks.common import (
+    GIB,
+    aliased,
+    blas_threads,
+    cpu_model,
+    emit_report,
+    l2_bytes,
+    meminfo,
+    parse_keys,
+    positive,
+)
 from merge import finalize
 from workers import StreamingKV, partial_attention_resident, partial_attention_shard
 from workers.dtypes import dtype_of
+from workers.layout import StreamingView
 from workers.options import AttentionOptions, CpuKernels, KernelOptions
 
 HEADS = {"h_q": 32, "h_kv": 8, "d": 128}
@@ -94,6 +108,9 @@ SEED = 20261129
 #: The GEMV timed beside each decode case: [rows, cols] float32, 256 MiB (8x this VM's L3), 32 MiB quick.
 GEMV_BESIDE = (16384, 4096)
 QUICK_GEMV_BESIDE = (2048, 4096)
+#: Keys of the in-cache roof's operands at most: their memory repeats (``aliased``), but every page
+#: of the range has its own page-table entry, which a million keys would push out of cache.
+ROOF_KEYS = 64 * 1024
 #: Pause before each implementation's calls (see :func:`measure`).
 SETTLE_S = 0.3
 
@@ -228,6 +245,18 @@ def resident_kv(n_k: int, h_kv: int, d: int, d_v: int, seed: int, torch: Any,
     return store.snapshot(), k_sdpa
 
 
+def in_cache_kv(n_k: int, h_kv: int, d: int, d_v: int, dtype: Any) -> tuple[StreamingView, Any, Any]:
+    """The in-cache roof's operands: a resident view and contract-layout K and V of ``n_k`` keys whose
+    memory repeats every quarter of the L2 cache (``benchmarks.common.aliased``): each layout's K and V
+    together stay within half of it while the kernel streams all ``n_k`` keys."""
+    period = l2_bytes() // 4
+    kt = aliased((h_kv, d, n_k), dtype, period, SEED + 7)  # [h_kv, d, n_k]
+    v = aliased((h_kv, n_k, d_v), dtype, period, SEED + 8)  # [h_kv, n_k, d_v]
+    k_contract = aliased((n_k, h_kv, d), dtype, period, SEED + 9)  # [n_k, h_kv, d]
+    v_contract = aliased((n_k, h_kv, d_v), dtype, period, SEED + 10)  # [n_k, h_kv, d_v]
+    return StreamingView(kt, v, np.arange(n_k)), k_contract, v_contract
+
+
 def queries(n_q: int, h_q: int, d: int, seed: int) -> Any:
     return np.random.default_rng(seed + 1).standard_normal((n_q, h_q, d), dtype=np.float32)  # [n_q, h_q, d]
 
@@ -315,11 +344,17 @@ class Row:
     skipped: str = ""  # why the case was not run
     two_phases: bool = False  # the layouts did not fit in memory together
     gemv_bytes: float = 0.0  # of the GEMV timed beside the case (its "gemv" cell), 0 when none was
+    roof_bytes: float = 0.0  # K+V bytes of the in-cache roof's calls ("roof_*" cells), 0 when not timed
 
     def gemv_gbs(self) -> float | None:
         """The GEMV's read rate in the case's own rounds, GB/s (None when not measured)."""
         cell = self.cells.get("gemv")
         return self.gemv_bytes / cell.median / 1e9 if cell is not None and self.gemv_bytes else None
+
+    def roof_gbs(self, layout: str) -> float | None:
+        """The fused kernel's in-cache rate on ``layout`` ("resident" or "inline"), GB/s (None when not measured)."""
+        cell = self.cells.get(f"roof_{layout}")
+        return self.roof_bytes / cell.median / 1e9 if cell is not None and self.roof_bytes else None
 
 
 IMPLS = ("resident", "inline", "naive", "sdpa")
@@ -392,6 +427,11 @@ def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespac
         first["fused_resident"] = lambda: ours_resident(q, view, causal, args.threads, FUSED)
         first["gemv"] = lambda: gemv(a, x, args.threads)  # beside the kernels, in the same rounds
         row.gemv_bytes = float(a.nbytes)
+        n_roof = min(n_k, ROOF_KEYS)
+        roof_view, roof_k, roof_v = in_cache_kv(n_roof, h_kv, d, d, dt)
+        first["roof_resident"] = lambda: ours_resident(q, roof_view, causal, args.threads, FUSED)
+        first["roof_inline"] = lambda: ours_inline(q, roof_k, roof_v, causal, args.threads, FUSED)
+        row.roof_bytes = float(2 * n_roof * h_kv * d * dt.itemsize)
     if torch is not None:
         v_sdpa = torch.from_numpy(view.v)[None]  # [1, h_kv, n_k, d], each head contiguous
         first["sdpa"] = lambda: sdpa(torch, q, k_sdpa, v_sdpa, causal)
@@ -457,6 +497,7 @@ def machine(torch: Any) -> list[str]:
         f"- CPU: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}",
         f"- numpy {np.__version__}, BLAS: {blas}; OPENBLAS_CORETYPE/L2_SIZE: {coretype or 'not set'}",
         f"- torch: {torch.__version__ if torch is not None else 'not installed or skipped: no SDPA column'}",
+        instruction_sets(),
     ]
 
 
@@ -472,17 +513,25 @@ def decode_flop_per_byte(dtype: str, n_q: int = 1) -> float:
     return 2.0 * n_q * g / dtype_of(dtype).itemsize
 
 
-def decode_roof(dtype: str, gemv_gbs: float, sgemm_gfs: float) -> tuple[float, float]:
-    """``(compute_gbs, roof_gbs)`` of decode over K and V of ``dtype``.
+def decode_roof(gemv_gbs: float, in_cache_gbs: float) -> tuple[float, str]:
+    """``(roof_gbs, bound)``: the rate a decode kernel can reach at best, the lower of what memory
+    streams (the GEMV's read rate) and what the kernel's own arithmetic allows (its rate on the
+    same shape in cache), and which of the two it is ("memory" or "compute")."""
+    return (gemv_gbs, "memory") if gemv_gbs <= in_cache_gbs else (in_cache_gbs, "compute")
 
-    ``compute_gbs``: the K+V bytes a second the core(s) could consume at
-    sgemm's FLOP/s (the best multiply-add rate BLAS reaches here; a fused
-    kernel that also widens and exponentiates cannot beat it). ``roof_gbs``:
-    the lower of that and the GEMV read bandwidth, the rate a kernel can reach
-    at best.
-    """
-    compute = sgemm_gfs / decode_flop_per_byte(dtype)
-    return compute, min(gemv_gbs, compute)
+
+def instruction_sets() -> str:
+    """What the host offers and what the fused kernel is compiled for: numba's target CPU, the
+    vector features LLVM may use there, and the width of the kernel's own vectors."""
+    import llvmlite.binding as llvm
+
+    from workers.fused_simd import LANES
+
+    features = llvm.get_host_cpu_features()
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bf16", "avx512fp16", "amx-bf16")
+    used = " ".join(f for f in wanted if features.get(f, False)) or "none of " + " ".join(wanted)
+    return (f"- fused kernel: numba for `{llvm.get_host_cpu_name()}` (LLVM may use: {used}); its register "
+            f"tiles are {LANES} float32 lanes ({32 * LANES}-bit vectors), 16-bit keys widened to float32")
 
 
 def table_row(head: list[str], row: Row, limit: float) -> str:
@@ -495,21 +544,28 @@ def table_row(head: list[str], row: Row, limit: float) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def decode_row(row: Row, run_gemv_gbs: float, compute_gbs: float) -> str:
-    """A decode row: rates of every implementation, the GEMV beside them, the fused kernel against SDPA, each
-    kernel against that GEMV (the run's first, ``run_gemv_gbs``, when none was timed beside), the fused
-    kernel against the dtype's roof (the lower of that GEMV and ``compute_gbs``). When the layouts were
-    timed in two phases, the inline kernels are compared with the second phase's GEMV."""
+def decode_row(row: Row, run_gemv_gbs: float) -> str:
+    """A decode row: rates of every implementation, the GEMV and the in-cache roofs beside them, the fused
+    kernel against SDPA, each kernel against that GEMV (the run's first, ``run_gemv_gbs``, when none was
+    timed beside), and the fused kernels against their roof (:func:`decode_roof` of that GEMV and the
+    layout's in-cache rate). When the layouts were timed in two phases, the inline kernels are compared
+    with the second phase's GEMV."""
     c = row.cells
     beside = row.gemv_gbs() or run_gemv_gbs
     second = row.gemv_bytes / c["gemv_inline"].median / 1e9 if "gemv_inline" in c else beside
     limit = {"resident": beside, "fused_resident": beside, "inline": second, "fused_inline": second}
     share = [f"{row.work / c[n].median / 1e9 / limit[n]:.0%}" if n in c else "-"
              for n in ("resident", "inline", "fused_resident", "fused_inline")]
-    share += [f"{row.work / c[n].median / 1e9 / min(limit[n], compute_gbs):.0%}" if n in c else "-"
-              for n in ("fused_resident", "fused_inline")]
+    for layout in ("resident", "inline"):
+        name, in_cache = f"fused_{layout}", row.roof_gbs(layout)
+        if name in c and in_cache is not None:
+            roof, bound = decode_roof(limit[name], in_cache)
+            share.append(f"{row.work / c[name].median / 1e9 / roof:.0%} ({bound})")
+        else:
+            share.append("-")
     cells = [row.label + " *" * row.two_phases, f"{row.work / GIB:.2f} GiB",
              *(rate(row.work, c.get(n)) for n in DECODE_IMPLS), rate(row.gemv_bytes, c.get("gemv")),
+             rate(row.roof_bytes, c.get("roof_resident")), rate(row.roof_bytes, c.get("roof_inline")),
              ratio(c.get("fused_resident"), c.get("sdpa")), ratio(c.get("fused_inline"), c.get("sdpa")), *share,
              f"{row.max_diff:.1e}"]
     return "| " + " | ".join(cells) + " |"
@@ -522,7 +578,6 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
     sgemm_work, sgemm = limits["sgemm"]
     gemv_gbs = gemv_work / gemv.median / 1e9
     sgemm_gfs = sgemm_work / sgemm.median / 1e9
-    roofs = {dt: decode_roof(dt, gemv_gbs, sgemm_gfs) for dt in args.dtypes}
     lines = [
         f"Date: {datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')}",
         f"Command: `{' '.join(['python', 'benchmarks/kernel.py', *argv])}`",
@@ -542,23 +597,19 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         f"| float32 GEMV read, 1 BLAS thread (GB/s) | {rate(*limits['gemv1'])} |",
         f"| sgemm {t} BLAS threads (GFLOP/s) | {rate(sgemm_work, sgemm)} |",
         "",
-        ("Decode's roof per K/V dtype: the compute roof is sgemm's FLOP/s over decode's flops per K+V byte "
-         "(2 n_q g / itemsize: QK and PV, one read of each key); the roof is the lower of it and the GEMV. "
-         "\"85% of GEMV\" is the target's rate as a share of the compute roof: at 100% or more it asks for as "
-         "many multiply-adds a second as sgemm reaches on in-cache blocks, or more."),
-        "",
-        "| K and V | flop per byte | compute roof (GB/s) | GEMV (GB/s) | roof (GB/s) | 85% of GEMV / compute roof |",
-        "| --- | --- | --- | --- | --- | --- |",
-        *(f"| {dt} | {decode_flop_per_byte(dt):g} | {roofs[dt][0]:.1f} | {gemv_gbs:.1f} | {roofs[dt][1]:.1f} "
-          f"| {0.85 * gemv_gbs / roofs[dt][0]:.0%} |" for dt in args.dtypes),
+        ("Decode's roof: the lower of the GEMV beside each case (what memory streams) and the fused kernel's "
+         "**in-cache** rate on the same shape and layout (what its own arithmetic allows: keys and values whose "
+         f"memory repeats every quarter of this host's {l2_bytes() // 1024} KiB L2, at most {ROOF_KEYS // 1024}K keys, "
+         "timed in the same rounds). \"/ roof\" says which of the two binds."),
         "",
         "### Decode: n_q=1, h_q={h_q}, h_kv={h_kv}, d={d} (GB/s of K+V in their own dtype)".format(**HEADS),
         "",
         ("\"resident\"/\"inline\": the NumPy kernel on the resident layout and on the contract layout; "
          "\"fused\": the same calls with `cpu_kernels=\"fused\"`. Naive NumPy and SDPA: float32 only. "
          f"\"GEMV beside\": float32 GEMV over {gemv_operands(args.quick)[0].nbytes / 2**20:.0f} MiB at {t} BLAS "
-         "threads, timed in the case's own interleaved rounds; every \"/ GEMV\" and \"/ roof\" share is taken "
-         "against it (the lower of it and the dtype's compute roof for \"/ roof\")."),
+         "threads, timed in the case's own interleaved rounds; every \"/ GEMV\" share is taken against it. "
+         "\"in-cache\": the fused kernel over operands that stay in cache (the roof above); \"/ roof\": the "
+         "fused kernel against the lower of the GEMV beside and its layout's in-cache rate."),
     ]
     for dtype in args.dtypes:
         lines += [
@@ -566,19 +617,20 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
             f"#### K and V {dtype}",
             "",
             ("| n_k | K+V | resident | inline | fused resident | fused inline | naive NumPy | SDPA | GEMV beside "
+             "| in-cache resident | in-cache inline "
              "| fused resident / SDPA | fused inline / SDPA | resident / GEMV | inline / GEMV "
              "| fused resident / GEMV | fused inline / GEMV | fused resident / roof | fused inline / roof "
              "| max abs diff |"),
-            "| --- " * 18 + "|",
+            "| --- " * 20 + "|",
         ]
         for row in decode:
             if row.dtype != dtype:
                 continue
             if row.skipped:
-                lines.append("| " + " | ".join([row.label, f"{row.work / GIB:.2f} GiB", row.skipped] + ["-"] * 15)
+                lines.append("| " + " | ".join([row.label, f"{row.work / GIB:.2f} GiB", row.skipped] + ["-"] * 17)
                              + " |")
             else:
-                lines.append(decode_row(row, gemv_gbs, roofs[dtype][0]))
+                lines.append(decode_row(row, gemv_gbs))
     n_q, n_k = args.prefill["n_q"], args.prefill["n_k"]
     lines += [
         "",
@@ -604,7 +656,7 @@ def row_json(row: Row, **extra: Any) -> dict[str, Any]:
     """One case's raw timings (seconds per implementation) and the resident kernel's median."""
     resident = row.cells.get("resident")
     return {"label": row.label, "work": row.work, **extra, "skipped": row.skipped, "two_phases": row.two_phases,
-            "max_diff": row.max_diff, "gemv_bytes": row.gemv_bytes,
+            "max_diff": row.max_diff, "gemv_bytes": row.gemv_bytes, "roof_bytes": row.roof_bytes,
             "seconds": {name: cell.seconds for name, cell in row.cells.items()},
             "resident_s": resident.median if resident is not None else None}
 

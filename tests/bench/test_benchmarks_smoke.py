@@ -55,12 +55,23 @@ def test_disagreement_stops_the_run(bench):
         bench.check_agree("wrong", out * 1.01, out)
 
 
-def test_decode_roof_is_the_lower_of_bandwidth_and_compute(bench):
+def test_decode_roof_is_the_lower_of_bandwidth_and_the_kernels_own_rate_in_cache(bench):
     # g = 32 / 8 = 4 query rows per kv head: 2 g flops per key element, read once.
     assert bench.decode_flop_per_byte("float32") == 2.0
     assert bench.decode_flop_per_byte("bfloat16") == bench.decode_flop_per_byte("float16") == 4.0
-    assert bench.decode_roof("float32", gemv_gbs=30.0, sgemm_gfs=100.0) == (50.0, 30.0)  # memory-bound
-    assert bench.decode_roof("bfloat16", gemv_gbs=30.0, sgemm_gfs=100.0) == (25.0, 25.0)  # compute-bound
+    assert bench.decode_roof(gemv_gbs=30.0, in_cache_gbs=50.0) == (30.0, "memory")
+    assert bench.decode_roof(gemv_gbs=30.0, in_cache_gbs=25.0) == (25.0, "compute")
+
+
+def test_in_cache_operands_repeat_and_give_the_kernel_the_cases_shape(bench):
+    view, k, v = bench.in_cache_kv(65536, 2, 16, 16, np.float32)
+    assert view.kt.shape == (2, 16, 65536) and view.v.shape == (2, 65536, 16)
+    assert k.shape == v.shape == (65536, 2, 16)
+    flat = k.reshape(-1)
+    period = next(p for p in range(1, flat.size) if flat[p] == flat[0] and np.array_equal(flat[p:p + 64], flat[:64]))
+    assert period < flat.size // 4  # the memory repeats: the kernel streams it from cache
+    out, lse = bench.ours_resident(bench.queries(1, 8, 16, seed=3), view, False, threads=2, kernels=bench.FUSED)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
 
 
 def test_sizes_and_quick_arguments(bench):
@@ -82,7 +93,8 @@ def test_quick_run_writes_the_markdown_report(bench, tmp_path, capsys, monkeypat
     for heading in ("### Limits measured in the same run", "### Decode", "### Prefill"):
         assert heading in text
     rows = [ln for ln in text.splitlines() if ln.startswith("| 2K |")]
-    assert len(rows) == 3 and all(r.count("|") == 19 for r in rows)  # a row per dtype, 18 columns
-    assert "| K and V | flop per byte | compute roof (GB/s)" in text
+    assert len(rows) == 3 and all(r.count("|") == 21 for r in rows)  # a row per dtype, 20 columns
+    assert all(("(memory)" in r) != ("(compute)" in r) for r in rows)  # "/ roof" names what binds
+    assert "in-cache" in text and "fused kernel: numba for" in text
     for dtype in ("float32", "bfloat16", "float16"):
         assert f"#### K and V {dtype}" in text
