@@ -47,11 +47,14 @@ class Fence:
     async def call(self, index: int, call: Awaitable[_T]) -> _T:
         """``call`` (made to worker ``index``) awaited within the write deadline; raises
         ``WorkersUnavailable`` when the worker hung and was fenced, and whatever the call raised."""
+        began = self.pool.slots[index].incarnation  # the worker the call went to
         task = asyncio.ensure_future(call)
         try:
             while not await self._finished(task):
                 if not await self.pool.answers(index, self.timeout_s):
-                    await self._fence(index, task)
+                    if began and self.pool.slots[index].incarnation == began:
+                        await self._fence(index, task)
+                    raise self._gone(index, task)
             return task.result()
         except asyncio.CancelledError:
             task.cancel()
@@ -60,6 +63,15 @@ class Fence:
     async def _finished(self, task: asyncio.Future[_T]) -> bool:
         await asyncio.wait({task}, timeout=self.timeout_s)
         return task.done()
+
+    def _gone(self, index: int, task: asyncio.Future[_T]) -> WorkersUnavailable:
+        """The 503 for a call to a worker not to fence: one that has not started yet (a replacement that
+        never answered a ping: not hung, and holding nothing a write could need), or one replaced since the
+        call was made (killed by its replacement, ``WorkerSurface.replace``)."""
+        task.add_done_callback(_retrieved)
+        name = self.pool.slots[index].name
+        return WorkersUnavailable(f"worker {name} did not answer within {self.timeout_s:g} s: it is starting or was "
+                                  f"replaced; the write was not stored: send it again")
 
     async def _fence(self, index: int, task: asyncio.Future[_T]) -> None:
         """Kill the hung worker, wait (bounded) for the kill to end its call, and raise the call's 503."""

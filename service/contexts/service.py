@@ -3,9 +3,10 @@
 The records live in the directory actor (``service.contexts.directory``); the keys
 live on the workers in the kernel's streaming layout (``workers.store``). Writes
 are all-or-nothing: a create or append that fails anywhere (no room: 507; a
-worker gone: 503) undoes what it wrote before the error is returned, and only
-then is the new record committed, so a query sees a context before or after an
-append, never half of it (docs/CONTEXTS.md).
+worker gone: 503; a worker that hangs: 503, once it is killed, ``service.contexts.fencing``)
+undoes what it wrote before the error is returned, and only then is the new record
+committed, so a query sees a context before or after an append, never half of it
+(docs/CONTEXTS.md).
 """
 
 from __future__ import annotations
@@ -222,8 +223,9 @@ class ContextService:
                                span=(lo, hi))
             for w in placement[i]:
                 per_worker.setdefault(w, []).append(shard)
-        writes: list[Awaitable[Any]] = [self.fence.call(w, self.pool.create_shards(w, shards, refs.k, refs.v, record))
-                  for w, shards in per_worker.items()]
+        writes: list[Awaitable[Any]] = [
+            self.fence.call(w, self.pool.create_shards(w, shards, refs.k, refs.v, record))
+            for w, shards in per_worker.items()]
         try:
             with timings.measure("store"):
                 await self._write_all(writes, creating=True)
@@ -458,6 +460,11 @@ class ContextService:
             f"and the workers' note of it, and came back without it; send it again")
 
     async def _undo(self, u: Undo) -> None:
+        if not self.pool.slots[u.worker].alive:
+            # Nothing to wait for there (a fenced worker, or its replacement starting): an undo only frees
+            # memory, since keys past a shard's committed length are never read and the next append cuts
+            # them, and a shard no record names is replaced when an append opens it again (workers.store).
+            return
         if u.truncate_to is None:
             await self.drop_quietly(u.worker, u.context_id, u.shard)
         else:
