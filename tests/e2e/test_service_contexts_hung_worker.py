@@ -101,3 +101,35 @@ def test_an_append_to_a_paused_holder_answers_503_in_time_and_the_worker_is_repl
         if paused is not None and psutil.pid_exists(paused):
             os.kill(paused, signal.SIGCONT)
         srv.stop()
+
+
+def test_a_worker_paused_without_a_write_is_counted_dead_then_killed_and_replaced(tmp_path):
+    """Counted dead at its third missed ping, a paused worker still holds its name: its replacement
+    kills it first (until 2026-12-06 every round logged "its name is still held" and none came)."""
+    srv = Server(tmp_path, args=("--workers", "2"), env={"SPLITKEY_HEAL_INTERVAL_S": "0.5"})
+    srv.start()
+    paused = None
+    try:
+        q, k, v = problem(6, 200)
+        with Client(srv.url, timeout=120) as c:
+            ctx = c.create_context(k, v, replicas=2)["id"]
+            paused = shard_worker_pids(srv.proc.pid)[0]
+            os.kill(paused, signal.SIGSTOP)
+            deadline = time.monotonic() + 120
+            desc: dict = {}
+            while time.monotonic() < deadline:
+                desc = c.get_context(ctx)
+                if c.cluster()["repair"]["workers_replaced"] >= 1 and desc["live_replicas"] == [2] * len(
+                        desc["live_replicas"]):
+                    break
+                time.sleep(0.5)
+            else:
+                pytest.fail(f"not replaced and rebuilt in 120 s: {desc}, repair {c.cluster()['repair']}, "
+                            f"the paused one {gone(paused)}")
+            assert gone(paused) == "gone"
+            out, lse = c.attention(q, contexts=[ctx])
+            assert_close_to_reference(out, lse, q, k, v)
+    finally:
+        if paused is not None and psutil.pid_exists(paused):
+            os.kill(paused, signal.SIGCONT)
+        srv.stop()
