@@ -11,13 +11,16 @@ through :meth:`Fence.call`:
    (a large write, a busy machine), and the call is waited for again, step 1;
 3. one that answers neither is fenced (``WorkerSurface.fence``: killed and counted dead, for the
    repair loop to forget its replicas and replace it), and the call raises ``WorkersUnavailable``
-   once the kill is seen to end it, or after ``write_timeout_s`` more.
+   once the kill is seen to end it, or after ``write_timeout_s`` more. Only the worker the call
+   was made to is fenced: a slot replaced since, or a replacement that has not answered a ping yet
+   (starting, not hung), is given up without a kill.
 
 So a write to a hung worker answers within 4 x ``write_timeout_s``: a placement's ping when it opens a
-shard (``ContextService._place``), the wait, the ping and the kill's end; about 2 x when it opens none, as
-a kill takes well under a second. It is never applied later: the fenced worker is killed, not waited for, so the
-call it hung in can never store its keys behind a later write's back; and a worker's keys past a
-shard's committed length are never read, and cut by the next append (``workers.store``).
+shard (``ContextService._place``), the wait, the ping and the kill's end (Ray ended a paused worker
+about 5 s after the kill, docs/CONTEXTS.md). It is never applied later: the fenced worker is killed,
+not waited for, so the call it hung in can never store its keys behind a later write's back; and a
+worker's keys past a shard's committed length are never read, and cut by the next append
+(``workers.store``).
 """
 
 from __future__ import annotations
