@@ -42,13 +42,21 @@ class FaultyPool(LocalPool):
         self.stop(index)
 
     def hang(self, index: int, *methods: str) -> None:
-        """The worker's calls (of ``methods``; all, pings too, when none is named) wait until :meth:`release`
-        or until their caller gives up on them."""
+        """The worker's calls (of ``methods``; all, pings too, when none is named) wait until :meth:`release`,
+        until the worker is stopped (fenced or killed) or until their caller gives up on them."""
         self._gates[index] = (asyncio.Event(), frozenset(methods))
 
     def release(self, index: int) -> None:
-        gate, _ = self._gates.pop(index)
-        gate.set()
+        """The hung worker goes on (SIGCONT); nothing if it was stopped meanwhile."""
+        gated = self._gates.pop(index, None)
+        if gated is not None:
+            gated[0].set()
+
+    def stop(self, index: int) -> None:
+        """A stopped worker's hung calls end too, raising WorkersUnavailable (Ray's raylet kills a paused
+        process): they never reach the worker."""
+        super().stop(index)
+        self.release(index)
 
     def lose_shard(self, index: int, context_id: str, shard: int) -> None:
         """The worker drops the shard from its store: reads of it raise ``workers.store.ShardMissing``."""

@@ -125,8 +125,23 @@ class LocalPool(Roster[LocalSlot]):
         WorkersUnavailable, and it is counted dead at its next call or ping."""
         self.slots[index].worker = None
 
+    async def answers(self, index: int, timeout_s: float) -> bool:
+        slot = self.slots[index]
+        try:
+            await asyncio.wait_for(self._invoke(index, slot.worker, "ping", (), health=True), timeout_s)
+        except Exception:  # noqa: BLE001 - timed out, gone, or its ping raised: no answer
+            return False
+        return True
+
+    async def fence(self, index: int) -> None:
+        """``WorkerPool.fence``: the worker is stopped (:meth:`stop`) and counted dead now."""
+        self.stop(index)
+        self.slots[index].alive = False
+
     def replace(self, slot: WorkerSlot) -> bool:
-        """A new, empty worker under a dead one's name (``WorkerPool.replace``)."""
+        """A new, empty worker under a dead one's name (``WorkerPool.replace``); the old one is stopped first,
+        as that kills it (one counted dead for its missed pings may only be hung)."""
+        self.stop(slot.index)
         own = self.slots[slot.index]
         own.calls.shutdown(wait=False)
         own.health.shutdown(wait=False)

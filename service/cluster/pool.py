@@ -151,6 +151,17 @@ class Slot:
             self.write_channel = None
 
 
+def _kill(slot: Slot) -> None:
+    """Ask Ray to kill the slot's worker for good (no restart), whatever state its process is in; best
+    effort: a worker already gone, or a handle Ray no longer knows, is what a dead one leaves."""
+    if slot.handle is None:
+        return
+    try:
+        ray.kill(slot.handle, no_restart=True)
+    except Exception as exc:  # noqa: BLE001 - Ray's errors for an actor it has already forgotten
+        log.info("worker %s could not be killed (%s): it is gone already", slot.name, type(exc).__name__)
+
+
 async def _await(ref: Any) -> Any:
     """An ObjectRef as a coroutine (for ``asyncio.wait_for``)."""
     return await ref
@@ -305,6 +316,22 @@ class WorkerPool(Roster[Slot]):
 
         await asyncio.gather(*(one(s) for s in self.slots))
 
+    async def answers(self, index: int, timeout_s: float) -> bool:
+        slot = self.slots[index]
+        if slot.handle is None:
+            return False
+        try:
+            await asyncio.wait_for(_await(slot.handle.ping.options(concurrency_group=HEALTH_GROUP).remote()), timeout_s)
+        except (TimeoutError, ray.exceptions.RayError):
+            return False
+        return True
+
+    async def fence(self, index: int) -> None:
+        slot = self.slots[index]
+        slot.alive = False  # its incarnation stays: the repair loop forgets its replicas and replaces it
+        slot.drop_channel()
+        _kill(slot)
+
     def replace(self, slot: WorkerSlot) -> bool:
         """Start a new, empty worker under a dead one's name (the caller first forgets what it held);
         False when the name is still held, to try again next round.
@@ -315,12 +342,15 @@ class WorkerPool(Roster[Slot]):
         that is a replacement another front end started (detached workers), or a death Ray has not
         processed yet: the slot takes whatever holds it, and keeps its incarnation, so that the next
         refresh either adopts a live worker (a new incarnation) or finds it dead and replaces again.
+        The old worker is killed first: one counted dead for its missed pings may be paused (SIGSTOP)
+        and hold the name for as long as it is; until 2026-12-06 it was never replaced.
         """
         return self._replace(self.slots[slot.index])  # this pool's own slot (the surface hands them out read-only)
 
     def _replace(self, slot: Slot) -> bool:
         slot.drop_channel()
         slot.channel_retry_at = 0.0
+        _kill(slot)
         dead, slot.handle = slot.handle, None  # the slot holds the only handle the front end keeps
         del dead
         try:

@@ -236,6 +236,11 @@ class WorkerSurface(Protocol):
 
     # -- health and lifecycle
     async def refresh(self, timeout_s: float = 60.0) -> None: ...
+    async def answers(self, index: int, timeout_s: float) -> bool:
+        """Whether worker ``index`` answers a ping within ``timeout_s`` (nothing is noted on its slot)."""
+    async def fence(self, index: int) -> None:
+        """Kill worker ``index`` (a hung one too: Ray's raylet kills a stopped process) and count it dead: its
+        calls in flight raise ``WorkersUnavailable`` and never reach it after, and the repair loop replaces it."""
     def replace(self, slot: WorkerSlot) -> bool: ...
     def shutdown(self) -> None: ...
 

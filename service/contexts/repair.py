@@ -200,7 +200,9 @@ class Repairer:
             return 0
         entry["workers"] = self.pool.names(holders)  # dead names out
         ctx_id, index, n = record["id"], entry["index"], entry["length"]
-        k, v, k_pos = await self.pool.export_shard(holders[0], ctx_id, index, n)
+        # Under the lease: a holder or a target that hangs is fenced rather than waited for (service.contexts.fencing).
+        fence = self.contexts.fence
+        k, v, k_pos = await fence.call(holders[0], self.pool.export_shard(holders[0], ctx_id, index, n))
         # Cut as the shard's other replicas are: a body of the keys it was created with (or a planned
         # context's whole capacity), the rest in its tail (workers.layout.ShardKV), so that every replica
         # answers the same bits. A record written before 2026-12-06 does not say: a body of every key.
@@ -213,7 +215,7 @@ class Repairer:
             name = self.pool.slots[target].name
             try:
                 await self.contexts.drop_quietly(target, ctx_id, index)  # a stale copy of a worker thought dead
-                await self.pool.create_shard(target, write, k, v, record)
+                await fence.call(target, self.pool.create_shard(target, write, k, v, record))
             except (CapacityError, WorkersUnavailable, ShardMissing, ValueError) as exc:  # the next target or round
                 self.stats.failures += 1
                 self.stats.last_error = f"shard {index} of {ctx_id} on {name}: {shown(exc)}"

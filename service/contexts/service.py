@@ -3,9 +3,10 @@
 The records live in the directory actor (``service.contexts.directory``); the keys
 live on the workers in the kernel's streaming layout (``workers.store``). Writes
 are all-or-nothing: a create or append that fails anywhere (no room: 507; a
-worker gone: 503) undoes what it wrote before the error is returned, and only
-then is the new record committed, so a query sees a context before or after an
-append, never half of it (docs/CONTEXTS.md).
+worker gone: 503; a worker that hangs: 503, once it is killed, ``service.contexts.fencing``)
+undoes what it wrote before the error is returned, and only then is the new record
+committed, so a query sees a context before or after an append, never half of it
+(docs/CONTEXTS.md).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from service.cluster.surface import WorkerSurface, last_line
 from service.contexts.cache import RecordCache
 from service.contexts.directory import LEASE_TTL_S, DirectorySurface
+from service.contexts.fencing import Fence
 from service.contexts.placement import WorkerLoad, place
 from service.contexts.records import (
     LOST,
@@ -107,6 +109,8 @@ class ContextService:
         self.owner = "frontend-" + secrets.token_hex(8)
         self._turns: dict[str, asyncio.Lock] = {}  # context id -> this front end's writes take turns (_lease)
         self.cache = RecordCache(settings.record_cache)
+        #: Every worker call of a write goes through it: a worker that hangs is fenced (service.contexts.fencing).
+        self.fence = Fence(pool, settings.write_timeout_s)
 
     # -- queries --------------------------------------------------------------
     async def resolve(self, ids: Sequence[str], *, fresh: bool = False) -> Resolved:
@@ -219,7 +223,9 @@ class ContextService:
                                span=(lo, hi))
             for w in placement[i]:
                 per_worker.setdefault(w, []).append(shard)
-        writes = [self.pool.create_shards(w, shards, refs.k, refs.v, record) for w, shards in per_worker.items()]
+        writes: list[Awaitable[Any]] = [
+            self.fence.call(w, self.pool.create_shards(w, shards, refs.k, refs.v, record))
+            for w, shards in per_worker.items()]
         try:
             with timings.measure("store"):
                 await self._write_all(writes, creating=True)
@@ -300,7 +306,8 @@ class ContextService:
             raise ContextNotFound(f"id must name an existing context, got {ctx_id!r}")
         # Tombstoned on every live worker before the answer: a holder down now removes it when it comes back
         # (service.contexts.tombstones).
-        await asyncio.gather(*(self._quietly(self.pool.delete(s.index, ctx_id)) for s in self.pool.alive))
+        await asyncio.gather(*(self._quietly(self.fence.call(s.index, self.pool.delete(s.index, ctx_id)))
+                               for s in self.pool.alive))
         return describe(rec)
 
     # -- the parts of an append ---------------------------------------------------
@@ -324,7 +331,8 @@ class ContextService:
         entry["workers"] = self.pool.names(holders)
         shard = ShardWrite(new["id"], entry["index"], new["dtype"], reach_of(new), k_pos[lo:lo + take],
                            span=(lo, lo + take))
-        writes = [self.pool.append_shard(w, shard, refs.k, refs.v, entry["length"]) for w in holders]
+        writes: list[Awaitable[Any]] = [
+            self.fence.call(w, self.pool.append_shard(w, shard, refs.k, refs.v, entry["length"])) for w in holders]
         undo = [Undo(w, new["id"], entry["index"], entry["length"]) for w in holders]
         entry["length"] += take
         return writes, undo
@@ -356,7 +364,9 @@ class ContextService:
             for w in workers:
                 per_worker.setdefault(w, []).append(shard)
             undo += [Undo(w, new["id"], idx, None) for w in workers]
-        writes = [self.pool.create_shards(w, shards, refs.k, refs.v, committed) for w, shards in per_worker.items()]
+        writes: list[Awaitable[Any]] = [
+            self.fence.call(w, self.pool.create_shards(w, shards, refs.k, refs.v, committed))
+            for w, shards in per_worker.items()]
         return writes, undo
 
     # -- helpers --------------------------------------------------------------
@@ -376,7 +386,8 @@ class ContextService:
         return default.materialize()
 
     async def _place(self, sizes: list[int], record: ContextRecord) -> list[list[int]]:
-        await self.pool.refresh(timeout_s=10.0)
+        # Within the write deadline too: a hung worker's ping holds the write this long, then its write is fenced.
+        await self.pool.refresh(timeout_s=self.settings.write_timeout_s)
         live = [WorkerLoad(s.index, s.node_id, int(s.info.get("bytes_held", 0))) for s in self.pool.alive]
         try:
             return place([n * key_bytes(record) for n in sizes], record["replicas"], live)
@@ -407,7 +418,7 @@ class ContextService:
         client is still told what was stored. The holder takes the version before it writes the
         file (``ShardStore.note_context``), so older reads are refused there all the same."""
         try:
-            await self._quietly(self.pool.note_context(index, record["id"], record))
+            await self._quietly(self.fence.call(index, self.pool.note_context(index, record["id"], record)))
         except Exception as exc:  # noqa: BLE001 - anything a worker raised; the commit stands
             log.warning("worker %s did not keep the record of context %s version %s: %s",
                         self.pool.slots[index].name, record["id"], record.get("version"), last_line(str(exc)))
@@ -449,13 +460,19 @@ class ContextService:
             f"and the workers' note of it, and came back without it; send it again")
 
     async def _undo(self, u: Undo) -> None:
+        if not self.pool.slots[u.worker].alive:
+            # Nothing to wait for there (a fenced worker, or its replacement starting): an undo only frees
+            # memory, since keys past a shard's committed length are never read and the next append cuts
+            # them, and a shard no record names is replaced when an append opens it again (workers.store).
+            return
         if u.truncate_to is None:
-            await self._quietly(self.pool.drop(u.worker, u.context_id, u.shard))
+            await self.drop_quietly(u.worker, u.context_id, u.shard)
         else:
-            await self._quietly(self.pool.truncate_shard(u.worker, u.context_id, u.shard, u.truncate_to))
+            await self._quietly(self.fence.call(u.worker, self.pool.truncate_shard(u.worker, u.context_id, u.shard,
+                                                                                    u.truncate_to)))
 
     async def _drop_everywhere(self, ctx_id: str) -> None:
-        await asyncio.gather(*(self._quietly(self.pool.drop(s.index, ctx_id)) for s in self.pool.alive))
+        await asyncio.gather(*(self.drop_quietly(s.index, ctx_id) for s in self.pool.alive))
 
     @staticmethod
     async def _quietly(call: Awaitable[Any]) -> None:
@@ -481,9 +498,9 @@ class ContextService:
         lease.committed = await self.directory.commit(record, lease.owner)
         self.cache.put(record)
 
-    async def drop_quietly(self, worker: int, ctx_id: str, shard: int) -> None:
-        """Drop a shard from a worker if it holds one."""
-        await self._quietly(self.pool.drop(worker, ctx_id, shard))
+    async def drop_quietly(self, worker: int, ctx_id: str, shard: int | None = None) -> None:
+        """Drop a shard (every shard of the context: None) from a worker if it holds one."""
+        await self._quietly(self.fence.call(worker, self.pool.drop(worker, ctx_id, shard)))
 
     @contextlib.asynccontextmanager
     async def _lease(self, ctx_id: str, timings: Timings) -> AsyncIterator[Lease]:

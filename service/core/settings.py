@@ -97,6 +97,12 @@ class ServiceSettings(BaseSettings):
     context_shard_keys: int = Field(2048, ge=1, description="Keys a context shard holds at least before a new one "
                                                             "opens; a create uses one shard per worker down to this size.")
     max_replicas: int = Field(8, ge=1, description="Most replicas a context may ask for.")
+    # A write to a hung worker answers within 4 x this (service.contexts.fencing), at most 56 s: inside
+    # the write's 60 s lease (service.contexts.directory.LEASE_TTL_S), so it answers before the lease lapses.
+    write_timeout_s: float = Field(10.0, gt=0, le=14, description="Seconds a context write waits for a worker "
+                                                                  "before it pings it; one that answers neither the "
+                                                                  "write nor the ping in this time each is killed "
+                                                                  "and replaced, and the write answered 503.")
     record_cache: int = Field(4096, ge=0, description="Context records a front end keeps to resolve queries "
                                                       "without asking the directory (workers check their version); "
                                                       "0: ask it every time.")
@@ -217,5 +223,5 @@ GROUPS: dict[str, tuple[str, ...]] = {
                             "worker_channel", "kernel_threads", "block_size", "batch_rows", "gpu_kernels", "cpu_kernels",
                             "heal_interval_s"),
     "sharding and merge": ("shards", "min_shard_keys", "merge_fanin", "remote_merge_bytes"),
-    "resident contexts": ("context_shard_keys", "max_replicas", "record_cache", "persist_dir"),
+    "resident contexts": ("context_shard_keys", "max_replicas", "write_timeout_s", "record_cache", "persist_dir"),
 }

@@ -76,6 +76,27 @@ def test_a_calls_arguments_are_taken_when_it_is_made(rng):
     asyncio.run(main())
 
 
+def test_a_hung_worker_is_stopped_by_its_replacement_which_answers(rng):
+    # As WorkerPool.replace kills a paused worker first: until 2026-12-06 it held its name for good.
+    async def main():
+        pool = await FaultyPool.start(settings(), 2)
+        try:
+            pool.hang(1)
+            hung = asyncio.ensure_future(pool.held(1))
+            for _ in range(3):
+                await pool.refresh(timeout_s=0.02)
+            assert not pool.slots[1].alive
+            assert pool.replace(pool.slots[1])
+            with pytest.raises(WorkersUnavailable):
+                await asyncio.wait_for(hung, 5.0)  # ended by the kill, never run
+            await pool.refresh()
+            assert pool.slots[1].alive and await pool.held(1) == []
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_hung_worker_misses_pings_and_counts_dead_at_the_third(rng):
     async def main():
         pool = await FaultyPool.start(settings(), 2)
