@@ -43,6 +43,7 @@ from service.core.errors import (
 )
 from service.hot_routes import Handler, HotRoutes
 from service.core.metrics import Metrics
+from service.metrics_listener import metrics_listener
 from service.middleware import FRONTEND, ServiceMiddleware
 from service.routes import attention, batch, contexts, kserve, ops
 from service.runtime import AppState, Runtime
@@ -70,7 +71,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.splitkey
     running = False
     try:
-        async with _lifespan(app):
+        async with metrics_listener(state), _lifespan(app):
             running = True
             yield
     except Exception as exc:

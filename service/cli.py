@@ -45,6 +45,14 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"splitkey serve: cannot listen on {settings.host}:{settings.grpc_port} (--grpc-port): "
                   f"{exc.strerror or exc}", file=sys.stderr)
             return 1
+    if settings.metrics_port:  # likewise (service.metrics_listener binds it when the app starts)
+        try:
+            listen(settings.metrics_host, settings.metrics_port).close()
+        except OSError as exc:
+            sock.close()
+            print(f"splitkey serve: cannot listen on {settings.metrics_host}:{settings.metrics_port} (--metrics-port): "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("splitkey")
     if warning:

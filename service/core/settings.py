@@ -103,6 +103,14 @@ class ServiceSettings(BaseSettings):
     persist_dir: pathlib.Path | None = Field(None, description="Keep resident contexts on disk here and load them "
                                                               "at start (workers.persist); unset: memory only.")
 
+    # Operations
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Also serve GET /metrics on this port, "
+                                     "without the API key, for a Prometheus scraper (0: any free one); unset: "
+                                     "/metrics only on the API port, behind the key.")
+    metrics_host: str = Field("127.0.0.1", description="Address the metrics port binds; loopback unless told "
+                                                       "otherwise (a scraper in the cluster needs the pod's address "
+                                                       "or 0.0.0.0).")
+
     @field_validator("api_key_file", mode="before")
     @classmethod
     def _key_file(cls, v: object) -> object:
@@ -218,4 +226,5 @@ GROUPS: dict[str, tuple[str, ...]] = {
                             "heal_interval_s"),
     "sharding and merge": ("shards", "min_shard_keys", "merge_fanin", "remote_merge_bytes"),
     "resident contexts": ("context_shard_keys", "max_replicas", "record_cache", "persist_dir"),
+    "operations": ("metrics_port", "metrics_host"),
 }
