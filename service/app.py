@@ -148,7 +148,7 @@ def _serve(state: AppState, pool: WorkerPool, directory: Directory, orphans: Orp
     state.runtime = Runtime(pool=pool, attention=attention_service, contexts=context_service, repair=repair,
                             batch=BatchService(settings, pool, attention_service, context_service))
     state.metrics.workers.labels(state="alive").set(pool.size)
-    log.info("splitkey ready: %d %s workers; this front end is %s", pool.size, pool.device, FRONTEND)
+    log.info("splitkey workers up: %d %s workers; this front end is %s", pool.size, pool.device, FRONTEND)
     return asyncio.create_task(repair.run_forever(settings.heal_interval_s))
 
 

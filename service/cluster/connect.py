@@ -19,6 +19,8 @@ def connect(settings: ServiceSettings) -> bool:
     """Start an embedded Ray (loopback, no dashboard) or join a cluster; True if we started it."""
     if ray.is_initialized():
         return False
+    verbose = settings.log_level == "debug"
+    route_ray_logs(verbose)
     if settings.ray_address is None:
         # address="local" always starts a new instance: without it ray.init() connects to
         # whatever /tmp/ray/ray_current_cluster or RAY_ADDRESS names (a user's `ray start`
@@ -26,11 +28,23 @@ def connect(settings: ServiceSettings) -> bool:
         with _loopback_node():
             ray.init(address="local", namespace=settings.ray_namespace, include_dashboard=False,
                      _node_ip_address="127.0.0.1",
-                     logging_level=logging.WARNING, log_to_driver=False, configure_logging=False)
+                     log_to_driver=verbose, configure_logging=False)
         return True
-    ray.init(address=settings.ray_address, namespace=settings.ray_namespace, logging_level=logging.WARNING,
-             log_to_driver=False, configure_logging=False)
+    ray.init(address=settings.ray_address, namespace=settings.ray_namespace, log_to_driver=verbose,
+             configure_logging=False)
     return False
+
+
+def route_ray_logs(verbose: bool) -> None:
+    """Ray's own Python log lines (``Started a local Ray instance``, ``Connecting to existing Ray cluster``)
+    go through the service's log handler, in its format (``--log-format``), instead of the stderr handler
+    Ray installs at import: its warnings and errors always, its start-up lines only when ``verbose``
+    (``--log-level debug``, which also forwards the workers' output: ``log_to_driver``)."""
+    ray_log = logging.getLogger("ray")
+    for handler in list(ray_log.handlers):
+        ray_log.removeHandler(handler)
+    ray_log.propagate = True
+    ray_log.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 @contextlib.contextmanager

@@ -110,6 +110,11 @@ class ServiceSettings(BaseSettings):
     metrics_host: str = Field("127.0.0.1", description="Address the metrics port binds; loopback unless told "
                                                        "otherwise (a scraper in the cluster needs the pod's address "
                                                        "or 0.0.0.0).")
+    log_format: Literal["text", "json"] = Field("text", description="The log's lines: text, or json (one object "
+                                              "per line: time, level, logger, message and the line's fields).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="The least severe lines logged; info has one access-log line per request. debug also "
+                            "forwards Ray's own start-up lines and the workers' output to the log.")
 
     @field_validator("api_key_file", mode="before")
     @classmethod
@@ -226,5 +231,5 @@ GROUPS: dict[str, tuple[str, ...]] = {
                             "heal_interval_s"),
     "sharding and merge": ("shards", "min_shard_keys", "merge_fanin", "remote_merge_bytes"),
     "resident contexts": ("context_shard_keys", "max_replicas", "record_cache", "persist_dir"),
-    "operations": ("metrics_port", "metrics_host"),
+    "operations": ("metrics_port", "metrics_host", "log_format", "log_level"),
 }

@@ -27,7 +27,7 @@ EXAMPLES = {
     "merge_fanin": "4",
     "remote_merge_bytes": "0", "context_shard_keys": "32", "max_replicas": "2", "persist_dir": "/p",
     "grpc_port": "8001", "record_cache": "16", "worker_channel": "false",
-    "metrics_port": "9100", "metrics_host": "0.0.0.0",
+    "metrics_port": "9100", "metrics_host": "0.0.0.0", "log_format": "json", "log_level": "debug",
 }
 
 
