@@ -27,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
     from service.core.settings import ServiceSettings
 
     try:
-        settings = ServiceSettings(**cli_settings.given(args))
+        settings = ServiceSettings(**cli_settings.layered(args, os.environ))
         settings.api_key()  # fail now, not at the first request, if the key file is unreadable
         warning = settings.check_exposure(args.insecure)
     except ValidationError as exc:
@@ -162,9 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the HTTP service (embedded Ray unless --ray-address)",
                        description="Start the HTTP service: an embedded local Ray on loopback, or joined to a "
                                    "cluster with --ray-address. Every setting is also read from its SPLITKEY_* "
-                                   "environment variable; a flag given wins. docs/API.md section 9 has the table.")
+                                   "environment variable and from a --config file; a flag given wins over the "
+                                   "variable, the variable over the file. docs/API.md section 9 has the table.")
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without --api-key-file (anyone who reaches it can use it)")
+    s.add_argument("--config", metavar="FILE",
+                   help="a TOML file of settings, keyed by their names (max_inflight or max-inflight); a flag or "
+                        "a SPLITKEY_* variable wins over it (docs/SERVICE.md, 'A config file')")
     cli_settings.add_arguments(s)
     s.set_defaults(func=_serve)
     w = sub.add_parser("warm", help="compile the fused CPU kernel into numba's disk cache (images, CI)",
