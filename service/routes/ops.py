@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from service.core.errors import error_responses
+from service.core.metrics import build_labels
 from service.routes.common import app_state
 from service.runtime import AppState
 
@@ -98,6 +99,7 @@ async def cluster(request: Request) -> JSONResponse:
                for s in pool.slots]
     nodes = sorted({s.node_id for s in pool.slots if s.node_id})
     return JSONResponse({
+        "version": build_labels()["version"],
         "device": pool.device,
         "workers": workers,
         "nodes": nodes,
