@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -67,9 +69,20 @@ def _loopback_node() -> Iterator[None]:
 
 
 def disconnect(started: bool) -> None:
-    """Shut down the embedded Ray this process started (a joined cluster stays up)."""
-    if started:
-        ray.shutdown()
+    """Shut down the embedded Ray this process started (a joined cluster stays up), and remove its
+    ``session_*`` folder (logs, sockets, spilled objects) from Ray's temporary directory, with the
+    ``session_latest`` link to it: a server that stops leaves nothing of its Ray behind."""
+    if not started:
+        return
+    node = ray._private.worker._global_node
+    session = pathlib.Path(node.get_session_dir_path()) if node is not None else None
+    ray.shutdown()
+    if session is None or not session.name.startswith("session_"):
+        return
+    shutil.rmtree(session, ignore_errors=True)
+    latest = session.parent / "session_latest"
+    if latest.is_symlink() and latest.resolve(strict=False) == session.resolve(strict=False):
+        latest.unlink(missing_ok=True)
 
 
 class Reaper:

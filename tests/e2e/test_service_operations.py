@@ -1,11 +1,14 @@
 """What an operator reads and scrapes from a real ``splitkey serve`` (issue 51): the log as JSON lines
 with no line of Ray's or uvicorn's own format, "ready" only once it answers, an access line per request,
-"stopped" at exit, and /metrics without the key on --metrics-port."""
+"stopped" at exit, /metrics without the key on --metrics-port, and no Ray session folder left after it."""
 
 from __future__ import annotations
 
 import json
+import pathlib
 import re
+import shutil
+import tempfile
 
 import httpx
 import pytest
@@ -17,12 +20,13 @@ KEY = "ops-key"
 
 
 @pytest.mark.ray
-def test_a_json_log_names_each_request_and_ready_and_stopped_and_metrics_need_no_key_on_their_port(tmp_path):
+def test_a_json_log_names_each_request_ready_and_stopped_metrics_need_no_key_and_no_ray_session_is_left(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(KEY)
     key_file.chmod(0o600)
+    ray_tmp = pathlib.Path(tempfile.mkdtemp(prefix="skr-", dir="/tmp"))  # short: Ray's socket paths live here
     srv = Server(tmp_path, args=("--workers", "1", "--api-key-file", str(key_file), "--log-format", "json",
-                                 "--metrics-port", "0")).start(api_key=KEY)
+                                 "--metrics-port", "0"), env={"RAY_TMPDIR": str(ray_tmp)}).start(api_key=KEY)
     try:
         auth = {"Authorization": f"Bearer {KEY}"}
         one = {"q": [[[1.0, 2.0]]], "k": [[[1.0, 0.0]], [[0.0, 1.0]]], "v": [[[1.0]], [[2.0]]]}
@@ -34,8 +38,13 @@ def test_a_json_log_names_each_request_and_ready_and_stopped_and_metrics_need_no
         assert scraped.status_code == 200
         families = {f.name: f for f in text_string_to_metric_families(scraped.text)}
         assert families["splitkey_workers"].samples[0].value == 1.0 and "splitkey_build_info" in families
+        assert [p.name for p in (ray_tmp / "ray").glob("session_2*")], "Ray must keep its session under RAY_TMPDIR"
     finally:
         srv.stop()
+    try:
+        assert [p.name for p in (ray_tmp / "ray").glob("session_*")] == []  # nor session_latest
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     lines = [json.loads(line) for line in srv.log().splitlines() if line.strip()]  # every line is one object
     messages = [line["message"] for line in lines]
     starting = next(i for i, m in enumerate(messages) if m.startswith("splitkey starting on http://127.0.0.1:"))
