@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.core.limits import Limits, Pace
+from service.core.logs import LogFormat, LogLevel
 from workers.options import CpuKernels, GpuKernels
 
 #: Ray counts resources in steps of 1e-4 and refuses a finer quantity (once it has started).
@@ -110,9 +111,9 @@ class ServiceSettings(BaseSettings):
     metrics_host: str = Field("127.0.0.1", description="Address the metrics port binds; loopback unless told "
                                                        "otherwise (a scraper in the cluster needs the pod's address "
                                                        "or 0.0.0.0).")
-    log_format: Literal["text", "json"] = Field("text", description="The log's lines: text, or json (one object "
-                                              "per line: time, level, logger, message and the line's fields).")
-    log_level: Literal["debug", "info", "warning", "error"] = Field(
+    log_format: LogFormat = Field("text", description="The log's lines: text, or json (one object per line: time, "
+                                                     "level, logger, message and the line's fields).")
+    log_level: LogLevel = Field(
         "info", description="The least severe lines logged; info has one access-log line per request. debug also "
                             "forwards Ray's own start-up lines and the workers' output to the log.")
 
