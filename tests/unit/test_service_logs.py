@@ -109,3 +109,25 @@ def test_configure_sets_the_format_and_level_of_the_root_logger(capsys):
 def test_server_timing_is_read_as_milliseconds_per_stage():
     assert logs.server_timing(b"parse;dur=1.234, total;dur=2") == {"parse": 1.234, "total": 2.0}
     assert logs.server_timing(b"cache;desc=hit, x;dur=oops, ;dur=3") == {}
+
+
+def test_rays_own_lines_go_through_the_service_handler_at_warning_unless_debug_asks_for_them(caplog):
+    import ray  # noqa: F401  (Ray installs its own stderr handler on the "ray" logger at import)
+
+    from service.cluster.connect import route_ray_logs
+
+    ray_log = logging.getLogger("ray")
+    saved = (list(ray_log.handlers), ray_log.propagate, ray_log.level)
+    try:
+        route_ray_logs(verbose=False)
+        assert ray_log.handlers == [] and ray_log.propagate and ray_log.level == logging.WARNING
+        with caplog.at_level("INFO"):
+            logging.getLogger("ray.worker").info("Started a local Ray instance.")
+            logging.getLogger("ray.worker").warning("a Ray warning")
+        assert [r.getMessage() for r in caplog.records if r.name.startswith("ray")] == ["a Ray warning"]
+        route_ray_logs(verbose=True)
+        assert ray_log.level == logging.INFO
+    finally:
+        for handler in saved[0]:
+            ray_log.addHandler(handler)
+        ray_log.propagate, ray_log.level = saved[1], saved[2]
