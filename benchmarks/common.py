@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 #: Server-Timing stages of the service, in the order of a request.
 #: The line `splitkey serve` logs with the HTTP port it bound (service/cli.py).
-LISTENING = re.compile(r"splitkey listening on http://\S+:(\d+)")
+LISTENING = re.compile(r"splitkey starting on http://\S+:(\d+)")
 STAGES = ("parse", "lookup", "scatter", "compute", "merge", "encode", "total")
 #: The benchmark the service benchmarks wait for: it loads every core.
 QUIET_PATTERN = "benchmarks/kernel.py"

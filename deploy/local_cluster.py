@@ -1,7 +1,8 @@
 """The Python half of ``deploy/local-cluster.sh``: run it with the Python that has Ray.
 
 ``start RAY_START_ARGS...``
-    Ray's own ``ray start`` for a node that stays on loopback, head or worker (below).
+    Ray's own ``ray start`` for a node that stays on loopback, head or worker (below);
+    ``--ray-client-server-port=P`` is dropped where Ray Client is not installed.
 ``ports K``
     K free TCP ports on 127.0.0.1, one a line.
 ``token``
@@ -40,7 +41,11 @@ LOOPBACK = "127.0.0.1"
 def ray_start(args: Sequence[str]) -> int:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     from ray._private import ray_constants, services
+    from ray._private.utils import get_ray_client_dependency_error
     from ray.scripts.scripts import cli
+
+    if get_ray_client_dependency_error() is not None:
+        args = without_client_port(args)
 
     def loopback_ip(address: str | None = None) -> str:
         return LOOPBACK
@@ -49,6 +54,13 @@ def ray_start(args: Sequence[str]) -> int:
     # resolve_ip_for_localhost turns 127.0.0.1 into this; worker nodes take their IP from it.
     services.get_node_ip_address = loopback_ip
     return cli.main(args=["start", *args], prog_name="ray") or 0
+
+
+def without_client_port(args: Sequence[str]) -> list[str]:
+    """``args`` less ``--ray-client-server-port``: Ray refuses that flag without ``ray[client]`` (grpcio),
+    which the README's plain install lacks, and without it starts no client server at all. With it
+    installed, the head is given a free port, or Ray's client server would take its fixed 10001."""
+    return [a for a in args if not a.startswith("--ray-client-server-port=")]
 
 
 def free_ports(k: int) -> list[int]:

@@ -43,6 +43,7 @@ from service.core.errors import (
 )
 from service.hot_routes import Handler, HotRoutes
 from service.core.metrics import Metrics
+from service.metrics_listener import metrics_listener
 from service.middleware import FRONTEND, ServiceMiddleware
 from service.routes import attention, batch, contexts, kserve, ops
 from service.runtime import AppState, Runtime
@@ -70,7 +71,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.splitkey
     running = False
     try:
-        async with _lifespan(app):
+        async with metrics_listener(state), _lifespan(app):
             running = True
             yield
     except Exception as exc:
@@ -147,7 +148,7 @@ def _serve(state: AppState, pool: WorkerPool, directory: Directory, orphans: Orp
     state.runtime = Runtime(pool=pool, attention=attention_service, contexts=context_service, repair=repair,
                             batch=BatchService(settings, pool, attention_service, context_service))
     state.metrics.workers.labels(state="alive").set(pool.size)
-    log.info("splitkey ready: %d %s workers; this front end is %s", pool.size, pool.device, FRONTEND)
+    log.info("splitkey workers up: %d %s workers; this front end is %s", pool.size, pool.device, FRONTEND)
     return asyncio.create_task(repair.run_forever(settings.heal_interval_s))
 
 

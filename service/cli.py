@@ -7,11 +7,16 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from service import cli_settings
+from service.core import logs
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -22,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
     from service.core.settings import ServiceSettings
 
     try:
-        settings = ServiceSettings(**cli_settings.given(args))
+        settings = ServiceSettings(**cli_settings.layered(args, os.environ))
         settings.api_key()  # fail now, not at the first request, if the key file is unreadable
         warning = settings.check_exposure(args.insecure)
     except ValidationError as exc:
@@ -45,21 +50,38 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"splitkey serve: cannot listen on {settings.host}:{settings.grpc_port} (--grpc-port): "
                   f"{exc.strerror or exc}", file=sys.stderr)
             return 1
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.metrics_port:  # likewise (service.metrics_listener binds it when the app starts)
+        try:
+            listen(settings.metrics_host, settings.metrics_port).close()
+        except OSError as exc:
+            sock.close()
+            print(f"splitkey serve: cannot listen on {settings.metrics_host}:{settings.metrics_port} (--metrics-port): "
+                  f"{exc.strerror or exc}", file=sys.stderr)
+            return 1
+    logs.configure(settings.log_format, settings.log_level)
     log = logging.getLogger("splitkey")
     if warning:
         log.warning(warning)
     for line in cli_settings.misspelt(os.environ):
         log.warning(line)
     host, port = sock.getsockname()[:2]
-    log.info("splitkey listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    log.info("splitkey starting on %s (the port is bound; it answers once the workers are up)", url)
     app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
-                                           timeout_keep_alive=30,
-                                           http=JsonErrorsProtocol.configured(
-                                               admission=app.state.splitkey.admission,
-                                               check_s=settings.body_grace_s, min_rate=settings.min_body_rate,
-                                               head_timeout_s=settings.body_timeout_s)))
+    state = app.state.splitkey
+
+    def ready() -> None:
+        pool = state.runtime.pool if state.runtime is not None else None
+        log.info("splitkey ready on %s: %s", url, f"{pool.size} {pool.device} workers" if pool else "no workers")
+
+    # log_config=None: uvicorn's own loggers go through the handler configured above (its format, its level).
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", log_config=None,
+                            access_log=False, timeout_keep_alive=30,
+                            http=JsonErrorsProtocol.configured(
+                                admission=app.state.splitkey.admission,
+                                check_s=settings.body_grace_s, min_rate=settings.min_body_rate,
+                                head_timeout_s=settings.body_timeout_s))
+    server = ready_server(ready)(config)
 
     def stop() -> None:  # after the drain (service.core.drain): exit without re-raising the signal, status 0
         server.should_exit = True
@@ -69,7 +91,6 @@ def _serve(args: argparse.Namespace) -> int:
 
     app.state.splitkey.drain.stop = stop
     app.state.splitkey.drain.force = force
-    state = app.state.splitkey
     logging.getLogger("uvicorn.error").addFilter(lambda record: state.startup_error is None)  # one line, below
     try:
         server.run(sockets=[sock])
@@ -79,7 +100,23 @@ def _serve(args: argparse.Namespace) -> int:
     if state.startup_error is not None:
         print(f"splitkey serve: the start failed: {state.startup_error}", file=sys.stderr)
         return 1
+    if server.started:
+        log.info("splitkey stopped")
     return 0 if server.started else 1
+
+
+def ready_server(on_ready: Callable[[], None]) -> type[uvicorn.Server]:
+    """``uvicorn.Server`` that calls ``on_ready`` once its sockets listen: the lifespan (Ray, the workers)
+    has started and connections are answered, not refused."""
+    import uvicorn
+
+    class ReadyServer(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                on_ready()
+
+    return ReadyServer
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -125,9 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="start the HTTP service (embedded Ray unless --ray-address)",
                        description="Start the HTTP service: an embedded local Ray on loopback, or joined to a "
                                    "cluster with --ray-address. Every setting is also read from its SPLITKEY_* "
-                                   "environment variable; a flag given wins. docs/API.md section 9 has the table.")
+                                   "environment variable and from a --config file; a flag given wins over the "
+                                   "variable, the variable over the file. docs/API.md section 9 has the table.")
     s.add_argument("--insecure", action="store_true",
                    help="allow a non-loopback --host without --api-key-file (anyone who reaches it can use it)")
+    s.add_argument("--config", metavar="FILE",
+                   help="a TOML file of settings, keyed by their names (max_inflight or max-inflight); a flag or "
+                        "a SPLITKEY_* variable wins over it (docs/SERVICE.md, 'A config file')")
     cli_settings.add_arguments(s)
     s.set_defaults(func=_serve)
     w = sub.add_parser("warm", help="compile the fused CPU kernel into numba's disk cache (images, CI)",

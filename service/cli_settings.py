@@ -2,9 +2,11 @@
 table of docs/API.md section 9: both made from the settings object, so they cannot drift.
 
 A field ``name`` is the flag ``--name`` with ``_`` as ``-`` and a trailing ``_s`` (seconds)
-dropped, and the variable ``SPLITKEY_NAME``. A flag given wins over the variable. Values are
-parsed by the settings model alone, so a bad one fails the same way from either source,
-naming the flag, the variable and the value (:func:`explain`).
+dropped, the variable ``SPLITKEY_NAME``, and the key ``name`` (or the flag's own name) of a
+``--config`` TOML file. A flag given wins over the variable, the variable over the file, the
+file over the default (:func:`layered`). Values are parsed by the settings model alone, so a
+bad one fails the same way from any source, naming the flag, the variable and the value
+(:func:`explain`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import difflib
 import enum
 import pathlib
+import tomllib
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -92,6 +95,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def given(args: argparse.Namespace) -> dict[str, Any]:
     """The settings the command line gave (as strings, for the model to parse)."""
     return {name: getattr(args, name) for name in ServiceSettings.model_fields if getattr(args, name, None) is not None}
+
+
+def from_file(path: pathlib.Path) -> dict[str, Any]:
+    """The settings a ``--config`` TOML file gives, by field name: each top-level key is a setting's name
+    (``request_timeout_s``) or its flag's (``request-timeout``). Raises ValueError naming the file and
+    the key for a key that is no setting, a table, or a key given twice under its two names."""
+    with path.open("rb") as f:
+        try:
+            data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"--config {str(path)!r} must be a TOML file: {exc}") from None
+    by_key = {name: name for name in ServiceSettings.model_fields} | {
+        flag(name).removeprefix("--"): name for name in ServiceSettings.model_fields}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            raise ValueError(f"--config {str(path)!r}: {key} must be a value at the top level, got a table")
+        name = by_key.get(key)
+        if name is None:
+            close = difflib.get_close_matches(key, by_key, n=1, cutoff=0.7)
+            hint = f": did you mean {close[0]}?" if close else " (docs/API.md section 9 lists them)"
+            raise ValueError(f"--config {str(path)!r}: key must be a setting of splitkey serve, got {key!r}{hint}")
+        if name in values:
+            raise ValueError(f"--config {str(path)!r}: {key} must be given once, got it under two names")
+        values[name] = value
+    return values
+
+
+def layered(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The keyword arguments for :class:`ServiceSettings`: the command line's flags, and the ``--config``
+    file's settings that no ``SPLITKEY_*`` variable sets (the model reads those itself): a flag wins over
+    the variable, the variable over the file, the file over the default."""
+    config = getattr(args, "config", None)
+    from_config = from_file(pathlib.Path(config)) if config is not None else {}
+    in_env = {name.upper() for name in environ}  # pydantic-settings matches the variables case-insensitively
+    return {**{k: v for k, v in from_config.items() if env_var(k) not in in_env}, **given(args)}
 
 
 def explain(exc: ValidationError) -> str:

@@ -15,6 +15,8 @@ Pure ASGI (not BaseHTTPMiddleware) so request bodies stream through untouched.
   gauge, bytes out.
 * Shutdown: while the service drains (``service.core.drain``) new work is refused with 503
   ``shutting_down``, and work cut by the grace period is answered the same way.
+* Access log: one line per request (``service.core.logs.access``): method, route, status, bytes
+  read and written, duration, request id and the stages of its ``Server-Timing``.
 * Faults: an exception no handler turned into an answer is logged with its traceback
   under the request id and answered 500 ``internal_error`` naming the id, nothing more.
 """
@@ -25,9 +27,11 @@ import asyncio
 import hmac
 import logging
 import secrets
+import time
+from dataclasses import dataclass
 from typing import Any
 
-from service.core import request_id
+from service.core import logs, request_id
 from service.core.admission import TICKET, Admission
 from service.core.drain import Drain
 from service.core.errors import Internal, ServiceError, ShuttingDown, Unauthorized, render
@@ -46,6 +50,10 @@ FRONTEND = secrets.token_hex(6)
 #: Methods whose requests carry no body: admitted as they come (the others once their body is in).
 BODILESS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 
+
+#: The status the access log gives a request that ended with no answer sent (the client went away,
+#: or the connection was aborted): nginx's "client closed request", as /metrics counts it (service.app).
+CLOSED = 499
 
 #: The route label of a path the app has no route for: metrics keep one series for all of them,
 #: however many paths clients make up.
@@ -68,6 +76,16 @@ def route_label(path: str, paths: frozenset[str]) -> str:
     return path
 
 
+@dataclass(slots=True)
+class Seen:
+    """What the access log says of one request, as it passes: the status sent (0: none), the body bytes
+    read, the ``Server-Timing`` header of the answer."""
+
+    status: int = 0
+    bytes_in: int = 0
+    timing: bytes = b""
+
+
 class ServiceMiddleware:
     def __init__(self, app: Any, *, api_key: str | None, admission: Admission, metrics: Metrics,
                  drain: Drain, paths: frozenset[str], request_id_header: bool = True) -> None:
@@ -83,24 +101,42 @@ class ServiceMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        t0 = time.perf_counter()
         path = scope["path"]
         route = route_label(path, self.paths)
         rid = request_id.assign(scope.get("headers", []))
         status = {"code": 500}
         sent = {"bytes": 0}
         started = {"response": False}
+        seen = Seen()
 
         async def send_wrapper(message: dict) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = message["status"]
+                status["code"] = seen.status = message["status"]
                 started["response"] = True
                 frontend = (FRONTEND_HEADER, FRONTEND.encode())
                 extra = [frontend, (request_id.HEADER, rid.encode())] if self.request_id_header else [frontend]
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
+                headers = message.get("headers", [])
+                seen.timing = next((v for k, v in headers if k.lower() == b"server-timing"), b"")
+                message = {**message, "headers": [*headers, *extra]}
             elif message["type"] == "http.response.body":
                 sent["bytes"] += len(message.get("body", b""))
             await send(message)
 
+        async def receive_wrapper() -> dict:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen.bytes_in += len(message.get("body", b""))
+            return message
+
+        try:
+            await self._handle(scope, receive_wrapper, send_wrapper, path, route, rid, status, sent, started)
+        finally:
+            logs.access(scope["method"], route, seen.status or CLOSED, seen.bytes_in, sent["bytes"],
+                        time.perf_counter() - t0, rid, logs.server_timing(seen.timing) if seen.timing else {})
+
+    async def _handle(self, scope: dict, receive: Any, send_wrapper: Any, path: str, route: str, rid: str,
+                      status: dict, sent: dict, started: dict) -> None:
         if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
             await self._error(send_wrapper, path, route, Unauthorized(), early=True)
             return

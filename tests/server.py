@@ -29,7 +29,7 @@ import psutil
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: The lines `splitkey serve` logs with the ports it bound (service.cli, service.grpc_server).
-HTTP_PORT_LINE = re.compile(r"splitkey listening on http://\S+:(\d+)")
+HTTP_PORT_LINE = re.compile(r"splitkey starting on http://\S+:(\d+)")
 GRPC_PORT_LINE = re.compile(r"KServe v2 gRPC on \S+:(\d+)")
 _serial = itertools.count()
 

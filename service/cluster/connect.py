@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pathlib
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +21,8 @@ def connect(settings: ServiceSettings) -> bool:
     """Start an embedded Ray (loopback, no dashboard) or join a cluster; True if we started it."""
     if ray.is_initialized():
         return False
+    verbose = settings.log_level == "debug"
+    route_ray_logs(verbose)
     if settings.ray_address is None:
         # address="local" always starts a new instance: without it ray.init() connects to
         # whatever /tmp/ray/ray_current_cluster or RAY_ADDRESS names (a user's `ray start`
@@ -26,11 +30,23 @@ def connect(settings: ServiceSettings) -> bool:
         with _loopback_node():
             ray.init(address="local", namespace=settings.ray_namespace, include_dashboard=False,
                      _node_ip_address="127.0.0.1",
-                     logging_level=logging.WARNING, log_to_driver=False, configure_logging=False)
+                     log_to_driver=verbose, configure_logging=False)
         return True
-    ray.init(address=settings.ray_address, namespace=settings.ray_namespace, logging_level=logging.WARNING,
-             log_to_driver=False, configure_logging=False)
+    ray.init(address=settings.ray_address, namespace=settings.ray_namespace, log_to_driver=verbose,
+             configure_logging=False)
     return False
+
+
+def route_ray_logs(verbose: bool) -> None:
+    """Ray's own Python log lines (``Started a local Ray instance``, ``Connecting to existing Ray cluster``)
+    go through the service's log handler, in its format (``--log-format``), instead of the stderr handler
+    Ray installs at import: its warnings and errors always, its start-up lines only when ``verbose``
+    (``--log-level debug``, which also forwards the workers' output: ``log_to_driver``)."""
+    ray_log = logging.getLogger("ray")
+    for handler in list(ray_log.handlers):
+        ray_log.removeHandler(handler)
+    ray_log.propagate = True
+    ray_log.setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 @contextlib.contextmanager
@@ -53,9 +69,20 @@ def _loopback_node() -> Iterator[None]:
 
 
 def disconnect(started: bool) -> None:
-    """Shut down the embedded Ray this process started (a joined cluster stays up)."""
-    if started:
-        ray.shutdown()
+    """Shut down the embedded Ray this process started (a joined cluster stays up), and remove its
+    ``session_*`` folder (logs, sockets, spilled objects) from Ray's temporary directory, with the
+    ``session_latest`` link to it: a server that stops leaves nothing of its Ray behind."""
+    if not started:
+        return
+    node = ray._private.worker._global_node
+    session = pathlib.Path(node.get_session_dir_path()) if node is not None else None
+    ray.shutdown()
+    if session is None or not session.name.startswith("session_"):
+        return
+    shutil.rmtree(session, ignore_errors=True)
+    latest = session.parent / "session_latest"
+    if latest.is_symlink() and latest.resolve(strict=False) == session.resolve(strict=False):
+        latest.unlink(missing_ok=True)
 
 
 class Reaper:

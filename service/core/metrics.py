@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import bisect
 import collections
+import importlib.metadata
+import platform
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -14,7 +16,7 @@ from itertools import accumulate
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 #: Stages of a request: an attention request is parse, lookup (the named contexts' records, from
@@ -88,10 +90,53 @@ class StageHistograms:
         yield family
 
 
+class Totals:
+    """A counter whose counts are kept elsewhere (the repair loop, the record cache, each worker's own
+    count, read at its last ping): ``set`` records the count read when scraped, and it is exported as a
+    Prometheus counter (``<name>_total``). A worker that restarts counts from 0 again, which Prometheus
+    reads as a counter reset."""
+
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...], registry: CollectorRegistry) -> None:
+        if name.endswith("_total"):
+            raise ValueError(f"name must be given without its _total suffix (added when exported), got {name!r}")
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self._values: dict[tuple[str, ...], float] = {}
+        registry.register(self)
+
+    def set(self, value: float, *labels: str) -> None:
+        if len(labels) != len(self.labels):
+            raise ValueError(f"labels must be values for {', '.join(self.labels) or 'no label'}, got {labels!r}")
+        self._values[labels] = float(value)
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for labels, value in sorted(self._values.items()):
+            family.add_metric(list(labels), value)
+        yield family
+
+
+def build_labels() -> dict[str, str]:
+    """``splitkey_build_info``'s labels: this package's version, Python's and Ray's (read from the installed
+    packages' metadata, without importing Ray)."""
+    def version(package: str) -> str:
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    return {"version": version("splitkey"), "python": platform.python_version(), "ray": version("ray")}
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        build = build_labels()
+        Gauge("splitkey_build_info", "Always 1: the version of splitkey this front end runs, and of Python and "
+              "Ray under it.", list(build), registry=r).labels(**build).set(1)
         self.stage_seconds = StageHistograms(
             "splitkey_request_stage_seconds", "Seconds per request stage (service.core.metrics.STAGES).", BUCKETS, r)
         self.requests = Counter("splitkey_requests", "Requests by route and status code.", ["route", "code"], registry=r)
@@ -106,10 +151,10 @@ class Metrics:
                                 "body_bytes), closed for a slow body (slow_body), or whose answer was cut because the "
                                 "client read it too slowly (slow_answer).", ["reason"], registry=r)
         self.workers = Gauge("splitkey_workers", "Shard workers by state.", ["state"], registry=r)
-        self.worker_bytes = Gauge("splitkey_worker_bytes_held", "Resident context bytes per worker.", ["worker"], registry=r)
-        self.worker_expired = Gauge("splitkey_worker_expired_jobs", "Jobs each worker skipped since it started "
-                                    "because their request's deadline had passed (as of its last ping).", ["worker"],
-                                    registry=r)
+        self.worker_bytes = Gauge("splitkey_worker_held_bytes", "Resident context bytes per worker.", ["worker"],
+                                  registry=r)
+        self.worker_expired = Totals("splitkey_worker_expired_jobs", "Jobs each worker skipped since it started "
+                                     "because their request's deadline had passed (as of its last ping).", ("worker",), r)
         self.worker_kernel = Gauge("splitkey_worker_cpu_kernel", "1 for the CPU kernel each worker serves "
                                    "decode-shaped calls with (numpy or fused), 0 for the other (as of its last ping).",
                                    ["worker", "kernel"], registry=r)
@@ -119,12 +164,16 @@ class Metrics:
         self.contexts = Gauge("splitkey_contexts", "Resident contexts in the directory.", registry=r)
         self.shards = Gauge("splitkey_context_shards", "Context shards below their replica count (under_replicated) "
                             "or with no live replica (lost).", ["state"], registry=r)
-        self.repairs = Gauge("splitkey_replicas_rebuilt", "Replicas the repair loop rebuilt since start.", registry=r)
-        self.repair_rounds = Gauge("splitkey_repair_rounds", "Rounds the repair loop has begun since start (it "
-                                   "is alive while this grows).", registry=r)
-        self.record_cache = Gauge("splitkey_record_cache", "Context resolutions since start answered from this front "
-                                  "end's record cache (hits), from the directory (misses), and cached records a "
-                                  "worker refused as stale (stale); entries held (entries).", ["event"], registry=r)
+        self.repairs = Totals("splitkey_replicas_rebuilt", "Replicas the repair loop rebuilt since start.", (), r)
+        self.repair_rounds = Totals("splitkey_repair_rounds", "Rounds the repair loop has begun since start (it is "
+                                    "alive while this grows).", (), r)
+        self.record_cache_lookups = Totals("splitkey_record_cache_lookups", "Context resolutions since start, "
+                                           "answered from this front end's record cache (hit) or from the directory "
+                                           "(miss).", ("result",), r)
+        self.record_cache_stale = Totals("splitkey_record_cache_stale", "Cached records a worker refused as stale "
+                                         "since start.", (), r)
+        self.record_cache_entries = Gauge("splitkey_record_cache_entries", "Context records this front end's cache "
+                                          "holds.", registry=r)
 
         #: Labelled children of the per-request metrics, by (metric, label values): ``labels()`` checks
         #: and locks on every call (a few us each, several per request on the hot routes); the children

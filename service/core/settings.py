@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from service.core.limits import Limits, Pace
+from service.core.logs import LogFormat, LogLevel
 from workers.options import CpuKernels, GpuKernels
 
 #: Ray counts resources in steps of 1e-4 and refuses a finer quantity (once it has started).
@@ -108,6 +109,19 @@ class ServiceSettings(BaseSettings):
                                                       "0: ask it every time.")
     persist_dir: pathlib.Path | None = Field(None, description="Keep resident contexts on disk here and load them "
                                                               "at start (workers.persist); unset: memory only.")
+
+    # Operations
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Also serve GET /metrics on this port, "
+                                     "without the API key, for a Prometheus scraper (0: any free one); unset: "
+                                     "/metrics only on the API port, behind the key.")
+    metrics_host: str = Field("127.0.0.1", description="Address the metrics port binds; loopback unless told "
+                                                       "otherwise (a scraper in the cluster needs the pod's address "
+                                                       "or 0.0.0.0).")
+    log_format: LogFormat = Field("text", description="The log's lines: text, or json (one object per line: time, "
+                                                     "level, logger, message and the line's fields).")
+    log_level: LogLevel = Field(
+        "info", description="The least severe lines logged; info has one access-log line per request. debug also "
+                            "forwards Ray's own start-up lines and the workers' output to the log.")
 
     @field_validator("api_key_file", mode="before")
     @classmethod
@@ -224,4 +238,5 @@ GROUPS: dict[str, tuple[str, ...]] = {
                             "heal_interval_s"),
     "sharding and merge": ("shards", "min_shard_keys", "merge_fanin", "remote_merge_bytes"),
     "resident contexts": ("context_shard_keys", "max_replicas", "write_timeout_s", "record_cache", "persist_dir"),
+    "operations": ("metrics_port", "metrics_host", "log_format", "log_level"),
 }

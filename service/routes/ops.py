@@ -6,9 +6,13 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from service.core.errors import error_responses
+from service.core.metrics import build_labels
 from service.routes.common import app_state
+from service.runtime import AppState
 
 router = APIRouter(tags=["operations"])
+#: The content type of Prometheus' text format, as ``generate_latest`` writes it.
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 async def workers_ready(request: Request) -> tuple[int, int]:
@@ -44,33 +48,38 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@router.get("/metrics", summary="Prometheus metrics (text format)")
-async def metrics(request: Request) -> Response:
-    state = app_state(request)
-    rt = state.runtime
+async def render_metrics(state: AppState) -> bytes:
+    """The Prometheus text of this front end, with the cluster's state (workers, contexts, repair loop, record
+    cache) read now: for ``/metrics`` and the separate metrics listener (service.metrics_listener)."""
+    m, rt = state.metrics, state.runtime
     if rt is not None:
         alive = len(rt.pool.alive)
-        state.metrics.workers.labels(state="alive").set(alive)
-        state.metrics.workers.labels(state="dead").set(rt.pool.size - alive)
+        m.workers.labels(state="alive").set(alive)
+        m.workers.labels(state="dead").set(rt.pool.size - alive)
         for s in rt.pool.slots:
-            state.metrics.worker_bytes.labels(worker=s.name).set(s.held.get("bytes_held", 0))
-            state.metrics.worker_expired.labels(worker=s.name).set(s.held.get("expired", 0))
+            m.worker_bytes.labels(worker=s.name).set(s.held.get("bytes_held", 0))
+            m.worker_expired.set(s.held.get("expired", 0), s.name)
             if s.held.get("cpu_kernels") is not None:
                 for kernel in ("numpy", "fused"):
-                    state.metrics.worker_kernel.labels(worker=s.name, kernel=kernel).set(
-                        float(s.held["cpu_kernels"] == kernel))
-                state.metrics.worker_kernel_since.labels(worker=s.name).set(s.held.get("cpu_kernels_since") or 0)
-        state.metrics.contexts.set(await rt.contexts.count())
+                    m.worker_kernel.labels(worker=s.name, kernel=kernel).set(float(s.held["cpu_kernels"] == kernel))
+                m.worker_kernel_since.labels(worker=s.name).set(s.held.get("cpu_kernels_since") or 0)
+        m.contexts.set(await rt.contexts.count())
         stats = rt.repair.stats
-        state.metrics.shards.labels(state="under_replicated").set(stats.under_replicated_shards)
-        state.metrics.shards.labels(state="lost").set(stats.lost_shards)
-        state.metrics.repairs.set(stats.replicas_rebuilt)
-        state.metrics.repair_rounds.set(stats.rounds)
+        m.shards.labels(state="under_replicated").set(stats.under_replicated_shards)
+        m.shards.labels(state="lost").set(stats.lost_shards)
+        m.repairs.set(stats.replicas_rebuilt)
+        m.repair_rounds.set(stats.rounds)
         cache = rt.contexts.cache
-        for event, value in (("hits", cache.hits), ("misses", cache.misses), ("stale", cache.stale),
-                             ("entries", len(cache))):
-            state.metrics.record_cache.labels(event=event).set(value)
-    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        m.record_cache_lookups.set(cache.hits, "hit")
+        m.record_cache_lookups.set(cache.misses, "miss")
+        m.record_cache_stale.set(cache.stale)
+        m.record_cache_entries.set(len(cache))
+    return m.render()
+
+
+@router.get("/metrics", summary="Prometheus metrics (text format)")
+async def metrics(request: Request) -> Response:
+    return Response(await render_metrics(app_state(request)), media_type=METRICS_TYPE)
 
 
 @router.get("/v1/cluster", summary="Workers, nodes, devices and bytes held")
@@ -90,6 +99,7 @@ async def cluster(request: Request) -> JSONResponse:
                for s in pool.slots]
     nodes = sorted({s.node_id for s in pool.slots if s.node_id})
     return JSONResponse({
+        "version": build_labels()["version"],
         "device": pool.device,
         "workers": workers,
         "nodes": nodes,

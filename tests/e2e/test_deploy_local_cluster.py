@@ -108,7 +108,14 @@ def kv(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_up_serves_exact_answers_from_several_nodes_on_loopback_and_down_leaves_nothing(env, rng):
+def test_up_serves_exact_answers_from_several_nodes_on_loopback_and_down_leaves_nothing(env, rng, tmp_path):
+    """On the README's plain install (``pip install -e .``, no extras): grpcio, which Ray Client needs and
+    the test extra brings, is made unimportable for the cluster's processes (issue 51, point 2)."""
+    plain = tmp_path / "plain-install" / "grpc"
+    plain.mkdir(parents=True)
+    # What a missing package raises (Ray loads its optional dashboard modules on ModuleNotFoundError only).
+    (plain / "__init__.py").write_text('raise ModuleNotFoundError("No module named \'grpc\'", name="grpc")\n')
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(plain.parent), env.get("PYTHONPATH")]))}
     name = "t" + secrets.token_hex(4)
     res = script(env, "up", "2", "--name", name, "--timeout", "150", timeout=200)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -141,6 +148,7 @@ def test_up_serves_exact_answers_from_several_nodes_on_loopback_and_down_leaves_
             assert_close_to_reference(out, lse, q, k, v)
 
         procs = in_sessions(set(up.sessions.values()))
+        assert mentioning("ray.util.client.server") == []  # no Ray Client without grpcio: nor its flag
         sockets = listening(procs)
         names = {n for _, n, _, _ in sockets}
         assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::ShardWorke") for n in names), sockets

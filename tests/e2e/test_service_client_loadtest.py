@@ -1,6 +1,7 @@
 """`splitkey loadtest` against a real server: every mode and arrival process, checked answers, outputs,
 a server that answers wrongly, thresholds, and contexts deleted also when interrupted."""
 
+import importlib.metadata
 import io
 import json
 import re
@@ -45,11 +46,17 @@ def test_every_mode_closed_and_open_loop_answers_exactly_and_writes_sane_outputs
     doc = json.loads((out / "results.json").read_text())
     points = doc["points"]
     assert len(points) == 5 * 2 * 3 and "api_key" not in doc["config"]
+    env = doc["environment"]
+    assert env["shape"] == "h_q=4 h_kv=2 d=16 d_v=16" and env["dtype"] == "float32" and env["host"]
+    assert env["server_version"] == importlib.metadata.version("splitkey") and env["date"].startswith("20")
+    assert {u["label"] for u in doc["uploads"]} >= {"context of 1024 keys", "context of 2048 keys"}
+    assert all(u["gb_per_s"] > 0 for u in doc["uploads"])
     for p in points:
         assert p["completed"] == 12 and p["failed"] == 0 and p["wrong"] == 0, p
         assert p["verified"] == 4 and 0 < p["max_error"] < 1e-5  # requests 0, 3, 6, 9 of each point, and exact
         assert 0 < p["latency_p50_ms"] <= p["latency_p90_ms"] <= p["latency_p99_ms"] <= p["latency_max_ms"]
         assert p["requests_per_s"] > 0 and p["kv_gb_per_s"] > 0 and p["slo_attainment"] == 1.0
+        assert p["keys_per_s"] > 0 and len(p["warnings"]) == 1  # 12 requests: rough percentiles, said so
         assert {"parse", "compute", "total"} <= set(p["stages_ms"]), p  # the attention's Server-Timing
         if p["arrival"] == "rate":
             assert p["load"] == 25.0

@@ -121,7 +121,7 @@ def test_a_dead_worker_is_listed_holding_nothing(tmp_path):
             assert dead["bytes_held"] == 0 and dead["shards"] == 0 and dead["calls"] == 0, dead
             assert live["bytes_held"] > 0 and cluster["bytes_held"] == live["bytes_held"], cluster
             metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-            assert f'splitkey_worker_bytes_held{{worker="{dead["name"]}"}} 0.0' in metrics
+            assert f'splitkey_worker_held_bytes{{worker="{dead["name"]}"}} 0.0' in metrics
     finally:
         srv.stop()
 

@@ -164,7 +164,7 @@ def test_a_clients_deadline_reaches_the_workers_so_what_it_gave_up_on_is_not_com
             assert after["expired"] == before["expired"] + 5 and after["batches"] == before["batches"] + 1
             name = c.cluster()["workers"][0]["name"]  # /metrics shows what /v1/cluster's ping just read
             metrics = httpx.get(srv.url + "/metrics", timeout=30).text
-            assert f'splitkey_worker_expired_jobs{{worker="{name}"}} {float(after["expired"])}' in metrics
+            assert f'splitkey_worker_expired_jobs_total{{worker="{name}"}} {float(after["expired"])}' in metrics
             out, lse = c.attention(q, contexts=[ctx], deadline=30.0)
             assert_close_to_reference(out, lse, q, k, v)
     finally:

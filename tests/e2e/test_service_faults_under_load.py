@@ -95,10 +95,10 @@ def under_load(url: str, fault, at_s: float = 3.0, wait_for: tuple[str, ...] = (
 
 
 def repair_rounds(url: str) -> int:
-    """The front end's ``splitkey_repair_rounds`` gauge (rounds its repair loop has begun)."""
+    """The front end's ``splitkey_repair_rounds_total`` counter (rounds its repair loop has begun)."""
     text = httpx.get(url + "/metrics", timeout=5).text
     return int(float(next(line.split()[1] for line in text.splitlines()
-                          if line.startswith("splitkey_repair_rounds "))))
+                          if line.startswith("splitkey_repair_rounds_total "))))
 
 
 def record(name: str, point, **extra) -> None:

@@ -22,7 +22,7 @@ def test_a_service_started_with_the_fused_kernel_serves_with_it(tmp_path):
         rng = np.random.default_rng(9)
         with Client(srv.url) as c:
             assert [w["cpu_kernels"] for w in c.cluster()["workers"]] == ["fused"]
-            assert "splitkey ready: 1 cpu workers" in srv.log()
+            assert "splitkey workers up: 1 cpu workers" in srv.log()
             for dtype in (np.float32, BFLOAT16, np.float16):
                 k = rng.standard_normal((700, 2, 32)).astype(dtype)
                 v = rng.standard_normal((700, 2, 16)).astype(dtype)

@@ -222,7 +222,7 @@ def test_a_killed_replica_is_forgotten_and_rebuilt_while_the_context_keeps_answe
             assert repair["under_replicated_shards"] == 0 and repair["lost_shards"] == 0
             metrics = httpx.get(srv.url + "/metrics").text
             assert 'splitkey_context_shards{state="lost"} 0.0' in metrics
-            [rounds] = [float(line.split()[1]) for line in metrics.splitlines() if line.startswith("splitkey_repair_rounds ")]
+            [rounds] = [float(line.split()[1]) for line in metrics.splitlines() if line.startswith("splitkey_repair_rounds_total ")]
             assert rounds >= repair["rounds"] >= 1  # the loop's rounds, read a moment later
             # Appends reach every replica again, the rebuilt ones included, and answers stay exact.
             c.append(ctx["id"], k[600:], v[600:])
@@ -261,11 +261,12 @@ def test_a_context_whose_only_replica_died_reports_lost_and_refuses_appends(clus
         srv.stop()
 
 
-def cache_metric(url: str, event: str) -> float:
+def cache_metric(url: str, series: str) -> float:
+    """One series of the record cache's metrics, e.g. ``lookups_total{result="hit"}`` or ``stale_total``."""
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith(f'splitkey_record_cache{{event="{event}"}}'):
+        if line.startswith(f"splitkey_record_cache_{series} "):
             return float(line.split()[-1])
-    raise AssertionError(f"no splitkey_record_cache {event} in /metrics")
+    raise AssertionError(f"no splitkey_record_cache_{series} in /metrics")
 
 
 def test_a_front_end_never_answers_from_a_record_another_front_end_changed(cluster, tmp_path_factory):
@@ -282,12 +283,12 @@ def test_a_front_end_never_answers_from_a_record_another_front_end_changed(clust
             for _ in range(2):  # the second is answered from A's cache
                 out, lse = ca.attention(q, contexts=[ctx["id"]], causal=True)
                 assert_close_to_reference(out, lse, q, k[:200], v[:200], causal=True)
-            assert cache_metric(a.url, "hits") >= 1
-            stale = cache_metric(a.url, "stale")
+            assert cache_metric(a.url, 'lookups_total{result="hit"}') >= 1
+            stale = cache_metric(a.url, "stale_total")
             assert cb.append(ctx["id"], k[200:], v[200:])["length"] == 900  # shards of 128 keys: new ones open
             out, lse = ca.attention(q, contexts=[ctx["id"]], causal=True)
             assert_close_to_reference(out, lse, q, k, v, causal=True)
-            assert cache_metric(a.url, "stale") == stale + 1
+            assert cache_metric(a.url, "stale_total") == stale + 1
             (out, lse), = ca.attention_batch([{"q": q, "contexts": [ctx["id"]], "causal": True}])
             assert_close_to_reference(out, lse, q, k, v, causal=True)
             cb.delete_context(ctx["id"])

@@ -3,7 +3,9 @@ object, documented in one generated table (service.cli_settings)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -27,6 +29,7 @@ EXAMPLES = {
     "merge_fanin": "4",
     "remote_merge_bytes": "0", "context_shard_keys": "32", "max_replicas": "2", "persist_dir": "/p",
     "grpc_port": "8001", "record_cache": "16", "worker_channel": "false", "write_timeout_s": "2.5",
+    "metrics_port": "9100", "metrics_host": "0.0.0.0", "log_format": "json", "log_level": "debug",
 }
 
 
@@ -138,3 +141,53 @@ def test_every_float_setting_refuses_infinity_and_nan_before_anything_starts(nam
 def test_the_float_settings_are_the_timeouts_rates_and_cpu_share():
     assert FLOAT_SETTINGS == ["body_grace_s", "body_timeout_s", "heal_interval_s", "min_body_rate",
                               "request_timeout_s", "shutdown_grace_s", "worker_cpus", "write_timeout_s"]
+
+
+def write(tmp_path: pathlib.Path, text: str) -> pathlib.Path:
+    path = tmp_path / "splitkey.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_config_file_gives_every_setting_by_its_name(tmp_path):
+    path = write(tmp_path, "".join(f'{name} = "{value}"\n' for name, value in EXAMPLES.items()))
+    assert ServiceSettings(**cli_settings.from_file(path)) == ServiceSettings(**EXAMPLES)
+    typed = write(tmp_path, 'max-inflight = 3\nworker_channel = false\nbody-timeout = 7.5\nhost = "::1"\n')
+    assert ServiceSettings(**cli_settings.from_file(typed)) == ServiceSettings(
+        max_inflight=3, worker_channel=False, body_timeout_s=7.5, host="::1")
+
+
+def test_flags_win_over_variables_which_win_over_the_file_which_wins_over_defaults(tmp_path, monkeypatch):
+    path = write(tmp_path, 'max_inflight = 5\nrequest-timeout = 30.5\nretry_after_s = 7\nmin_shard_keys = 64\n')
+    monkeypatch.setenv("SPLITKEY_REQUEST_TIMEOUT_S", "11")
+    monkeypatch.setenv("splitkey_retry_after_s", "2")  # pydantic-settings reads variables case-insensitively
+    monkeypatch.setenv("SPLITKEY_MIN_SHARD_KEYS", "128")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--min-shard-keys", "256"])
+    settings = ServiceSettings(**cli_settings.layered(args, os.environ))
+    assert (settings.max_inflight, settings.request_timeout_s, settings.retry_after_s, settings.min_shard_keys,
+            settings.merge_fanin) == (5, 11.0, 2, 256, FIELDS["merge_fanin"].default)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("max_inflite = 3\n", "key must be a setting of splitkey serve, got 'max_inflite': did you mean max_inflight?"),
+    ("colour = 'red'\n", "key must be a setting of splitkey serve, got 'colour' (docs/API.md section 9 lists them)"),
+    ("[network]\nport = 1\n", "network must be a value at the top level, got a table"),
+    ("max_inflight = 3\nmax-inflight = 4\n", "max-inflight must be given once, got it under two names"),
+    ("port = \n", "must be a TOML file: "),
+])
+def test_a_config_file_with_a_key_that_is_no_setting_is_refused_naming_it(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ValueError, match=re.escape(f"--config {str(path)!r}") + ".*" + re.escape(message)):
+        cli_settings.from_file(path)
+
+
+def test_serve_with_a_bad_config_file_exits_2_before_starting_anything(tmp_path, capsys):
+    from service.cli import main
+
+    assert main(["serve", "--config", str(write(tmp_path, "prot = 9000\n"))]) == 2
+    assert "got 'prot': did you mean port?" in capsys.readouterr().err
+    assert main(["serve", "--config", str(write(tmp_path, "max_inflight = 0\n"))]) == 2
+    assert "--max-inflight (SPLITKEY_MAX_INFLIGHT): Input should be greater than or equal to 1, got 0" in \
+        capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "No such file or directory" in capsys.readouterr().err

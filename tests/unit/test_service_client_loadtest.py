@@ -4,6 +4,7 @@ a server that answers wrongly, thresholds, and contexts deleted also when interr
 import io
 import re
 
+import pytest
 
 from service.client import SplitkeyError, UploadError
 from service.client.loadtest.cli import setup_failed
@@ -60,3 +61,71 @@ def test_a_context_that_does_not_fit_suggests_what_to_try():
     assert "context upload failed" in setup_failed(full, "float32")
     assert "try fewer keys (--n-k)" in setup_failed(full, "bfloat16")
     assert "try" not in setup_failed(SplitkeyError(503, "workers_unavailable", "gone"), "float32")
+
+
+def test_a_finished_upload_records_its_rate_once_also_when_done_in_one_chunk():
+    records: list[dict] = []
+    bar = UploadProgress(key_bytes=1000, stream=io.StringIO(), label="upload context of 100 keys", done=records.append)
+    bar(50, 100)
+    bar(100, 100)
+    bar(100, 100)
+    one = UploadProgress(key_bytes=10, stream=io.StringIO(), done=records.append)
+    one(100, 100)
+    assert [(r["label"], r["keys"], r["gb"]) for r in records] == [("context of 100 keys", 100, 1e-4), ("upload", 100, 1e-6)]
+    assert all(r["seconds"] > 0 and r["gb_per_s"] == r["gb"] / r["seconds"] for r in records)
+
+
+def test_every_loadtest_flag_has_help_naming_its_default():
+    import argparse
+
+    from service.client.loadtest.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 25
+    for action in options:
+        assert action.help and ("default" in action.help or action.required), action.option_strings
+
+
+def sweep_result(completed: int, slo_ms: float | None = 50.0):
+    from service.client.loadtest import SweepConfig
+    from service.client.loadtest.metrics import Sample, summarize
+    from service.client.loadtest.runner import SweepResult
+
+    result = SweepResult(SweepConfig(url="http://127.0.0.1:9", n_k=(1024, 4096), concurrency=(1, 4), slo_ms=slo_ms),
+                         environment={"date": "2026-12-06T23:00:00+00:00", "host": "box", "shape": "h_q=4 h_kv=2 d=16 "
+                                      "d_v=16", "dtype": "bfloat16", "server_version": "0.1.0", "service_workers": 2})
+    for n_k in (1024, 4096):
+        for c in (1, 4):
+            samples = [Sample(i, 0.0, 0.001 * (i + 1) * c, 200, keys=n_k, n_q=1) for i in range(completed)]
+            result.points.append(summarize(samples, 1.0, mode="decode", n_k=n_k, arrival="concurrency", load=c,
+                                           key_bytes=64, slo_ms=slo_ms))
+    result.uploads.append({"label": "context of 4096 keys", "keys": 4096, "gb": 0.25, "seconds": 2.0, "gb_per_s": 0.125})
+    return result
+
+
+def test_the_summary_marks_rough_percentiles_and_says_the_upload_rate():
+    from service.client.loadtest.report import summary
+
+    text = summary(sweep_result(completed=5))
+    assert re.search(r"^decode +1024 +c=1 +5 +0 .* [0-9.]+\* +[0-9.]+\* +[0-9.]+\* ", text, re.MULTILINE), text
+    assert "* rests on fewer than 20 completed requests" in text
+    assert "decode n_k=4096 c=4: p50, p90 and p99 rest on 5 completed requests, fewer than 20" in text
+    assert "context of 4096 keys: 4096 keys, 0.250 GB in 2.0 s, 0.125 GB/s" in text
+    assert "*" not in summary(sweep_result(completed=20)) and "warnings" not in summary(sweep_result(completed=20))
+
+
+def test_plots_carry_the_runs_metadata_and_are_written_with_an_slo_and_rough_points(tmp_path):
+    pytest.importorskip("matplotlib")
+    from service.client.loadtest import plots
+
+    result = sweep_result(completed=5)
+    assert plots.footer(result.environment) == ("2026-12-06T23:00:00+00:00 | host box | h_q=4 h_kv=2 d=16 d_v=16 | "
+                                                "bfloat16 | splitkey 0.1.0 | 2 workers")
+    paths = plots.write_plots(result, tmp_path)
+    assert [p.name for p in paths] == ["latency_vs_context.png", "latency_vs_load.png", "throughput.png"]
+    import matplotlib.image
+
+    assert all(matplotlib.image.imread(p).shape[0] > 300 for p in paths)
+    assert plots.write_plots(sweep_result(completed=30, slo_ms=None), tmp_path / "plain")

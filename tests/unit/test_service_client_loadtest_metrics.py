@@ -47,3 +47,19 @@ def test_verified_errors_are_summarised():
                Sample(2, 0.0, 0.01, 200, verified=True, error=3e-7)]
     m = point(samples)
     assert m.verified == 2 and m.max_error == 3e-7
+
+
+def test_percentiles_of_fewer_than_twenty_requests_carry_a_warning():
+    few = point([Sample(i, 0.0, 0.01 * (i + 1), 200, keys=1000) for i in range(5)])
+    assert few.thin and few.warnings == ["p50, p90 and p99 rest on 5 completed requests, fewer than 20: rough "
+                                         "(raise --requests or --duration)"]
+    enough = point([Sample(i, 0.0, 0.01, 200) for i in range(20)])
+    assert not enough.thin and enough.warnings == []
+    none = point([Sample(0, 0.0, 1.0, 503, "shutting_down")])
+    assert not none.thin and none.warnings == []  # no percentile at all: nothing to warn of
+
+
+def test_keys_per_second_count_the_keys_completed_requests_read():
+    m = point([Sample(i, 0.0, 0.01, 200, keys=1000, n_q=4) for i in range(10)] + [Sample(10, 0.0, 1.0, 429, keys=1000)],
+              wall=2.0)
+    assert m.keys_per_s == 10 * 1000 / 2 and m.pairs_per_s == 4 * m.keys_per_s

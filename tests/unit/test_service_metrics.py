@@ -1,13 +1,16 @@
 """Stage timings and the metrics registry of one app."""
 
+import importlib.metadata
+import platform
 import threading
 import time
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
-from service.core.metrics import BUCKETS, Metrics, Timings
+from service.core.metrics import BUCKETS, Metrics, Timings, Totals
 
 
 def test_timings_accumulate_and_render_server_timing():
@@ -84,3 +87,89 @@ def test_stage_histograms_lose_no_observation_across_threads():
     text = m.render().decode()
     for stage in ("parse", "compute"):
         assert f'splitkey_request_stage_seconds_count{{route="/v1/attention",stage="{stage}"}} 8000.0' in text
+
+
+def every_family_with_a_sample() -> Metrics:
+    """A registry as a front end with workers and contexts exports it: every family has a series."""
+    m = Metrics()
+    t = Timings()
+    t.add("compute", 0.01)
+    m.observe_stages("/v1/attention", t)
+    m.count_request("/v1/attention", 200)
+    m.count_batch_items([200, 404])
+    m.count_bytes_in("/v1/attention", 10)
+    m.count_bytes_out("/v1/attention", 20)
+    m.inflight.set(1)
+    m.inflight_body_bytes.set(5)
+    m.rejected.labels(reason="inflight").inc()
+    m.workers.labels(state="alive").set(2)
+    m.worker_bytes.labels(worker="w0").set(1024)
+    m.worker_expired.set(3, "w0")
+    m.worker_kernel.labels(worker="w0", kernel="fused").set(1)
+    m.worker_kernel_since.labels(worker="w0").set(1.7e9)
+    m.contexts.set(4)
+    m.shards.labels(state="lost").set(0)
+    m.repairs.set(2)
+    m.repair_rounds.set(9)
+    m.record_cache_lookups.set(7, "hit")
+    m.record_cache_lookups.set(1, "miss")
+    m.record_cache_stale.set(1)
+    m.record_cache_entries.set(6)
+    return m
+
+
+def test_the_exported_metrics_follow_prometheus_naming_conventions():
+    """Parsed by prometheus_client's own parser: counters end in _total, gauges never do, byte and
+    second quantities name their unit last, one type per family, each family documented."""
+    text = every_family_with_a_sample().render().decode()
+    families = list(text_string_to_metric_families(text))
+    names = [f.name for f in families]
+    assert len(names) == len(set(names)), f"a family exported twice: {names}"
+    assert all(name.startswith("splitkey_") for name in names if not name.endswith("_created"))
+    sample_names: dict[str, str] = {}
+    for family in families:
+        assert family.documentation, family.name
+        for sample in family.samples:
+            assert sample_names.setdefault(sample.name, family.name) == family.name, f"{sample.name} in two families"
+        if family.type == "counter":
+            assert all(s.name.endswith("_total") for s in family.samples), family.name
+            assert family.samples, f"{family.name} exported with no series"
+        elif family.name.endswith("_created"):  # prometheus_client's creation time of each counter series
+            assert family.type == "gauge"
+            continue
+        else:
+            assert not family.name.endswith("_total"), f"{family.name} is a {family.type} named as a counter"
+        base = family.name.removesuffix("_total")
+        for unit in ("bytes", "seconds"):
+            if unit in base.split("_"):
+                assert base.endswith("_" + unit), f"{family.name}: the unit must come last"
+    types = {f.name: f.type for f in families}
+    assert {k: types[k] for k in ("splitkey_replicas_rebuilt", "splitkey_repair_rounds", "splitkey_worker_expired_jobs",
+                                  "splitkey_record_cache_lookups", "splitkey_record_cache_stale")} == dict.fromkeys(
+        ("splitkey_replicas_rebuilt", "splitkey_repair_rounds", "splitkey_worker_expired_jobs",
+         "splitkey_record_cache_lookups", "splitkey_record_cache_stale"), "counter")
+    assert types["splitkey_record_cache_entries"] == "gauge" and types["splitkey_worker_held_bytes"] == "gauge"
+    assert 'splitkey_worker_expired_jobs_total{worker="w0"} 3.0' in text
+    assert 'splitkey_record_cache_lookups_total{result="hit"} 7.0' in text
+
+
+def test_build_info_names_the_versions_of_splitkey_python_and_ray():
+    [family] = [f for f in text_string_to_metric_families(Metrics().render().decode()) if f.name == "splitkey_build_info"]
+    [sample] = family.samples
+    assert family.type == "gauge" and sample.value == 1.0
+    assert sample.labels == {"version": importlib.metadata.version("splitkey"), "python": platform.python_version(),
+                             "ray": importlib.metadata.version("ray")}
+
+
+def test_a_count_kept_elsewhere_is_exported_as_a_counter_of_its_latest_value():
+    m = Metrics()
+    m.repair_rounds.set(3)
+    m.repair_rounds.set(5)
+    assert "splitkey_repair_rounds_total 5.0" in m.render().decode()
+    with pytest.raises(ValueError, match=r"labels must be values for worker, got \(\)"):
+        m.worker_expired.set(1)
+
+
+def test_a_total_is_named_without_its_suffix():
+    with pytest.raises(ValueError, match="name must be given without its _total suffix"):
+        Totals("x_total", "doc", (), CollectorRegistry())

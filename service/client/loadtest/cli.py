@@ -43,8 +43,8 @@ FLAGS = {"duration_s": "--duration", "rates": "--rate", "modes": "--mode"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--url", required=True, help="service URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--api-key-file", default=None, help="file with the bearer token")
+    p.add_argument("--url", required=True, help="service URL, e.g. http://127.0.0.1:8000 (required)")
+    p.add_argument("--api-key-file", default=None, help="file with the bearer token (default: none, no auth)")
     w = p.add_argument_group("workloads")
     w.add_argument("--mode", default="decode", help=f"comma-separated modes: {', '.join(MODES)} (default decode)")
     w.add_argument("--n-k", default="64K", help="context lengths, e.g. 4K,64K,1M (default 64K)")
@@ -55,21 +55,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--suffix-keys", default="4K", help="shared-prefix: keys of each of those (default 4K)")
     w.add_argument("--turn-keys", type=int, default=16, help="multi-turn: keys appended per turn (default 16)")
     w.add_argument("--conversations", type=int, default=8, help="prefill, multi-turn: conversations (default 8)")
-    w.add_argument("--h-q", type=int, default=32)
-    w.add_argument("--h-kv", type=int, default=8)
-    w.add_argument("--d", type=int, default=128)
+    w.add_argument("--h-q", type=int, default=32, help="query heads (default 32, the decode shape)")
+    w.add_argument("--h-kv", type=int, default=8, help="key/value heads, dividing --h-q (default 8)")
+    w.add_argument("--d", type=int, default=128, help="query and key head size (default 128)")
     w.add_argument("--d-v", type=int, default=None, help="value head size (default --d)")
-    w.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    w.add_argument("--replicas", type=int, default=1)
+    w.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="dtype of the tensors sent and stored (default float32; bfloat16 halves the bytes)")
+    w.add_argument("--replicas", type=int, default=1, help="replicas of each context stored (default 1)")
     w.add_argument("--chunk-keys", type=int, default=None, help="keys per upload chunk (default: from the server)")
     a = p.add_argument_group("arrivals")
     a.add_argument("--concurrency", default=None,
                    help=f"closed-loop levels (default {DEFAULT_CONCURRENCY}, none when --rate is given)")
-    a.add_argument("--rate", default="", help="open-loop request rates per second, e.g. 2,8,32")
+    a.add_argument("--rate", default="", help="open-loop request rates per second, e.g. 2,8,32 (default: none)")
     a.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrival gaps (1: Poisson; < 1 burstier; default 1)")
-    a.add_argument("--duration", type=float, default=30.0, help="seconds per point at most (default 30)")
-    a.add_argument("--requests", type=int, default=200, help="requests per point at most (default 200)")
+    a.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per point at most; a point "
+                   "ends at this or --requests, whichever comes first (default 30)")
+    a.add_argument("--requests", type=int, default=200, help="requests per point at most; slow requests meet "
+                   "--duration first and send fewer (default 200)")
     a.add_argument("--warmup", type=int, default=2, help="requests before each point, not counted (default 2)")
     a.add_argument("--max-inflight", type=int, default=256, help="open loop: requests in flight at most (default 256)")
     c = p.add_argument_group("checks and outputs")
@@ -77,13 +80,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="check every Nth answer against a float64 reference (default 10)")
     c.add_argument("--tolerance", type=float, default=TOLERANCE,
                    help=f"largest relative error a checked answer may have (default {TOLERANCE:g})")
-    c.add_argument("--slo-ms", type=float, default=None, help="latency objective: goodput and SLO attainment")
+    c.add_argument("--slo-ms", type=float, default=None, help="latency objective in ms: goodput, SLO attainment "
+                   "and a line on the latency plots (default: none)")
     c.add_argument("--fail-on", action="append", default=[], metavar="METRIC<op>N",
-                   help="fail when a point crosses it, e.g. latency_p99_ms>500 (repeatable)")
-    c.add_argument("--out", default=None, help="write results.json, results.csv and PNG plots here")
-    c.add_argument("--per-request", action="store_true", help="also keep every request (JSON, requests.csv)")
-    c.add_argument("--no-plots", action="store_true", help="with --out: no PNG files")
-    c.add_argument("--seed", type=int, default=0)
+                   help="fail when a point crosses it, e.g. latency_p99_ms>500 (repeatable; default: none)")
+    c.add_argument("--out", default=None, help="write results.json, results.csv and PNG plots here (default: "
+                   "the console only)")
+    c.add_argument("--per-request", action="store_true", help="also keep every request (JSON, requests.csv; "
+                   "default off)")
+    c.add_argument("--no-plots", action="store_true", help="with --out: no PNG files (default: plots when "
+                   "matplotlib is installed)")
+    c.add_argument("--seed", type=int, default=0, help="seed of every number sent (default 0)")
 
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
@@ -175,7 +182,7 @@ def main(args: argparse.Namespace) -> int:
             from service.client.loadtest import plots
 
             if plots.available():
-                paths += plots.write_plots(result.points, out)
+                paths += plots.write_plots(result, out)
             else:
                 print("splitkey loadtest: no plots: matplotlib is not installed (pip install 'splitkey[loadtest]')",
                       file=sys.stderr)

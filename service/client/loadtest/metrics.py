@@ -22,6 +22,9 @@ from service.client.upload import ATTEMPT_ERRORS
 
 #: Server-Timing stages reported per point (docs/SERVICE.md), in request order.
 STAGES = ("parse", "lookup", "scatter", "compute", "worker", "merge", "encode", "total")
+#: A point's latency percentiles rest on its completed requests: below this many they are rough
+#: (a p99 of 5 samples is their maximum), and the reports say so.
+MIN_SAMPLES = 20
 
 
 @dataclass
@@ -78,6 +81,13 @@ class PointMetrics:
     verified: int = 0
     wrong: int = 0
     max_error: float | None = None
+    keys_per_s: float = 0.0  # keys the completed requests read, per second
+    warnings: list[str] = field(default_factory=list)  # e.g. percentiles resting on too few samples
+
+    @property
+    def thin(self) -> bool:
+        """Whether its percentiles rest on fewer than :data:`MIN_SAMPLES` completed requests (and at least one)."""
+        return 0 < self.completed < MIN_SAMPLES
 
     @property
     def label(self) -> str:
@@ -114,7 +124,10 @@ def summarize(samples: Sequence[Sample], wall_s: float, *, mode: str, n_k: int, 
         latency_max_ms=float(ms.max()) if ms.size else math.nan, slo_ms=slo_ms,
         goodput_per_s=good * per_s if slo_ms is not None else None,
         slo_attainment=(good / len(samples) if samples else math.nan) if slo_ms is not None else None,
-        stages_ms=stages, verified=len(errors), wrong=0, max_error=max(errors) if errors else None)
+        stages_ms=stages, verified=len(errors), wrong=0, max_error=max(errors) if errors else None,
+        keys_per_s=sum(s.keys for s in ok) * per_s,
+        warnings=[f"p50, p90 and p99 rest on {len(ok)} completed requests, fewer than {MIN_SAMPLES}: rough (raise "
+                  "--requests or --duration)"] if 0 < len(ok) < MIN_SAMPLES else [])
 
 
 # ------------------------------------------------------------------ the benchmarks' closed loop

@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 #: Seconds between live lines on a terminal, and when writing to a file.
 TTY_EVERY_S, LOG_EVERY_S = 0.5, 10.0
@@ -18,12 +19,15 @@ TTY_EVERY_S, LOG_EVERY_S = 0.5, 10.0
 class UploadProgress:
     """``progress(done, total)`` of an upload: ``label``, percent, keys and GB/s.
 
-    An upload done in one chunk writes nothing.
+    An upload done in one chunk writes nothing. When it is done, ``done`` (if given) gets its record:
+    ``label``, ``keys``, ``gb`` (of K+V), ``seconds`` and ``gb_per_s`` (results.json's ``uploads``).
     """
 
-    def __init__(self, key_bytes: int, stream: TextIO | None = None, label: str = "upload") -> None:
+    def __init__(self, key_bytes: int, stream: TextIO | None = None, label: str = "upload",
+                 done: Callable[[dict[str, Any]], None] | None = None) -> None:
         self.key_bytes = key_bytes
         self.label = label
+        self.done = done
         self.stream = sys.stderr if stream is None else stream
         self.tty = self.stream.isatty()
         self.t0 = time.perf_counter()
@@ -32,9 +36,14 @@ class UploadProgress:
 
     def __call__(self, done: int, total: int) -> None:
         self.calls += 1
+        seconds = max(time.perf_counter() - self.t0, 1e-9)
+        if done >= total and self.done is not None:  # once: the record goes, the callback is dropped
+            record, self.done = self.done, None
+            gb = total * self.key_bytes / 1e9
+            record({"label": self.label.removeprefix("upload "), "keys": total, "gb": gb, "seconds": seconds,
+                    "gb_per_s": gb / seconds})
         if self.calls == 1 and done >= total:
             return
-        seconds = max(time.perf_counter() - self.t0, 1e-9)
         line = (f"{self.label} {100 * done / total:5.1f}%  {done}/{total} keys  "
                 f"{done * self.key_bytes / seconds / 1e9:.2f} GB/s")
         if self.tty:

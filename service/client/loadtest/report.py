@@ -9,7 +9,7 @@ import pathlib
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from service.client.loadtest.metrics import STAGES, PointMetrics
+from service.client.loadtest.metrics import MIN_SAMPLES, STAGES, PointMetrics
 from service.client.loadtest.runner import SweepResult
 
 #: The console table's columns: header, and how a point fills it.
@@ -22,9 +22,9 @@ COLUMNS = (
     ("req/s", lambda p: f"{p.requests_per_s:.2f}"),
     ("GB/s", lambda p: f"{p.kv_gb_per_s:.2f}"),
     ("mean", lambda p: _ms(p.latency_mean_ms)),
-    ("p50", lambda p: _ms(p.latency_p50_ms)),
-    ("p90", lambda p: _ms(p.latency_p90_ms)),
-    ("p99", lambda p: _ms(p.latency_p99_ms)),
+    ("p50", lambda p: _ms(p.latency_p50_ms) + _thin(p)),
+    ("p90", lambda p: _ms(p.latency_p90_ms) + _thin(p)),
+    ("p99", lambda p: _ms(p.latency_p99_ms) + _thin(p)),
     ("max", lambda p: _ms(p.latency_max_ms)),
     ("SLO", lambda p: "-" if p.slo_attainment is None else f"{100 * p.slo_attainment:.0f}%"),
     ("checked", lambda p: f"{p.verified - p.wrong}/{p.verified}"),
@@ -36,6 +36,11 @@ def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.1f}"
 
 
+def _thin(p: PointMetrics) -> str:
+    """``*`` after a percentile that rests on fewer than MIN_SAMPLES requests (explained under the table)."""
+    return "*" if p.thin else ""
+
+
 def table(points: Sequence[PointMetrics]) -> str:
     """Fixed-width rows, latencies in ms; then each point's median Server-Timing stages."""
     rows = [[h for h, _ in COLUMNS]] + [[cell(p) for _, cell in COLUMNS] for p in points]
@@ -43,6 +48,8 @@ def table(points: Sequence[PointMetrics]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     stages = [f"  {p.label}: " + ", ".join(f"{s} {p.stages_ms[s]:.2f}" for s in STAGES if s in p.stages_ms)
               for p in points if p.stages_ms]
+    if any(p.thin for p in points):
+        lines += ["", f"* rests on fewer than {MIN_SAMPLES} completed requests: rough (raise --requests or --duration)"]
     if stages:
         lines += ["", "server stages, median ms (Server-Timing):", *stages]
     return "\n".join(lines)
@@ -51,6 +58,12 @@ def table(points: Sequence[PointMetrics]) -> str:
 def summary(result: SweepResult) -> str:
     """The table, then what failed, what was wrong and which thresholds were crossed."""
     parts = [table(result.points)]
+    warnings = [f"  {p.label}: {w}" for p in result.points for w in p.warnings]
+    if warnings:
+        parts += ["", "warnings:", *warnings]
+    if result.uploads:
+        parts += ["", "uploads:", *(f"  {u['label']}: {u['keys']} keys, {u['gb']:.3f} GB in {u['seconds']:.1f} s, "
+                                   f"{u['gb_per_s']:.3f} GB/s" for u in result.uploads)]
     if result.failures:
         parts += ["", "failures:", *(f"  {f}" for f in result.failures)]
     if result.violations():
@@ -72,7 +85,7 @@ def finite(doc: object) -> object:
 
 
 CSV_FIELDS = ("mode", "n_k", "arrival", "load", "completed", "failed", "duration_s", "requests_per_s", "pairs_per_s",
-              "kv_gb_per_s", "latency_mean_ms", "latency_p50_ms", "latency_p90_ms", "latency_p99_ms",
+              "keys_per_s", "kv_gb_per_s", "latency_mean_ms", "latency_p50_ms", "latency_p90_ms", "latency_p99_ms",
               "latency_max_ms", "slo_ms", "goodput_per_s", "slo_attainment", "verified", "wrong", "max_error")
 
 

@@ -42,6 +42,7 @@ class SweepResult:
     requests: dict[str, list[Sample]] = field(default_factory=dict)  # point label -> its samples (per_request)
     failures: list[str] = field(default_factory=list)  # one line per distinct failure
     environment: dict[str, Any] = field(default_factory=dict)
+    uploads: list[dict[str, Any]] = field(default_factory=list)  # each upload's keys, GB, seconds and GB/s
     interrupted: bool = False
 
     @property
@@ -70,7 +71,8 @@ class SweepResult:
         cfg.pop("api_key", None)  # never written out
         cfg["fail_on"] = [str(f) for f in self.config.fail_on]
         doc: dict[str, Any] = {"config": cfg, "environment": self.environment, "interrupted": self.interrupted,
-                               "failures": self.failures, "points": [asdict(p) for p in self.points]}
+                               "failures": self.failures, "uploads": self.uploads,
+                               "points": [asdict(p) for p in self.points]}
         if self.requests:
             doc["requests"] = {label: [asdict(s) for s in samples] for label, samples in self.requests.items()}
         return doc
@@ -117,19 +119,25 @@ class _Point:
         return sample
 
 
-def environment(admin: Client) -> dict[str, Any]:
-    """Where the sweep ran: date, the load generator's machine, and the service's workers."""
+def environment(admin: Client, config: SweepConfig) -> dict[str, Any]:
+    """Where and on what the sweep ran: date, the load generator's host and machine, the shape and dtype,
+    and the service's version, workers and device (what each plot's footer says too)."""
+    shape = config.shape
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
         "client_machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "url": admin.url,
+        "shape": f"h_q={shape.h_q} h_kv={shape.h_kv} d={shape.d} d_v={shape.d_v}",
+        "dtype": shape.dtype,
     }
     try:
         cluster = admin.cluster()
+        env["server_version"] = cluster.get("version", "unknown")
         env["service_workers"] = len(cluster.get("workers", []))
         env["service_device"] = cluster.get("device")
     except ATTEMPT_ERRORS as exc:
-        env["service_workers"] = f"unknown ({exc})"
+        env["server_version"] = env["service_workers"] = f"unknown ({exc})"
     return env
 
 
@@ -145,10 +153,10 @@ def run_sweep(config: SweepConfig, *, stream: TextIO | None = None, stop: thread
     result = SweepResult(config)
     source = Source(config.seed, config.shape)
     admin = Client(config.url, api_key=config.api_key)
-    result.environment = environment(admin)
+    result.environment = environment(admin, config)
 
     def progress_for(label: str, keys: int) -> UploadProgress:
-        return UploadProgress(config.shape.key_bytes, stream, label=f"upload {label}")
+        return UploadProgress(config.shape.key_bytes, stream, label=f"upload {label}", done=result.uploads.append)
 
     contexts = Contexts(admin, source, config, progress_for)
     failures: dict[str, str] = {}
