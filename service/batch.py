@@ -86,7 +86,8 @@ class BatchService:
                 return ItemError.of(i, exc)
             return item.req
 
-        done = iter(await asyncio.gather(*(one(i, it) for i, it in enumerate(items) if isinstance(it, AppendThenQuery))))
+        appends = [one(i, it) for i, it in enumerate(items) if isinstance(it, AppendThenQuery)]
+        done = iter(await asyncio.gather(*appends))
         return [next(done) if isinstance(it, AppendThenQuery) else it for it in items]
 
     async def _append(self, item: AppendThenQuery, timings: Timings) -> None:
@@ -102,7 +103,8 @@ class BatchService:
             if stored != {"id": write.upload, "start": write.after, "end": write.after + write.kv.dims.n_k}:
                 raise
 
-    async def run(self, items: Sequence[Query], timings: Timings, json_limit: JsonAnswerLimit | None = None) -> list[Answer]:
+    async def run(self, items: Sequence[Query], timings: Timings,
+                  json_limit: JsonAnswerLimit | None = None) -> list[Answer]:
         """Each item's ``(out, lse)`` or error, in order. ``json_limit``: the answers are to be written as
         JSON text, whose ``out`` tensors may hold at most that many elements in all (``_check_total``)."""
         answers: list[Answer | None] = [it if isinstance(it, ItemError) else None for it in items]

@@ -20,7 +20,7 @@ import secrets
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import numpy as np
 import torch
@@ -84,7 +84,7 @@ _UPDATED: contextvars.ContextVar[tuple[SplitkeyLayer, torch.Tensor] | None] = co
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
-    """``t`` as a CPU numpy array, without a copy where it can; bfloat16 as ml_dtypes' bfloat16 (the client sends BF16)."""
+    """``t`` as a CPU numpy array, without a copy where it can; bfloat16 as ml_dtypes' bfloat16 (sent as BF16)."""
     t = t.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.dtype("bfloat16"))
@@ -151,7 +151,7 @@ class SplitkeyLayer(CacheLayerMixin):
             k_pos = _numpy(positions[s, idx].to(torch.int64))  # [n_s]
             append = {"k": _numpy(key[s][:, idx].transpose(0, 1)),  # [h_kv, n_s, d] -> [n_s, h_kv, d]
                       "v": _numpy(value[s][:, idx].transpose(0, 1)),  # [h_kv, n_s, d_v] -> [n_s, h_kv, d_v]
-                      "k_pos": k_pos, "after": self.lengths[s], "upload": f"{self.session.tag}-{self.index}-{self.seen}"}
+                      "k_pos": k_pos, "after": self.lengths[s], "upload": self._upload()}
             q = _numpy(query[s][:, idx].transpose(0, 1))  # [h_q, n_s, d] -> [n_s, h_q, d]
             items.append({"q": q, "q_pos": k_pos, "contexts": [self.context_ids[s]], "causal": True, "append": append,
                           **options})
@@ -167,6 +167,10 @@ class SplitkeyLayer(CacheLayerMixin):
                 self.lengths[s] += len(idx)
         self.seen += n
         return out
+
+    def _upload(self) -> str:
+        """This layer and pass's append id: the cache's tag, the layer, the tokens seen before the pass."""
+        return f"{self.session.tag}-{self.index}-{self.seen}"
 
     def _create(self, b: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """One empty context per sequence, of the keys' dtype and dims."""
@@ -209,7 +213,7 @@ class SplitkeyCache(Cache):
         """Delete the service's contexts of this cache (a context already gone is skipped)."""
         self._finalizer()
 
-    def __enter__(self) -> SplitkeyCache:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

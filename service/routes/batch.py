@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.cluster.channel import staged_writes
 from service.core.errors import error_responses
 from service.core.metrics import Timings
 from service.routes.common import (
@@ -24,7 +25,6 @@ from service.routes.common import (
     to_completion,
     with_deadline,
 )
-from service.cluster.channel import staged_writes
 from service.wire.batch import (
     AppendThenQuery,
     Item,

@@ -14,14 +14,15 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from service.client import Client  # noqa: E402
-from service.hf import ATTENTION, BackendError, SplitkeyCache  # noqa: E402
+from service.client import Client
+from service.hf import ATTENTION, BackendError, SplitkeyCache
 
 pytestmark = pytest.mark.ray
 
 VOCAB, PAD = 128, 0
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=PAD)
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+          "pad_token_id": PAD}
 #: Prompts of different lengths, left-padded; 20 tokens pass the 8-token windows.
 PROMPT_LENGTHS = (20, 13, 17, 9)
 NEW_TOKENS = 12
