@@ -67,14 +67,15 @@ class _Session:
 
 
 def _delete_contexts(client: Client, contexts: list[str]) -> None:
-    """Delete ``contexts`` (and forget them); one that is already gone is no error."""
+    """Delete ``contexts``, forgetting each once deleted (one already gone is no error); a failure raises and
+    leaves the rest listed, for the next ``close()``."""
     while contexts:
-        context_id = contexts.pop()
         try:
-            client.delete_context(context_id)
+            client.delete_context(contexts[-1])
         except SplitkeyError as exc:
             if exc.status != 404:
                 raise
+        contexts.pop()
 
 
 #: The layer whose ``update`` ran last in this thread, with the keys it returned: the model calls
@@ -202,7 +203,7 @@ class SplitkeyCache(Cache):
         layers = config.get_text_config(decoder=True).num_hidden_layers
         self.session = _Session(client, deadline)
         super().__init__(layers=[SplitkeyLayer(self.session, i) for i in range(layers)])
-        self._finalizer = weakref.finalize(self, _delete_contexts, client, self.session.contexts)
+        weakref.finalize(self, _delete_contexts, client, self.session.contexts)  # at garbage collection
 
     @property
     def context_ids(self) -> list[list[str]]:
@@ -210,8 +211,9 @@ class SplitkeyCache(Cache):
         return [layer.context_ids for layer in self.layers if isinstance(layer, SplitkeyLayer)]
 
     def close(self) -> None:
-        """Delete the service's contexts of this cache (a context already gone is skipped)."""
-        self._finalizer()
+        """Delete the service's contexts of this cache (a context already gone is skipped); may be called again
+        after a failure (the service unreachable, say) to delete those left."""
+        _delete_contexts(self.session.client, self.session.contexts)
 
     def __enter__(self) -> Self:
         return self
@@ -249,7 +251,7 @@ def splitkey_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     updated = _UPDATED.get()
     if updated is None or updated[1] is not key:
         raise ValueError("splitkey attention needs the model's cache to be a SplitkeyCache "
-                         "(past_key_values=SplitkeyCache(...), use_cache=True), got none for this layer")
+                         "(cache=SplitkeyCache(...) or past_key_values=, use_cache=True), got none for this layer")
     if dropout:
         raise ValueError(f"dropout must be 0 (splitkey attention is for inference), got {dropout}")
     layer = updated[0]
