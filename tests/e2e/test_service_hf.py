@@ -187,3 +187,13 @@ def test_a_model_without_the_splitkey_cache_is_refused_with_what_to_pass(server)
     ids, mask = prompts(1)
     with pytest.raises(ValueError, match="SplitkeyCache"):
         model(input_ids=ids, attention_mask=mask, use_cache=False)
+
+
+def test_a_pass_past_its_deadline_raises_a_backend_error_caused_by_the_timeout(server):
+    model = build("llama")
+    model.set_attn_implementation(ATTENTION)
+    ids, mask = prompts(2)
+    with Client(server.url) as client, SplitkeyCache(client, model.config, deadline=1e-6) as cache:
+        with pytest.raises(BackendError, match="layer 0") as caught:
+            model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        assert isinstance(caught.value.__cause__, TimeoutError)
