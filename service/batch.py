@@ -22,6 +22,14 @@ the single request's orchestrator runs what it plans:
    again from the directory and run once more (``AttentionService.rerun_fresh``, as a
    single request is).
 
+An item may first append keys to its one context (``append``, before all of the above): the
+route runs every item's append to its end (``BatchService.append``, outside the request's
+deadline, as a context write always is), and only an item whose append is committed is
+planned, over the context with its new keys. An append refused (409 after a length the
+context does not hold, 404, 507, ...) is the item's answer. An append with ``after`` and
+``upload`` that finds its own keys already stored there (the request sent again after its
+answer was lost) counts as done, so a retried step appends once and is still answered.
+
 An item's failure is its own answer; the others are unaffected.
 """
 
@@ -38,10 +46,10 @@ from service.cluster.surface import WorkerSurface
 from service.contexts.records import ContextRecord
 from service.contexts.resolved import Resolved
 from service.contexts.service import ContextService
-from service.core.errors import BodyTooLarge, ContextLost, ContextNotFound, Internal, ServiceError
+from service.core.errors import BodyTooLarge, ContextLost, ContextNotFound, Internal, LengthMismatch, ServiceError
 from service.core.metrics import Timings
 from service.core.settings import ServiceSettings
-from service.wire.batch import Answer, Item, ItemError
+from service.wire.batch import Answer, AppendThenQuery, Item, ItemError, Query
 from service.wire.request import AttentionRequest
 from workers.store import RecordStale
 
@@ -67,7 +75,36 @@ class BatchService:
         self.attention = attention
         self.contexts = contexts
 
-    async def run(self, items: Sequence[Item], timings: Timings, json_limit: JsonAnswerLimit | None = None) -> list[Answer]:
+    async def append(self, items: Sequence[Item], timings: Timings) -> list[Query]:
+        """Each item with its append done: its query, or the append's error. The appends run at once, each
+        to its end (the route shields them from the deadline and from cancellation); ``timings`` gets their
+        stages (put, lease, store, commit, note), summed over the items."""
+        async def one(i: int, item: AppendThenQuery) -> Query:
+            try:
+                await self._append(item, timings)
+            except ServiceError as exc:
+                return ItemError.of(i, exc)
+            return item.req
+
+        appends = [one(i, it) for i, it in enumerate(items) if isinstance(it, AppendThenQuery)]
+        done = iter(await asyncio.gather(*appends))
+        return [next(done) if isinstance(it, AppendThenQuery) else it for it in items]
+
+    async def _append(self, item: AppendThenQuery, timings: Timings) -> None:
+        """Append the item's keys; a 409 whose ``after`` and ``upload`` name keys already stored by this
+        upload (an earlier attempt of the same request) is success."""
+        write = item.write
+        try:
+            await self.contexts.append(item.context_id, write, timings)
+        except LengthMismatch:
+            if write.after is None or write.upload is None:
+                raise
+            stored = (await self.contexts.get(item.context_id, write.upload))["upload"]
+            if stored != {"id": write.upload, "start": write.after, "end": write.after + write.kv.dims.n_k}:
+                raise
+
+    async def run(self, items: Sequence[Query], timings: Timings,
+                  json_limit: JsonAnswerLimit | None = None) -> list[Answer]:
         """Each item's ``(out, lse)`` or error, in order. ``json_limit``: the answers are to be written as
         JSON text, whose ``out`` tensors may hold at most that many elements in all (``_check_total``)."""
         answers: list[Answer | None] = [it if isinstance(it, ItemError) else None for it in items]

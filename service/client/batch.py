@@ -2,9 +2,12 @@
 
 An item is a mapping with ``q`` and any of ``k``, ``v``, ``q_pos``, ``k_pos``,
 ``alibi_slopes`` (arrays) and ``contexts``, ``scale``, ``causal``, ``window``,
-``softcap`` (options), as the keyword arguments of ``Client.attention``. Its
-answer is ``(out, lse)``, or the :class:`SplitkeyError` the server gave that item
-alone (``status``, ``code``, ``detail``).
+``softcap`` (options), as the keyword arguments of ``Client.attention``, and
+``append``: a mapping of ``k``, ``v`` and any of ``k_pos`` (arrays), ``after``,
+``upload``, ``continues`` (options), keys appended to the item's one context
+before it is answered (docs/API.md section 10). Its answer is ``(out, lse)``, or
+the :class:`SplitkeyError` the server gave that item alone (``status``, ``code``,
+``detail``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from service.wire.rules import DEFAULT_LIMITS
 
 TENSORS = ("q", "k", "v", "q_pos", "k_pos", "alibi_slopes")
 OPTIONS = ("contexts", "scale", "causal", "window", "softcap")
+APPEND = "append"
+APPEND_TENSORS = ("k", "v", "k_pos")
+APPEND_OPTIONS = ("after", "upload", "continues")
 
 #: One item's answer: ``(out [n_q, h_q, d_v], lse [n_q, h_q])`` or its error.
 BatchAnswer = tuple[np.ndarray, np.ndarray] | SplitkeyError
@@ -35,9 +41,9 @@ def encode_batch(items: Sequence[Mapping[str, Any]]) -> list[bytes | memoryview]
     tensors: dict[str, np.ndarray] = {}
     options: list[dict[str, Any]] = []
     for i, item in enumerate(items):
-        unknown = sorted(set(item) - set(TENSORS) - set(OPTIONS))
+        unknown = sorted(set(item) - set(TENSORS) - set(OPTIONS) - {APPEND})
         if unknown:
-            raise ValueError(f"items[{i}] keys must be among {', '.join(TENSORS + OPTIONS)}, got {unknown}")
+            raise ValueError(f"items[{i}] keys must be among {', '.join(TENSORS + OPTIONS + (APPEND,))}, got {unknown}")
         if item.get("q") is None:
             raise ValueError(f"items[{i}] must have q, got none")
         tensors.update({f"{i}.{name}": np.asarray(item[name]) for name in TENSORS if item.get(name) is not None})
@@ -57,8 +63,29 @@ def encode_batch(items: Sequence[Mapping[str, Any]]) -> list[bytes | memoryview]
             else:
                 value = float(value)
             opts[name] = value
+        if item.get(APPEND) is not None:
+            opts[APPEND] = _append(i, item[APPEND], tensors)
         options.append(opts)
     return encode_safetensors(tensors, {"items": json.dumps(options, separators=(",", ":"))})
+
+
+def _append(i: int, append: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Item ``i``'s append: its tensors into ``tensors`` (``{i}.append.k``, ...), its options returned."""
+    unknown = sorted(set(append) - set(APPEND_TENSORS) - set(APPEND_OPTIONS))
+    if unknown:
+        raise ValueError(f"items[{i}] append keys must be among {', '.join(APPEND_TENSORS + APPEND_OPTIONS)}, "
+                         f"got {unknown}")
+    tensors.update({f"{i}.{APPEND}.{name}": np.asarray(append[name]) for name in APPEND_TENSORS
+                    if append.get(name) is not None})
+    opts: dict[str, Any] = {}
+    for name in APPEND_OPTIONS:
+        value = append.get(name)
+        if value is None:
+            continue
+        if name == "continues" and not isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"items[{i}] append continues must be a bool, got {value!r}")
+        opts[name] = bool(value) if name == "continues" else int(value) if name == "after" else str(value)
+    return opts
 
 
 def decode_batch(body: bytes, count: int) -> list[BatchAnswer]:

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from service.cluster.channel import staged_writes
 from service.core.errors import error_responses
 from service.core.metrics import Timings
 from service.routes.common import (
@@ -21,9 +22,11 @@ from service.routes.common import (
     query_deadline,
     read_body,
     runtime,
+    to_completion,
     with_deadline,
 )
 from service.wire.batch import (
+    AppendThenQuery,
     Item,
     ItemError,
     decode_binary_batch,
@@ -100,9 +103,14 @@ async def attention_batch(request: Request) -> Response:
     body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
     items = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
     timings.add("parse", time.perf_counter() - t0)
+    if any(isinstance(it, AppendThenQuery) for it in items):
+        with staged_writes():  # context writes, never cut by the deadline (to_completion)
+            queries = await to_completion(rt.batch.append(items, timings))
+    else:
+        queries = [it for it in items if not isinstance(it, AppendThenQuery)]  # all of them
     seconds = query_deadline(state.settings.request_timeout_s, client, t0)
     await client_waits(request)
-    answers = await with_deadline(rt.batch.run(items, timings, answer_limit(state.limits, resp_fmt)), seconds)
+    answers = await with_deadline(rt.batch.run(queries, timings, answer_limit(state.limits, resp_fmt)), seconds)
     await client_waits(request)
     t1 = time.perf_counter()
     if resp_fmt == "json":  # on the loop in pieces (service.wire.json_text), as a single answer

@@ -14,6 +14,12 @@ a JSON array of ``{"status": 200}`` or ``{"status", "code", "detail"}`` per item
 
 JSON: ``{"items": [{...}, ...]}``, each item the fields of a JSON attention body;
 the answer ``{"items": [{"out", "lse"} or {"error": {"status", "code", "detail"}}]}``.
+
+An item may carry keys to append to its one context before it is answered
+(:class:`AppendThenQuery`): the body of ``POST /v1/contexts/{id}/append`` as its field
+``append`` (JSON: ``{"k", "v", "k_pos", "after", "upload", "continues"}``, in the item's
+``dtype`` unless it names its own; safetensors: tensors ``{i}.append.k``, ``{i}.append.v``,
+``{i}.append.k_pos`` and the options object ``"append"`` in the item's options).
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ import numpy as np
 from service.core import request_id
 from service.core.errors import ERRORS, BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor, ServiceError, internals
 from service.wire.json_codec import decode_json_object
-from service.wire.request import AttentionRequest, Decoded, attention_request
+from service.wire.request import AttentionRequest, ContextWrite, Decoded, attention_request, context_write
 from service.wire.rules import (
     ATTENTION,
+    CONTEXT_APPEND,
     DEFAULT_LIMITS,
     Limits,
     check_options,
@@ -51,8 +58,11 @@ from service.wire.values import from_bytes, load_json
 
 log = logging.getLogger(__name__)
 
-#: A tensor name of a batch body: the item's index, a dot, the attention tensor's name.
-_ITEM_TENSOR = re.compile(r"(0|[1-9][0-9]{0,5})\.([a-z_]+)")
+#: A tensor name of a batch body: the item's index, a dot, the attention tensor's name (``append.`` and an
+#: append's tensor name for the keys the item appends).
+_ITEM_TENSOR = re.compile(r"(0|[1-9][0-9]{0,5})\.((?:append\.)?[a-z_]+)")
+#: The prefix of an item's field (JSON) or tensor names (safetensors) that carry its append.
+APPEND = "append"
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,8 +91,25 @@ class ItemError:
         return {"status": self.status, "code": self.code, "detail": self.detail}
 
 
-#: One item as decoded: a checked request, or why it was refused.
-Item = AttentionRequest | ItemError
+@dataclass(frozen=True, eq=False)
+class AppendThenQuery:
+    """An item that appends ``write`` to its one context and, once that is committed, is answered as ``req``."""
+
+    write: ContextWrite
+    req: AttentionRequest
+
+    @property
+    def context_id(self) -> str:
+        return self.req.contexts[0]
+
+
+#: One item as decoded: a checked request (that may append first), or why it was refused.
+Item = AttentionRequest | AppendThenQuery | ItemError
+#: One item once its append is done: a query, or why it was refused.
+Query = AttentionRequest | ItemError
+
+#: What an item's decoder gives: its attention body, and its append's (None: it appends nothing).
+DecodedItem = tuple[Decoded, Decoded | None]
 
 
 def _count(n: Any, limits: Limits) -> int:
@@ -92,12 +119,30 @@ def _count(n: Any, limits: Limits) -> int:
 
 
 def _item(index: int, decode: Any) -> Item:
-    """``decode()`` as a checked request, or the item's error (a mistake in this item alone: 422, or 413
-    for a tensor over the limits)."""
+    """``decode()`` (a :data:`DecodedItem`) as a checked request, or the item's error (a mistake in this item
+    alone: 422, or 413 for a tensor over the limits)."""
     try:
-        return attention_request(decode())
+        query, append = decode()
+        req = attention_request(query)
+        if append is None:
+            return req
+        if len(req.contexts) != 1:
+            raise InvalidOption(f"contexts must name the one context an item's append goes to, got {len(req.contexts)}")
+        return AppendThenQuery(context_write(append), req)
     except ServiceError as exc:
         return ItemError.of(index, exc)
+
+
+def _json_item(item: dict, limits: Limits) -> DecodedItem:
+    """A JSON item's attention fields and its ``append`` (in the item's dtype unless it names its own)."""
+    query = decode_json_object({k: v for k, v in item.items() if k != APPEND}, limits, ATTENTION)
+    append = item.get(APPEND)
+    if append is None:
+        return query, None
+    if type(append) is not dict:
+        raise InvalidOption(f"append must be an object of an append's fields, got {show(append)}")
+    dtype = {"dtype": item["dtype"]} if "dtype" in item else {}
+    return query, decode_json_object({**dtype, **append}, limits, CONTEXT_APPEND)
 
 
 def decode_json_batch(body: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> list[Item]:
@@ -115,7 +160,7 @@ def decode_json_batch(body: bytes | bytearray | memoryview, limits: Limits = DEF
     for i, item in enumerate(items):  # what makes a body a batch: a list of objects (their fields: each item's own)
         if type(item) is not dict:
             raise InvalidBody(f"items[{i}] must be a JSON object, got {show(item)}")
-    return [_item(i, lambda item=item: decode_json_object(item, limits, ATTENTION)) for i, item in enumerate(items)]
+    return [_item(i, lambda item=item: _json_item(item, limits)) for i, item in enumerate(items)]
 
 
 def _item_names(mv: memoryview, limits: Limits) -> tuple[dict[str, tuple[int, str]], Any]:
@@ -135,11 +180,35 @@ def _item_names(mv: memoryview, limits: Limits) -> tuple[dict[str, tuple[int, st
         if full == "__metadata__":
             continue
         m = _ITEM_TENSOR.fullmatch(full)
-        if m is None or m.group(2) not in ATTENTION.tensors:
+        if m is None or not _is_item_tensor(m.group(2)):
             raise InvalidTensor(f"tensor names must be ITEM.NAME with NAME among {sorted_names(ATTENTION.tensors)}, "
+                                f"or ITEM.append.NAME with NAME among {sorted_names(CONTEXT_APPEND.tensors)}, "
                                 f"got {show(full)}")
         names[full] = (int(m.group(1)), m.group(2))
     return names, load_json(text.encode(), '__metadata__["items"]')
+
+
+def _is_item_tensor(name: str) -> bool:
+    head, _, tail = name.partition(".")
+    return tail in CONTEXT_APPEND.tensors if head == APPEND else name in ATTENTION.tensors
+
+
+def _binary_item(tensors: Mapping[str, np.ndarray], raw: dict, limits: Limits) -> DecodedItem:
+    """A safetensors item's attention tensors and options, and its append's (``append.*`` tensors, options
+    ``raw["append"]``)."""
+    mine = {name: t for name, t in tensors.items() if not name.startswith(APPEND + ".")}
+    options = check_options({k: v for k, v in raw.items() if k != APPEND}, ATTENTION, limits,
+                            alibi_slopes=mine.get("alibi_slopes"))
+    check_present(mine, options.contexts, ATTENTION)
+    appended = {name.partition(".")[2]: t for name, t in tensors.items() if name.startswith(APPEND + ".")}
+    append_options = raw.get(APPEND)
+    if append_options is None and not appended:
+        return Decoded(mine, options), None
+    if type(append_options) is not dict and append_options is not None:
+        raise InvalidOption(f"append must be an object of an append's options, got {show(append_options)}")
+    write_options = check_options(append_options or {}, CONTEXT_APPEND, limits)
+    check_present(appended, (), CONTEXT_APPEND)
+    return Decoded(mine, options), Decoded(appended, write_options)
 
 
 def decode_binary_batch(body: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> list[Item]:
@@ -166,15 +235,13 @@ def decode_binary_batch(body: bytes | bytearray | memoryview, limits: Limits = D
         refused.setdefault(names[full][0], header.refused[full])
 
     def one(i: int) -> Item:
-        def decode() -> Decoded:
+        def decode() -> DecodedItem:
             if i in refused:
                 cls, detail = refused[i]
                 raise cls(detail)
             mine = {name: from_bytes(mv, info.wire, info.shape, header.data_start + info.begin)
                     for name, (_, info) in infos[i].items()}
-            options = check_options(raw[i], ATTENTION, limits, alibi_slopes=mine.get("alibi_slopes"))
-            check_present(mine, options.contexts, ATTENTION)
-            return Decoded(mine, options)
+            return _binary_item(mine, raw[i], limits)
         return _item(i, decode)
 
     return [one(i) for i in range(n)]

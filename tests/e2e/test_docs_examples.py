@@ -68,3 +68,15 @@ def test_engine_doc_decode_loop_runs_and_prints_what_it_says(server):
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == said
+
+
+@pytest.mark.ray
+def test_engine_doc_transformers_example_runs_and_prints_what_it_says(server):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    [code] = [b for b in blocks("docs/ENGINE.md", "python") if "SplitkeyCache(" in b]
+    said = re.search(r"^# (\d+ layers .*)$", code, flags=re.MULTILINE).group(1)
+    run = subprocess.run([sys.executable, "-c", code.replace(DOC_URL, server.url)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == said

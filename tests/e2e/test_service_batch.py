@@ -232,3 +232,30 @@ def test_batch_answers_over_the_element_limit_are_refused_before_any_work(client
         assert "got 402653184: send them in several batches" in whole.value.detail
     finally:
         client.delete_context(ctx)
+
+
+def test_an_item_appends_its_keys_once_even_when_its_request_is_sent_again_and_is_answered_over_them(server):
+    rng = np.random.default_rng(23)
+    k, v = kv(rng, 40)
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    with Client(server.url) as c:
+        ctx, other = (c.create_context(k[:30], v[:30])["id"] for _ in range(2))
+        try:
+            item = {"q": q, "contexts": [ctx], "causal": True,
+                    "append": {"k": k[30:], "v": v[30:], "after": 30, "upload": "step-30"}}
+            [first] = c.attention_batch([item])
+            [again] = c.attention_batch([item])  # as after a lost answer: stored once, answered again
+            assert c.get_context(ctx)["length"] == 40
+            assert_close_to_reference(*first, q, k, v)  # the query at position 39 sees all 40 keys
+            assert np.array_equal(first[0], again[0])
+            stale = {**item, "contexts": [other], "append": {**item["append"], "after": 20}}
+            [refused, answered] = c.attention_batch([stale, {"q": q, "contexts": [other]}])
+            assert isinstance(refused, SplitkeyError) and refused.status == 409 and refused.code == "length_mismatch"
+            assert not isinstance(answered, SplitkeyError) and c.get_context(other)["length"] == 30
+            body = {"items": [{"q": q.tolist(), "contexts": [other],
+                               "append": {"k": k[30:].tolist(), "v": v[30:].tolist(), "after": 30}}]}
+            answer = httpx.post(server.url + "/v1/attention/batch", json=body, timeout=30).json()["items"][0]
+            assert "out" in answer and c.get_context(other)["length"] == 40
+        finally:
+            c.delete_context(ctx)
+            c.delete_context(other)

@@ -76,6 +76,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "service.client": {"service.wire", "service.core", "workers"},
     "service.cluster": {"service.core", "workers", "merge"},
     "service.contexts": {"service.cluster", "service.core", "service.wire", "workers", "merge"},
+    "service.hf": {"service.client"},
 }
 
 
@@ -160,6 +161,13 @@ def test_only_the_gpu_backend_imports_cupy():
         for path, names in top_levels(package).items():
             if "cupy" in names:
                 assert path == "workers/gpu/backend.py", f"{path} imports cupy"
+
+
+def test_only_the_transformers_backend_imports_torch_and_transformers():
+    for package in PACKAGES:
+        for path, names in top_levels(package).items():
+            if names & {"torch", "transformers"}:
+                assert path.startswith("service/hf/"), f"{path} imports {sorted(names & {'torch', 'transformers'})}"
 
 
 def test_ray_is_imported_only_where_the_cluster_is():

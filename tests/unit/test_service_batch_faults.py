@@ -8,16 +8,17 @@ an item's answer is bitwise what the same query gets alone.
 import asyncio
 
 import numpy as np
-from faulty_pool import bitwise, kv, started, write
+from faulty_pool import bitwise, kv, read, started, write
 
 from service.attention import AttentionService
 from service.batch import BatchService
 from service.cluster.orchestrator import Orchestrator
 from service.core import deadline
 from service.core.metrics import Timings
-from service.wire.batch import ItemError
-from service.wire.request import AttentionRequest
+from service.wire.batch import AppendThenQuery, ItemError
+from service.wire.request import AttentionRequest, ContextWrite, InlineKV
 from workers.options import AttentionOptions
+from workers.problem import KVDims
 
 
 def request(q, *contexts):
@@ -108,4 +109,55 @@ def test_items_a_worker_did_not_start_before_the_deadline_are_504_and_not_sent_a
         finally:
             pool.shutdown()
 
+    asyncio.run(main())
+
+
+def appending(q, context_id, k, v, *, after, upload="step-1"):
+    """An item that appends ``k, v`` to its context after ``after`` keys, then asks ``q`` over it."""
+    write = ContextWrite(InlineKV(k, v, None, KVDims(*k.shape, v.shape[2])), replicas=None, shards=None,
+                         after=after, upload=upload)
+    return AppendThenQuery(write, request(q, context_id))
+
+
+def test_an_items_append_is_committed_before_it_is_answered_as_a_separate_append_then_query_would_be(rng):
+    async def main():
+        pool, contexts, _, batch = await services(3)
+        k, v = kv(rng, 40)
+        mine, theirs = [(await contexts.create(write(k[:30], v[:30]), Timings()))["id"] for _ in range(2)]
+        q = rng.standard_normal((1, 4, 8)).astype(np.float32)
+        queries = await batch.append([appending(q, mine, k[30:], v[30:], after=30), request(q, theirs)], Timings())
+        assert queries[0].contexts == (mine,) and (await contexts.get(mine))["length"] == 40
+        got = await batch.run(queries, Timings())
+        await contexts.append(theirs, write(k[30:], v[30:]), Timings())
+        assert bitwise(got[0], await read(pool, contexts, [theirs], q))
+        assert not bitwise(got[1], got[0])  # the other item read its context before that append
+    asyncio.run(main())
+
+
+def test_an_append_sent_again_with_its_after_and_upload_is_stored_once_and_answered_again(rng):
+    async def main():
+        _, contexts, _, batch = await services(3)
+        k, v = kv(rng, 40)
+        ctx = (await contexts.create(write(k[:30], v[:30]), Timings()))["id"]
+        q = rng.standard_normal((1, 4, 8)).astype(np.float32)
+        item = appending(q, ctx, k[30:], v[30:], after=30)
+        first = await batch.run(await batch.append([item], Timings()), Timings())
+        again = await batch.run(await batch.append([item], Timings()), Timings())
+        assert (await contexts.get(ctx))["length"] == 40 and bitwise(first[0], again[0])
+    asyncio.run(main())
+
+
+def test_an_append_after_a_length_the_context_does_not_hold_is_its_items_409_and_the_others_are_answered(rng):
+    async def main():
+        _, contexts, _, batch = await services(3)
+        k, v = kv(rng, 40)
+        ctx = (await contexts.create(write(k[:30], v[:30]), Timings()))["id"]
+        q = rng.standard_normal((1, 4, 8)).astype(np.float32)
+        stale = appending(q, ctx, k[30:], v[30:], after=20, upload="another")
+        queries = await batch.append([stale, request(q, ctx)], Timings())
+        assert isinstance(queries[0], ItemError) and queries[0].status == 409
+        assert queries[0].detail == "items[0]: after must be the context's length 30, got 20"
+        answers = await batch.run(queries, Timings())
+        assert answers[0] is queries[0] and not isinstance(answers[1], ItemError)
+        assert (await contexts.get(ctx))["length"] == 30
     asyncio.run(main())

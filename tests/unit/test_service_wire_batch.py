@@ -10,6 +10,7 @@ from service.client.batch import decode_batch, encode_batch
 from service.client.errors import SplitkeyError
 from service.core.errors import InvalidBody
 from service.wire.batch import (
+    AppendThenQuery,
     ItemError,
     decode_binary_batch,
     decode_json_batch,
@@ -169,3 +170,28 @@ def test_items_written_as_a_json_array_not_a_string_are_refused_saying_metadata_
     with service_error("invalid_body") as err:
         decode_binary_batch(body)
     assert '"items": a string of JSON text' in err.value.detail and "metadata values are strings" in err.value.detail
+
+
+def test_an_items_append_travels_in_both_forms_with_its_options():
+    k = np.zeros((3, 2, 8), np.float32)
+    item = {"q": Q[:1], "contexts": ["a"], "append": {"k": k, "v": k[..., :4], "k_pos": np.array([7, 8, 9]),
+                                                      "after": 7, "upload": "u-1"}}
+    json_item = {"q": Q[:1].tolist(), "contexts": ["a"], "dtype": "float16",
+                 "append": {"k": k.tolist(), "v": k[..., :4].tolist(), "after": 7, "upload": "u-1"}}
+    [binary] = decode_binary_batch(body([item]))
+    [text] = decode_json_batch(json.dumps({"items": [json_item]}).encode())
+    for got in (binary, text):
+        assert isinstance(got, AppendThenQuery) and got.context_id == "a" and got.req.n_q == 1
+        assert got.write.after == 7 and got.write.upload == "u-1" and got.write.kv.dims.n_k == 3
+    assert binary.write.kv.k_pos.tolist() == [7, 8, 9] and text.write.kv.k.dtype == np.float16  # the item's dtype
+
+
+@pytest.mark.parametrize("item, word", [
+    ({"q": Q, "contexts": ["a", "b"], "append": {"k": Q, "v": Q}}, "contexts must name the one context"),
+    ({"q": Q, "contexts": ["a"], "append": {"k": Q}}, "v is required in append requests"),
+    ({"q": Q, "contexts": ["a"], "append": {"k": Q, "v": Q, "after": -1}}, "after"),
+])
+def test_an_append_that_is_not_one_is_refused_alone(item, word):
+    first, second = decode_binary_batch(body([item, {"q": Q, "contexts": ["a"]}]))
+    assert isinstance(first, ItemError) and first.status == 422 and word in first.detail
+    assert first.detail.startswith("items[0]: ") and isinstance(second, AttentionRequest)
