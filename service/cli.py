@@ -18,6 +18,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn  # imported here to keep `splitkey --help` fast
 
     from service.app import create_app
+    from service.core import listener
     from service.http_protocol import JsonErrorsProtocol
     from service.core.settings import ServiceSettings
 
@@ -67,6 +68,8 @@ def _serve(args: argparse.Namespace) -> int:
     def force() -> None:  # a signal after the drain: uvicorn waits no more for answers in progress
         server.force_exit = True
 
+    # Before uvicorn closes the listener, which would reset the connections in its backlog.
+    app.state.splitkey.drain.quiet = lambda: listener.quiet(sock)
     app.state.splitkey.drain.stop = stop
     app.state.splitkey.drain.force = force
     state = app.state.splitkey

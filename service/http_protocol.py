@@ -14,6 +14,15 @@ answers are written here, as JSON with a request id like every other error, API.
   one that trickles its head holds a socket forever (uvicorn bounds only the idle time between
   requests, by its keep-alive timeout).
 
+And one for closing. Every close the server starts (after an answer with ``Connection: close``,
+an idle keep-alive connection at the keep-alive timeout or at shutdown, a refusal above) is a
+lingering close (:class:`LingeringTransport`): the answer is sent, then a FIN, and what the
+client still sends is read and dropped until it closes its side or :data:`LINGER_S` pass. A
+plain close with unread bytes (a body the drain's 503 did not read, a request that crossed an
+idle connection's close) makes the kernel send a reset, which can destroy the answer before the
+client reads it; after a FIN, a client whose request crossed the close reads a clean end with no
+answer, and that request never reached the app (docs/SERVICE.md, "Stopping it").
+
 And one for answers. While an answer waits unsent over the transport's high-water mark (the
 client reads it slower than it is written, or not at all), its bytes count against the
 in-flight byte budget (``service.core.admission``), and every ``answer_check_s`` seconds at least
@@ -48,10 +57,84 @@ STATUS_LINES = {400: b"HTTP/1.1 400 Bad Request", 408: b"HTTP/1.1 408 Request Ti
                 431: b"HTTP/1.1 431 Request Header Fields Too Large"}
 
 log = logging.getLogger(__name__)
+#: The most seconds a closing connection waits for its client to close its side (nginx lingers 5 s
+#: at most between reads): long enough for an answer to reach a client on any network, short
+#: enough not to hold shutdown.
+LINGER_S = 2.0
+
+
+class LingeringTransport(asyncio.Transport):
+    """``transport`` whose :meth:`close` lingers (module docstring); everything else is passed through."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._timer: asyncio.TimerHandle | None = None
+        self.lingering = False  #: closing: the answer and a FIN are sent or on their way, reads are dropped
+
+    def close(self) -> None:
+        if self.lingering or self._transport.is_closing():
+            return
+        self.lingering = True
+        if not self._transport.can_write_eof():  # pragma: no cover - a TCP transport can
+            self._transport.close()
+            return
+        self._transport.write_eof()  # after what is buffered: the client reads the whole answer, then the end
+        self._timer = self._loop.call_later(LINGER_S, self._transport.close)
+
+    def closed(self) -> None:
+        """The connection is gone: no more waiting for it."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def abort(self) -> None:
+        self.closed()
+        self._transport.abort()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._transport.write(data)
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def write_eof(self) -> None:
+        self._transport.write_eof()
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return self._transport.get_extra_info(name, default)
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
 
 
 class JsonErrorsProtocol(BaseProtocol):
-    transport: asyncio.Transport
+    transport: LingeringTransport
     #: Bytes read of the head now being received (0 before its first byte); None from the end of
     #: the head to the end of its request.
     _head_bytes: int | None = 0
@@ -78,7 +161,7 @@ class JsonErrorsProtocol(BaseProtocol):
                                            "answer_min_rate": min_rate, "head_timeout_s": head_timeout_s})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(LingeringTransport(transport, self.loop))
         self._await_head()
 
     def _await_head(self) -> None:
@@ -109,6 +192,7 @@ class JsonErrorsProtocol(BaseProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_watching()
         self._head_arrived()
+        self.transport.closed()
         super().connection_lost(exc)
 
     def _count_waiting(self) -> None:
@@ -143,7 +227,7 @@ class JsonErrorsProtocol(BaseProtocol):
         self._watch = self.loop.call_later(self.answer_check_s, self._check_progress, self._waiting)
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._refused or self.transport.lingering:  # closing: read and dropped (a lingering close)
             return
         if self._head_bytes == 0:  # a head begins (the first since the connection opened is awaited already)
             self._await_head()
