@@ -19,6 +19,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from service.app import create_app
     from service.core import listener
+    from service.core.connections import Connections, open_files_limit
     from service.http_protocol import JsonErrorsProtocol
     from service.core.settings import ServiceSettings
 
@@ -54,13 +55,18 @@ def _serve(args: argparse.Namespace) -> int:
         log.warning(line)
     host, port = sock.getsockname()[:2]
     log.info("splitkey listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+    open_files = open_files_limit()
+    connections = Connections(settings.connection_limits(open_files))
+    log.info("at most %d connections at once (%s per client address; open-file limit %d)",
+             connections.limits.total, connections.limits.per_client or "no bound", open_files)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                                            timeout_keep_alive=30,
                                            http=JsonErrorsProtocol.configured(
                                                admission=app.state.splitkey.admission,
                                                check_s=settings.body_grace_s, min_rate=settings.min_body_rate,
-                                               head_timeout_s=settings.body_timeout_s)))
+                                               head_timeout_s=settings.body_timeout_s,
+                                               connections=connections, retry_after_s=settings.retry_after_s)))
 
     def stop() -> None:  # after the drain (service.core.drain): exit without re-raising the signal, status 0
         server.should_exit = True

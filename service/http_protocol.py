@@ -23,6 +23,11 @@ idle connection's close) makes the kernel send a reset, which can destroy the an
 client reads it; after a FIN, a client whose request crossed the close reads a clean end with no
 answer, and that request never reached the app (docs/SERVICE.md, "Stopping it").
 
+And one for counting. Each connection is counted in :class:`service.core.connections.Connections`
+(``configured``) as it opens, idle until a request begins and again once answered (it may then be
+closed to make room for a new one); one that finds no room is answered 503
+``too_many_connections`` at once and closed.
+
 And one for answers. While an answer waits unsent over the transport's high-water mark (the
 client reads it slower than it is written, or not at all), its bytes count against the
 in-flight byte budget (``service.core.admission``), and every ``answer_check_s`` seconds at least
@@ -40,7 +45,8 @@ import logging
 
 from service.core import request_id
 from service.core.admission import Admission
-from service.core.errors import HeadTooLarge, InvalidBody, RequestTimeout, ServiceError, render
+from service.core.connections import Connections
+from service.core.errors import HeadTooLarge, InvalidBody, RequestTimeout, ServiceError, TooManyConnections, render
 
 try:  # uvicorn's fast parser when installed (uvicorn[standard]), else its pure-Python one
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as BaseProtocol
@@ -54,7 +60,7 @@ MALFORMED = ("the request must be valid HTTP/1.1 (a request line, headers, and a
 #: few headers take well under 1 KiB, so this leaves room for what proxies add.
 MAX_HEAD_BYTES = 64 * 2**10
 STATUS_LINES = {400: b"HTTP/1.1 400 Bad Request", 408: b"HTTP/1.1 408 Request Timeout",
-                431: b"HTTP/1.1 431 Request Header Fields Too Large"}
+                431: b"HTTP/1.1 431 Request Header Fields Too Large", 503: b"HTTP/1.1 503 Service Unavailable"}
 
 log = logging.getLogger(__name__)
 #: The most seconds a closing connection waits for its client to close its side (nginx lingers 5 s
@@ -72,6 +78,11 @@ class LingeringTransport(asyncio.Transport):
         self._loop = loop
         self._timer: asyncio.TimerHandle | None = None
         self.lingering = False  #: closing: the answer and a FIN are sent or on their way, reads are dropped
+
+    def close_now(self) -> None:
+        """Close without lingering, once what is buffered is sent (an idle connection: nothing unread)."""
+        self.lingering = True
+        self._transport.close()
 
     def close(self) -> None:
         if self.lingering or self._transport.is_closing():
@@ -150,19 +161,54 @@ class JsonErrorsProtocol(BaseProtocol):
     #: Seconds a request's line and headers may take (``configured``: ``--body-timeout``).
     head_timeout_s: float = 120.0
     _head_timer: asyncio.TimerHandle | None = None  #: armed while a head is awaited
+    #: Where connections are counted and limited (None: neither), and the Retry-After of a refusal.
+    held: Connections | None = None
+    retry_after_s: int = 1
+    _answering_refusal = False  #: refused for want of room, its answer counted in ``held.refusing``
 
     @classmethod
     def configured(cls, *, admission: Admission | None, check_s: float, min_rate: float,
-                   head_timeout_s: float) -> type[JsonErrorsProtocol]:
+                   head_timeout_s: float, connections: Connections | None = None,
+                   retry_after_s: int = 1) -> type[JsonErrorsProtocol]:
         """This protocol counting waiting answers in ``admission``, checked every ``check_s`` seconds
-        (at least 1) for ``min_rate`` bytes/s (at least one byte), and waiting ``head_timeout_s``
-        for a head: uvicorn takes a class."""
+        (at least 1) for ``min_rate`` bytes/s (at least one byte), waiting ``head_timeout_s`` for a
+        head, and holding connections within ``connections``: uvicorn takes a class."""
         return type(cls.__name__, (cls,), {"admission": admission, "answer_check_s": max(check_s, 1.0),
-                                           "answer_min_rate": min_rate, "head_timeout_s": head_timeout_s})
+                                           "answer_min_rate": min_rate, "head_timeout_s": head_timeout_s,
+                                           "held": connections, "retry_after_s": retry_after_s})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(LingeringTransport(transport, self.loop))
+        if self.held is not None and not self.held.admit(self, self._address(), self._close_idle):
+            self._no_room(self.held)
+            return
         self._await_head()
+
+    def _address(self) -> str:
+        return self.client[0] if self.client else ""
+
+    def _close_idle(self) -> None:
+        """Closed to make room for a new connection (``Connections``): it waits for no request."""
+        self.transport.close_now()
+
+    def _no_room(self, connections: Connections) -> None:
+        """Refuse this new connection: 503 while few refusals are being answered, else a bare close."""
+        if not connections.may_answer_refusal():
+            self._refused = True
+            self.transport.abort()
+            return
+        self._answering_refusal = True
+        limit = connections.limits
+        self._refuse(TooManyConnections(
+            f"connections must be at most {limit.total} at once, and {limit.per_client} per client address, with "
+            f"none idle to close, got one more" if limit.per_client is not None else
+            f"connections must be at most {limit.total} at once, with none idle to close, got one more",
+            self.retry_after_s))
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.held is not None and not self.pipeline and not self.transport.is_closing():
+            self.held.idle(self, self._close_idle)
 
     def _await_head(self) -> None:
         if self._head_timer is None:
@@ -193,6 +239,10 @@ class JsonErrorsProtocol(BaseProtocol):
         self._stop_watching()
         self._head_arrived()
         self.transport.closed()
+        if self.held is not None:
+            self.held.gone(self)
+            if self._answering_refusal:
+                self.held.refusal_sent()
         super().connection_lost(exc)
 
     def _count_waiting(self) -> None:
@@ -229,6 +279,8 @@ class JsonErrorsProtocol(BaseProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused or self.transport.lingering:  # closing: read and dropped (a lingering close)
             return
+        if self.held is not None:
+            self.held.busy(self)
         if self._head_bytes == 0:  # a head begins (the first since the connection opened is awaited already)
             self._await_head()
         self._request_ended = False

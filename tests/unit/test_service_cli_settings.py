@@ -26,7 +26,8 @@ EXAMPLES = {
     "gpu_kernels": "fused", "cpu_kernels": "fused", "heal_interval_s": "1", "shards": "4", "min_shard_keys": "8",
     "merge_fanin": "4",
     "remote_merge_bytes": "0", "context_shard_keys": "32", "max_replicas": "2", "persist_dir": "/p",
-    "grpc_port": "8001", "record_cache": "16", "worker_channel": "false",
+    "grpc_port": "8001", "record_cache": "16", "worker_channel": "false", "max_connections": "100",
+    "max_client_connections": "10",
 }
 
 
