@@ -108,6 +108,9 @@ class ServiceSettings(BaseSettings):
     record_cache: int = Field(4096, ge=0, description="Context records a front end keeps to resolve queries "
                                                       "without asking the directory (workers check their version); "
                                                       "0: ask it every time.")
+    tombstone_horizon_s: float = Field(7 * 86400.0, ge=0, description="How long a deleted context's tombstone "
+                                       "is kept at least, once no worker's folder holds files of it "
+                                       "(docs/CONTEXTS.md, \"Surviving a restart\").")
     persist_dir: pathlib.Path | None = Field(None, description="Keep resident contexts on disk here and load them "
                                                               "at start (workers.persist); unset: memory only.")
 
@@ -230,5 +233,5 @@ GROUPS: dict[str, tuple[str, ...]] = {
                             "worker_channel", "kernel_threads", "block_size", "batch_rows", "gpu_kernels", "cpu_kernels",
                             "heal_interval_s"),
     "sharding and merge": ("shards", "min_shard_keys", "merge_fanin", "remote_merge_bytes"),
-    "resident contexts": ("context_shard_keys", "max_replicas", "record_cache", "persist_dir"),
+    "resident contexts": ("context_shard_keys", "max_replicas", "record_cache", "persist_dir", "tombstone_horizon_s"),
 }

@@ -27,7 +27,7 @@ EXAMPLES = {
     "merge_fanin": "4",
     "remote_merge_bytes": "0", "context_shard_keys": "32", "max_replicas": "2", "persist_dir": "/p",
     "grpc_port": "8001", "record_cache": "16", "worker_channel": "false", "max_connections": "100",
-    "max_client_connections": "10",
+    "max_client_connections": "10", "tombstone_horizon_s": "60",
 }
 
 
@@ -138,4 +138,4 @@ def test_every_float_setting_refuses_infinity_and_nan_before_anything_starts(nam
 
 def test_the_float_settings_are_the_timeouts_rates_and_cpu_share():
     assert FLOAT_SETTINGS == ["body_grace_s", "body_timeout_s", "heal_interval_s", "min_body_rate",
-                              "request_timeout_s", "shutdown_grace_s", "worker_cpus"]
+                              "request_timeout_s", "shutdown_grace_s", "tombstone_horizon_s", "worker_cpus"]
