@@ -1,8 +1,8 @@
 """How many HTTP connections the front end holds at once, in all and per client address.
 
 Every connection holds a file descriptor, and the process has :func:`open_files_limit` of
-them for everything: Ray's connections, the workers' channels, files. Unbounded, 20,000 idle
-connections took them all and every request failed until they closed. :class:`Connections`
+them for everything: Ray's connections, the workers' channels, files. Unbounded, 21,000 idle
+connections took all 20,000 and every request failed until they closed. :class:`Connections`
 counts what is open (``service.http_protocol`` reports each connection) and decides on each new
 one, per :class:`ConnectionLimits`:
 
@@ -46,7 +46,7 @@ def open_files_limit() -> int:
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    total: int  #: connections held at once, refusals answering included
+    total: int  #: connections held at once (refusals being answered are bounded apart: :attr:`refusing`)
     per_client: int | None  #: connections one client address holds at once; None: no bound
 
     def __post_init__(self) -> None:
@@ -65,7 +65,7 @@ class ConnectionLimits:
     def sized(cls, total: int | None, per_client: int | None, open_files: int) -> ConnectionLimits:
         """``total``, or by default half of ``open_files`` less the refusals' share: the other half is
         left to Ray's connections, the workers' channels and files (a front end with 2 workers holds
-        about 60 descriptors idle, docs/SERVICE.md "Connections")."""
+        46 descriptors idle, docs/SERVICE.md "Connections")."""
         if total is None:
             total = max(1, open_files * 4 // 9)  # with its refusals (an eighth more), half of the limit
         return cls(total=total, per_client=per_client)
