@@ -23,6 +23,8 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn  # imported here to keep `splitkey --help` fast
 
     from service.app import create_app
+    from service.core import listener
+    from service.core.connections import Connections, open_files_limit
     from service.http_protocol import JsonErrorsProtocol
     from service.core.settings import ServiceSettings
 
@@ -67,6 +69,10 @@ def _serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     log.info("splitkey starting on %s (the port is bound; it answers once the workers are up)", url)
+    open_files = open_files_limit()
+    connections = Connections(settings.connection_limits(open_files))
+    log.info("at most %d connections at once (%s per client address; open-file limit %d)",
+             connections.limits.total, connections.limits.per_client or "no bound", open_files)
     app = create_app(settings)
     state = app.state.splitkey
 
@@ -80,7 +86,8 @@ def _serve(args: argparse.Namespace) -> int:
                             http=JsonErrorsProtocol.configured(
                                 admission=app.state.splitkey.admission,
                                 check_s=settings.body_grace_s, min_rate=settings.min_body_rate,
-                                head_timeout_s=settings.body_timeout_s))
+                                head_timeout_s=settings.body_timeout_s,
+                                connections=connections, retry_after_s=settings.retry_after_s))
     server = ready_server(ready)(config)
 
     def stop() -> None:  # after the drain (service.core.drain): exit without re-raising the signal, status 0
@@ -89,6 +96,8 @@ def _serve(args: argparse.Namespace) -> int:
     def force() -> None:  # a signal after the drain: uvicorn waits no more for answers in progress
         server.force_exit = True
 
+    # Before uvicorn closes the listener, which would reset the connections in its backlog.
+    app.state.splitkey.drain.quiet = lambda: listener.quiet(sock)
     app.state.splitkey.drain.stop = stop
     app.state.splitkey.drain.force = force
     logging.getLogger("uvicorn.error").addFilter(lambda record: state.startup_error is None)  # one line, below

@@ -14,6 +14,20 @@ answers are written here, as JSON with a request id like every other error, API.
   one that trickles its head holds a socket forever (uvicorn bounds only the idle time between
   requests, by its keep-alive timeout).
 
+And one for closing. Every close the server starts (after an answer with ``Connection: close``,
+an idle keep-alive connection at the keep-alive timeout or at shutdown, a refusal above) is a
+lingering close (:class:`LingeringTransport`): the answer is sent, then a FIN, and what the
+client still sends is read and dropped until it closes its side or :data:`LINGER_S` pass. A
+plain close with unread bytes (a body the drain's 503 did not read, a request that crossed an
+idle connection's close) makes the kernel send a reset, which can destroy the answer before the
+client reads it; after a FIN, a client whose request crossed the close reads a clean end with no
+answer, and that request never reached the app (docs/SERVICE.md, "Stopping it").
+
+And one for counting. Each connection is counted in :class:`service.core.connections.Connections`
+(``configured``) as it opens, idle until a request begins and again once answered (it may then be
+closed to make room for a new one); one that finds no room is answered 503
+``too_many_connections`` at once and closed.
+
 And one for answers. While an answer waits unsent over the transport's high-water mark (the
 client reads it slower than it is written, or not at all), its bytes count against the
 in-flight byte budget (``service.core.admission``), and every ``answer_check_s`` seconds at least
@@ -31,7 +45,8 @@ import logging
 
 from service.core import request_id
 from service.core.admission import Admission
-from service.core.errors import HeadTooLarge, InvalidBody, RequestTimeout, ServiceError, render
+from service.core.connections import Connections
+from service.core.errors import HeadTooLarge, InvalidBody, RequestTimeout, ServiceError, TooManyConnections, render
 
 try:  # uvicorn's fast parser when installed (uvicorn[standard]), else its pure-Python one
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as BaseProtocol
@@ -45,13 +60,92 @@ MALFORMED = ("the request must be valid HTTP/1.1 (a request line, headers, and a
 #: few headers take well under 1 KiB, so this leaves room for what proxies add.
 MAX_HEAD_BYTES = 64 * 2**10
 STATUS_LINES = {400: b"HTTP/1.1 400 Bad Request", 408: b"HTTP/1.1 408 Request Timeout",
-                431: b"HTTP/1.1 431 Request Header Fields Too Large"}
+                431: b"HTTP/1.1 431 Request Header Fields Too Large", 503: b"HTTP/1.1 503 Service Unavailable"}
 
 log = logging.getLogger(__name__)
+#: The most seconds a closing connection waits for its client to close its side (nginx lingers 5 s
+#: at most between reads): long enough for an answer to reach a client on any network, short
+#: enough not to hold shutdown.
+LINGER_S = 2.0
+
+
+class LingeringTransport(asyncio.Transport):
+    """``transport`` whose :meth:`close` lingers (module docstring); everything else is passed through."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._timer: asyncio.TimerHandle | None = None
+        self.lingering = False  #: closing: the answer and a FIN are sent or on their way, reads are dropped
+
+    def close_now(self) -> None:
+        """Close without lingering, once what is buffered is sent (an idle connection: nothing unread)."""
+        self.lingering = True
+        self._transport.close()
+
+    def close(self) -> None:
+        if self.lingering or self._transport.is_closing():
+            return
+        self.lingering = True
+        if not self._transport.can_write_eof():  # pragma: no cover - a TCP transport can
+            self._transport.close()
+            return
+        self._transport.write_eof()  # after what is buffered: the client reads the whole answer, then the end
+        self._timer = self._loop.call_later(LINGER_S, self._transport.close)
+
+    def closed(self) -> None:
+        """The connection is gone: no more waiting for it."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def abort(self) -> None:
+        self.closed()
+        self._transport.abort()
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self._transport.write(data)
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def write_eof(self) -> None:
+        self._transport.write_eof()
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return self._transport.get_extra_info(name, default)
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size()
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
 
 
 class JsonErrorsProtocol(BaseProtocol):
-    transport: asyncio.Transport
+    transport: LingeringTransport
     #: Bytes read of the head now being received (0 before its first byte); None from the end of
     #: the head to the end of its request.
     _head_bytes: int | None = 0
@@ -67,19 +161,54 @@ class JsonErrorsProtocol(BaseProtocol):
     #: Seconds a request's line and headers may take (``configured``: ``--body-timeout``).
     head_timeout_s: float = 120.0
     _head_timer: asyncio.TimerHandle | None = None  #: armed while a head is awaited
+    #: Where connections are counted and limited (None: neither), and the Retry-After of a refusal.
+    held: Connections | None = None
+    retry_after_s: int = 1
+    _answering_refusal = False  #: refused for want of room, its answer counted in ``held.refusing``
 
     @classmethod
     def configured(cls, *, admission: Admission | None, check_s: float, min_rate: float,
-                   head_timeout_s: float) -> type[JsonErrorsProtocol]:
+                   head_timeout_s: float, connections: Connections | None = None,
+                   retry_after_s: int = 1) -> type[JsonErrorsProtocol]:
         """This protocol counting waiting answers in ``admission``, checked every ``check_s`` seconds
-        (at least 1) for ``min_rate`` bytes/s (at least one byte), and waiting ``head_timeout_s``
-        for a head: uvicorn takes a class."""
+        (at least 1) for ``min_rate`` bytes/s (at least one byte), waiting ``head_timeout_s`` for a
+        head, and holding connections within ``connections``: uvicorn takes a class."""
         return type(cls.__name__, (cls,), {"admission": admission, "answer_check_s": max(check_s, 1.0),
-                                           "answer_min_rate": min_rate, "head_timeout_s": head_timeout_s})
+                                           "answer_min_rate": min_rate, "head_timeout_s": head_timeout_s,
+                                           "held": connections, "retry_after_s": retry_after_s})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(LingeringTransport(transport, self.loop))
+        if self.held is not None and not self.held.admit(self, self._address(), self._close_idle):
+            self._no_room(self.held)
+            return
         self._await_head()
+
+    def _address(self) -> str:
+        return self.client[0] if self.client else ""
+
+    def _close_idle(self) -> None:
+        """Closed to make room for a new connection (``Connections``): it waits for no request."""
+        self.transport.close_now()
+
+    def _no_room(self, connections: Connections) -> None:
+        """Refuse this new connection: 503 while few refusals are being answered, else a bare close."""
+        if not connections.may_answer_refusal():
+            self._refused = True
+            self.transport.abort()
+            return
+        self._answering_refusal = True
+        limit = connections.limits
+        self._refuse(TooManyConnections(
+            f"connections must be at most {limit.total} at once, and {limit.per_client} per client address, with "
+            f"none idle to close, got one more" if limit.per_client is not None else
+            f"connections must be at most {limit.total} at once, with none idle to close, got one more",
+            self.retry_after_s))
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.held is not None and not self.pipeline and not self.transport.is_closing():
+            self.held.idle(self, self._close_idle)
 
     def _await_head(self) -> None:
         if self._head_timer is None:
@@ -109,6 +238,11 @@ class JsonErrorsProtocol(BaseProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_watching()
         self._head_arrived()
+        self.transport.closed()
+        if self.held is not None:
+            self.held.gone(self)
+            if self._answering_refusal:
+                self.held.refusal_sent()
         super().connection_lost(exc)
 
     def _count_waiting(self) -> None:
@@ -143,8 +277,10 @@ class JsonErrorsProtocol(BaseProtocol):
         self._watch = self.loop.call_later(self.answer_check_s, self._check_progress, self._waiting)
 
     def data_received(self, data: bytes) -> None:
-        if self._refused:
+        if self._refused or self.transport.lingering:  # closing: read and dropped (a lingering close)
             return
+        if self.held is not None:
+            self.held.busy(self)
         if self._head_bytes == 0:  # a head begins (the first since the connection opened is awaited already)
             self._await_head()
         self._request_ended = False

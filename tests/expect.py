@@ -19,7 +19,8 @@ CONTRACT_STATUS = {
     "method_not_allowed": 405, "request_timeout": 408,
     "length_mismatch": 409, "body_too_large": 413,
     "unsupported_media_type": 415, "header_too_large": 431, "invalid_tensor": 422, "invalid_option": 422, "overloaded": 429,
-    "internal_error": 500, "workers_unavailable": 503, "context_lost": 503, "shutting_down": 503, "deadline_exceeded": 504,
+    "internal_error": 500, "workers_unavailable": 503, "context_lost": 503, "shutting_down": 503, "too_many_connections": 503,
+    "deadline_exceeded": 504,
     "insufficient_capacity": 507,
 }
 

@@ -417,6 +417,14 @@ class ShardWorker:
     def tombstones(self) -> list[str]:
         return self.store.tombstones()
 
+    def stored(self, context_ids: list[str]) -> list[str]:
+        """Of ``context_ids``, those with files in this worker's folder (``ShardStore.stored``)."""
+        return self.store.stored(context_ids)
+
+    def forget_tombstones(self, context_ids: list[str], older_than_s: float) -> list[str]:
+        """Remove the named tombstones no longer needed here (``ShardStore.forget_tombstones``)."""
+        return self.store.forget_tombstones(context_ids, older_than_s)
+
     def held(self) -> list[dict]:
         return [info.to_dict() for info in self.store.held()]
 

@@ -22,7 +22,9 @@ budget its request had left when the call arrived). A job whose deadline has pas
 when the compute thread takes a batch (or ``run_here`` would run it) is not run: it
 leaves the queue and its future gets ``expired(message)``, so a worker under overload
 spends no time on answers nobody waits for (docs/SERVICE.md, "Deadlines"). The check is
-one comparison per job, against one clock reading per batch.
+one comparison per job, against one clock reading per batch. A batch that runs past the
+latest deadline of its jobs stops at the kernel's next block of keys (``workers.cutoff``),
+and its jobs get ``expired`` too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+from workers import cutoff
 
 #: Query rows (``n_q * h_q`` summed over the jobs) a batch holds at most; the
 #: stacked tile grows with them. A job bigger than this still runs, alone.
@@ -78,7 +82,9 @@ class Batcher:
         self._ready = threading.Condition()
         self._running = False  #: a batch runs (on the compute thread, or a job in run_here's caller)
         self.batches = 0  #: batches run so far (for tests and metrics)
-        self.expired = 0  #: jobs not run because their deadline had passed (for tests and metrics)
+        #: jobs not run, or stopped between blocks of keys (``workers.cutoff``), because their deadline had
+        #: passed (for tests and metrics)
+        self.expired = 0
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -185,7 +191,14 @@ class Batcher:
 
     def _finish(self, batch: list[Pending]) -> None:
         try:
-            results = self._run([job.payload for job in batch])
+            with cutoff.until(max(job.deadline for job in batch)):  # stopped once no job of it waits any more
+                results = self._run([job.payload for job in batch])
+        except cutoff.Cut as cut:
+            with self._ready:
+                self.expired += len(batch)
+            for job in batch:
+                job.future.set_exception(self._expired(f"{cut}: not finished"))
+            return
         except BaseException as exc:  # noqa: BLE001 - every waiting caller gets the failure
             if len(batch) > 1:
                 # One job's failure must not fail the others: run them one by one.

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from merge import NO_SCORE
+from workers.cutoff import check
 from workers.masking import BlockKind, TileBounds, visible
 from workers.options import AttentionOptions
 from workers.problem import as_array
@@ -163,6 +164,7 @@ def stream(tiles: Sequence[TileInputs], kv: Any, k_pos_host: Any, k0: int, k1: i
     call = call or width
     split = call < width
     for start in range(k0, k1, block):
+        check()  # a request whose deadline passed stops here (workers.cutoff)
         stop = min(start + block, k1)
         live = []
         kp_range = None  # (min, max) of the block's key positions, read once when a mask asks

@@ -16,6 +16,7 @@ it gives alone (``workers.blockwise.stream``).
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -73,8 +74,9 @@ def run_cpu_many(parts: Sequence[tuple[Any, Problem]], kv: Any, kopts: KernelOpt
         return stream(tiles, kv, kv.k_pos, it.k0, it.k1, it.h0, it.h1, plan.block_size, p0.acc_dtype, np)
 
     if kopts.threads > 1 and len(plan.items) > 1:
+        contexts = [contextvars.copy_context() for _ in plan.items]  # the batch's deadline (workers.cutoff)
         with ThreadPoolExecutor(min(kopts.threads, len(plan.items))) as pool:
-            results = list(pool.map(run_item, plan.items))
+            results = list(pool.map(lambda c, it: c.run(run_item, it), contexts, plan.items))
     else:
         results = [run_item(it) for it in plan.items]
     return [_assemble(plan, [res[i] for res in results], p) for i, p in enumerate(problems)]

@@ -35,8 +35,10 @@ A delete leaves a tombstone (:meth:`ShardFiles.tombstone`) on every live worker,
 the delete answers, and removes the context's files; a folder of a tombstoned context found at
 a load (a holder that was dead at the delete, replaced or restarted) is removed, not loaded.
 The service also buries, on every worker, the contexts any worker has a tombstone of
-(``service.contexts.tombstones``). A tombstone is an empty file and ids are never reused, so
-they are kept. Names read from ``.deleted`` are used only if they are context ids
+(``service.contexts.tombstones``). A tombstone is an empty file and ids are never reused; one
+is removed (:meth:`ShardFiles.forget_tombstones`) only once no worker's folder holds files of its
+context and it is older than the service's horizon (``service.contexts.tombstones.forget``).
+Names read from ``.deleted`` are used only if they are context ids
 (:data:`CONTEXT_ID`): no other name ever becomes a path.
 """
 
@@ -48,6 +50,8 @@ import logging
 import os
 import shutil
 import re
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -263,6 +267,30 @@ class ShardFiles:
             elif not path.name.endswith(TMP):
                 log.warning("%s is not a tombstone (a file named by a context id): skipped", path)
         return found
+
+    def stored(self, context_ids: Iterable[str]) -> set[str]:
+        """The ids of ``context_ids`` that have files here."""
+        return {c for c in context_ids if self._folder(c).exists()}
+
+    def forget_tombstones(self, context_ids: Iterable[str], older_than_s: float) -> list[str]:
+        """Remove the tombstones of ``context_ids`` written more than ``older_than_s`` seconds ago (by the
+        file's time) whose context has no files here; returns the ids whose tombstone was removed."""
+        if older_than_s < 0:
+            raise ValueError(f"older_than_s must be >= 0, got {older_than_s!r}")
+        folder = self.root / TOMBS
+        removed = []
+        for context_id in sorted(set(context_ids) - self.stored(context_ids)):
+            path = folder / check_context_id(context_id)
+            try:
+                if time.time() - path.stat().st_mtime < older_than_s:
+                    continue
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(context_id)
+        if removed:
+            _fsync_dir(folder)
+        return removed
 
     def save_record(self, context_id: str, record: dict) -> None:
         """Keep the context's record, with its digest (:func:`_record_digest`), durable when this returns."""

@@ -271,6 +271,15 @@ class ShardStore:
         """The ids of the contexts deleted here (tombstones on disk; none without ``files``)."""
         return sorted(self.files.tombstones()) if self.files is not None else []
 
+    def stored(self, context_ids: Sequence[str]) -> list[str]:
+        """Of ``context_ids``, those with files here (none without ``files``: nothing is tombstoned then)."""
+        return sorted(self.files.stored(context_ids)) if self.files is not None else []
+
+    def forget_tombstones(self, context_ids: Sequence[str], older_than_s: float) -> list[str]:
+        """Remove the named tombstones older than ``older_than_s`` whose context has no files here
+        (``ShardFiles.forget_tombstones``); returns the ids removed."""
+        return self.files.forget_tombstones(context_ids, older_than_s) if self.files is not None else []
+
     def release_unrecorded(self, context_ids: Sequence[str]) -> list[Released]:
         """Free from memory the shards of each named context this store holds no record of; their files stay
         on disk as they are. Returns what was released, one per context.

@@ -326,6 +326,12 @@ class LocalPool(Roster[LocalSlot]):
     def tombstones(self, index: int) -> Awaitable[Any]:
         return self._submit(index, "tombstones")
 
+    def stored(self, index: int, context_ids: Sequence[str]) -> Awaitable[Any]:
+        return self._submit(index, "stored", list(context_ids))
+
+    def forget_tombstones(self, index: int, context_ids: Sequence[str], older_than_s: float) -> Awaitable[Any]:
+        return self._submit(index, "forget_tombstones", list(context_ids), older_than_s)
+
     def held(self, index: int) -> Awaitable[Any]:
         return self._submit(index, "held")
 

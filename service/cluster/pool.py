@@ -716,6 +716,14 @@ class WorkerPool(Roster[Slot]):
         """The ids of the contexts the worker has a tombstone of (``ShardWorker.tombstones``)."""
         return self._call(index, lambda h: h.tombstones.remote())
 
+    def stored(self, index: int, context_ids: Sequence[str]) -> Awaitable[Any]:
+        """Of ``context_ids``, those with files in the worker's folder (``ShardWorker.stored``)."""
+        return self._call(index, lambda h: h.stored.remote(list(context_ids)))
+
+    def forget_tombstones(self, index: int, context_ids: Sequence[str], older_than_s: float) -> Awaitable[Any]:
+        """Remove the named tombstones the worker no longer needs (``ShardWorker.forget_tombstones``)."""
+        return self._call(index, lambda h: h.forget_tombstones.remote(list(context_ids), older_than_s))
+
     def held(self, index: int) -> Awaitable[Any]:
         """What the worker holds: ``[{"context_id", "index", "length", ...}]`` (``ShardWorker.held``)."""
         return self._call(index, lambda h: h.held.remote())

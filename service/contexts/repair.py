@@ -24,6 +24,7 @@ from service.contexts.orphans import Orphans
 from service.contexts.records import ContextRecord, ShardEntry
 from service.contexts.service import ContextService
 from service.contexts.sharding import reach_of, reserve_of
+from service.contexts.tombstones import forget
 from service.core.errors import ContextNotFound, WorkersUnavailable, internals
 from workers.store import CapacityError, ShardMissing
 from workers.tasks import ShardWrite
@@ -44,6 +45,7 @@ class RepairStats:
     replicas_forgotten: int = 0
     replicas_rebuilt: int = 0
     replicas_readopted: int = 0  # lost shards listed again on a worker that reloaded them from disk
+    tombstones_forgotten: int = 0  # (tombstone, worker) pairs no folder needed any more (contexts.tombstones)
     failures: int = 0
     under_replicated_shards: int = 0  # below their replica count, at least one live replica
     lost_shards: int = 0  # no live replica
@@ -105,6 +107,7 @@ class Repairer:
         # A replacement loads the dead worker's --persist-dir folder: a context there that no holder has a
         # record of leaves its memory again (service.contexts.orphans; workers seen before are not asked).
         await self.orphans.sweep()
+        await self._forget_tombstones()
         records = await self.directory.all()
         if await self.readopt(records):
             records = await self.directory.all()
@@ -114,6 +117,18 @@ class Repairer:
                 await self.rebuild(record["id"])
         if self.stats.replicas_rebuilt:
             await self._count(await self.directory.all())
+
+    async def _forget_tombstones(self) -> None:
+        """Remove the tombstones no folder needs any more (``service.contexts.tombstones.forget``), within
+        :data:`PING_TIMEOUT_S`: a worker that hangs keeps them, not the round."""
+        settings = self.contexts.settings
+        if settings.persist_dir is None:  # tombstones are files: none without a store
+            return
+        try:
+            self.stats.tombstones_forgotten += await asyncio.wait_for(
+                forget(self.pool, settings.tombstone_horizon_s), PING_TIMEOUT_S)
+        except TimeoutError:
+            log.info("tombstones kept this round: a worker did not answer within %g s", PING_TIMEOUT_S)
 
     async def _count(self, records: list[ContextRecord]) -> None:
         states = [self.contexts.health(r) for r in records]

@@ -7,6 +7,16 @@ the same worker after a restart, loads the context's files from its folder, reco
 incarnation: each worker it sweeps deletes (tombstones, then drops from memory and disk)
 every context it holds that any live worker has a tombstone of. The directory's rebuild
 skips those contexts too (``service.contexts.directory``), so a restart never lists one.
+
+A tombstone is needed while some folder may still hold files of its context. :func:`forget`
+runs in every repair round and removes the tombstones of a context once (1) every worker of the
+pool is alive and says its folder holds no files of it (the folders of the pool's names are all
+the store has: a start with fewer workers than non-empty folders is refused,
+``service.cluster.pool.check_stores``), and (2) the tombstone is older than
+``--tombstone-horizon`` (7 days by default). (1) covers a holder that was dead at the delete:
+its replacement loaded its folder, and the context is buried there (with a tombstone of its
+own) before the folder counts as clean. (2) covers what the workers cannot see: a folder on a
+node's own disk, away while its worker runs elsewhere, that could come back with the node.
 """
 
 from __future__ import annotations
@@ -32,6 +42,35 @@ async def known(pool: WorkerSurface) -> set[str]:
             continue
         ids.update(got)
     return ids
+
+
+async def forget(pool: WorkerSurface, horizon_s: float) -> int:
+    """Remove the tombstones no folder needs any more (module docstring) from every worker; returns
+    how many (tombstone, worker) pairs were removed. Nothing while a worker is dead or does not answer."""
+    if not pool.slots or not all(s.alive for s in pool.slots):
+        return 0
+    ids = sorted(await known(pool))
+    if not ids:
+        return 0
+    try:
+        stored = await asyncio.gather(*(pool.stored(s.index, ids) for s in pool.slots))
+    except pool.call_errors as exc:
+        log.info("tombstones kept: a worker did not say which deleted contexts its folder holds: %s", exc)
+        return 0
+    settled = sorted(set(ids).difference(*stored))
+    if not settled:
+        return 0
+    removed = await asyncio.gather(*(pool.forget_tombstones(s.index, settled, horizon_s) for s in pool.slots),
+                                   return_exceptions=True)
+    forgotten = 0
+    for slot, got in zip(pool.slots, removed):
+        if isinstance(got, BaseException):
+            if not isinstance(got, pool.call_errors):
+                raise got
+            log.warning("worker %s: tombstones not removed (the next round tries again): %s", slot.name, got)
+            continue
+        forgotten += len(got)
+    return forgotten
 
 
 async def bury(pool: WorkerSurface, slots: Sequence[WorkerSlot]) -> int:

@@ -2,7 +2,8 @@
 
 ``errors`` (every client-visible error and its status, one table), ``settings`` (deployment
 settings) and ``limits`` (the bounds they set), ``deadline`` (a request's time budget),
-``request_id``, ``metrics``, ``admission`` (slots and the in-flight body budget) and ``drain``
-(graceful shutdown). Nothing here imports another part of ``service``: the dependency test
-(tests/unit/test_dependencies.py) holds it to that.
+``request_id``, ``metrics``, ``admission`` (slots and the in-flight body budget), ``drain``
+(graceful shutdown) and ``listener`` (closing the listening socket without resets). Nothing
+here imports another part of ``service``: the dependency test (tests/unit/test_dependencies.py)
+holds it to that.
 """

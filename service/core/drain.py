@@ -10,8 +10,10 @@ keeps uvicorn's handlers and, once Ray is up, installs :meth:`Drain.on_signal`:
    the ones still running then are cancelled and answered 503 ``shutting_down`` in the
    JSON error format.
 3. Then the server stops (``splitkey serve`` tells uvicorn to exit; an app served some
-   other way gets the handler the signal had before): it closes the listener and the
-   connections and runs the lifespan's end, which stops the workers and the embedded Ray.
+   other way gets the handler the signal had before): ``splitkey serve`` first quiets the
+   listener (:attr:`Drain.quiet`, service.core.listener: no new handshakes, the accept backlog
+   taken and answered, so that closing it resets no connection), then uvicorn closes it and
+   the connections (each with a lingering close, service.http_protocol) and runs the lifespan's end, which stops the workers and the embedded Ray.
    ``splitkey serve`` exits 0. A second signal during the drain skips what is left of
    the grace period; one after it (uvicorn waiting for answers in progress, such as a
    context write, which is never cut) stops at once.
@@ -25,7 +27,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,9 @@ class Drain:
         #: such as a context write whose worker hangs, ``service.routes.common.to_completion``).
         self.force: Callable[[], None] | None = None
         self._stopped = False
+        #: What to await before :attr:`stop` (``splitkey serve``: stop taking connections and answer
+        #: the ones the kernel accepted, service.core.listener.quiet); None: nothing.
+        self.quiet: Callable[[], Awaitable[None]] | None = None
 
     def saved_handlers(self) -> dict[int, Any]:
         """The current handlers of :data:`SIGNALS` (uvicorn's, before ``ray.init`` replaces them)."""
@@ -104,6 +109,8 @@ class Drain:
             stop = time.monotonic() + CUT_WAIT_S
             while self.inflight and time.monotonic() < stop:
                 await asyncio.sleep(POLL_S)
+        if self.quiet is not None:
+            await self.quiet()
         handler = self._then.get(signum) or self._then.get(signal.SIGTERM)
         self._stopped = True
         if self.stop is not None:

@@ -143,6 +143,16 @@ class ShuttingDown(ServiceError):
         super().__init__(detail, {"Retry-After": "1", "Connection": "close"})
 
 
+class TooManyConnections(ServiceError):
+    """The front end holds as many connections as it may and none is idle (service.core.connections);
+    carries ``Retry-After`` in whole seconds."""
+
+    def __init__(self, detail: str, retry_after_s: int) -> None:
+        if type(retry_after_s) is not int or retry_after_s < 1:
+            raise ValueError(f"retry_after_s must be an int >= 1, got {retry_after_s!r}")
+        super().__init__(detail, {"Retry-After": str(retry_after_s), "Connection": "close"})
+
+
 class DeadlineExceeded(ServiceError):
     """The request ran past its deadline."""
 
@@ -185,6 +195,7 @@ ERRORS: Mapping[type[ServiceError], ErrorKind] = {
     WorkersUnavailable: ErrorKind("workers_unavailable", 503, "UNAVAILABLE"),
     ContextLost: ErrorKind("context_lost", 503, "UNAVAILABLE"),
     ShuttingDown: ErrorKind("shutting_down", 503, "UNAVAILABLE"),
+    TooManyConnections: ErrorKind("too_many_connections", 503, "UNAVAILABLE"),
     DeadlineExceeded: ErrorKind("deadline_exceeded", 504, "DEADLINE_EXCEEDED"),
     InsufficientCapacity: ErrorKind("insufficient_capacity", 507, "RESOURCE_EXHAUSTED"),
 }

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.core.connections import ConnectionLimits
 from service.core.limits import Limits, Pace
 from service.core.logs import LogFormat, LogLevel
 from workers.options import CpuKernels, GpuKernels
@@ -60,6 +61,13 @@ class ServiceSettings(BaseSettings):
                                                         "checked this often (at least 1 s).")
     request_timeout_s: float = Field(120.0, gt=0, description="Per-request deadline (504 past it).")
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429, in seconds.")
+    max_connections: int | None = Field(None, ge=1, description="HTTP connections held at once; at the limit the "
+                                        "one idle longest is closed for a new one, else the new one gets 503 "
+                                        "too_many_connections. Default: 4/9 of the open-file limit (RLIMIT_NOFILE, "
+                                        "raised as Ray does), docs/SERVICE.md \"Connections\".")
+    max_client_connections: int | None = Field(None, ge=1, description="HTTP connections one client address holds "
+                                               "at once, by the same rule; unset: no bound per client (behind a "
+                                               "proxy, every client has the proxy's address).")
     shutdown_grace_s: float = Field(30.0, ge=0, description="On SIGTERM/SIGINT, how long requests in flight may "
                                                             "run before they are cut with 503 (service.core.drain).")
 
@@ -107,6 +115,9 @@ class ServiceSettings(BaseSettings):
     record_cache: int = Field(4096, ge=0, description="Context records a front end keeps to resolve queries "
                                                       "without asking the directory (workers check their version); "
                                                       "0: ask it every time.")
+    tombstone_horizon_s: float = Field(7 * 86400.0, ge=0, description="How long a deleted context's tombstone "
+                                       "is kept at least, once no worker's folder holds files of it "
+                                       "(docs/CONTEXTS.md, \"Surviving a restart\").")
     persist_dir: pathlib.Path | None = Field(None, description="Keep resident contexts on disk here and load them "
                                                               "at start (workers.persist); unset: memory only.")
 
@@ -174,6 +185,10 @@ class ServiceSettings(BaseSettings):
         """How fast a request body must arrive (service.wire.body.Pace)."""
         return Pace(timeout_s=self.body_timeout_s, min_rate=self.min_body_rate, grace_s=self.body_grace_s)
 
+    def connection_limits(self, open_files: int) -> ConnectionLimits:
+        """The connection limits, the unset ones sized from ``open_files`` (the process's limit)."""
+        return ConnectionLimits.sized(self.max_connections, self.max_client_connections, open_files)
+
     def limits(self) -> Limits:
         """The request limits these settings imply (built once, when the app is)."""
         return Limits(max_body_bytes=self.max_body_bytes,
@@ -232,11 +247,13 @@ class ServiceSettings(BaseSettings):
 GROUPS: dict[str, tuple[str, ...]] = {
     "network and cluster": ("host", "port", "grpc_port", "ray_address", "ray_namespace", "api_key_file"),
     "request bounds": ("max_body_bytes", "max_inflight", "max_inflight_bytes", "body_timeout_s", "min_body_rate",
-                       "body_grace_s", "request_timeout_s", "retry_after_s", "shutdown_grace_s"),
+                       "body_grace_s", "request_timeout_s", "retry_after_s", "max_connections",
+                       "max_client_connections", "shutdown_grace_s"),
     "workers and kernels": ("workers", "device", "worker_cpus", "worker_memory_bytes", "worker_concurrency",
                             "worker_channel", "kernel_threads", "block_size", "batch_rows", "gpu_kernels", "cpu_kernels",
                             "heal_interval_s"),
     "sharding and merge": ("shards", "min_shard_keys", "merge_fanin", "remote_merge_bytes"),
-    "resident contexts": ("context_shard_keys", "max_replicas", "write_timeout_s", "record_cache", "persist_dir"),
+    "resident contexts": ("context_shard_keys", "max_replicas", "write_timeout_s", "record_cache", "persist_dir",
+                          "tombstone_horizon_s"),
     "operations": ("metrics_port", "metrics_host", "log_format", "log_level"),
 }

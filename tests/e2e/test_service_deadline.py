@@ -16,6 +16,7 @@ from reference import assert_close_to_reference
 from server import Server
 
 from service.client import AsyncClient, Client, SplitkeyError
+from service.wire.safetensors import encode_safetensors, to_bytes
 
 TIMEOUT_S = 0.5
 
@@ -35,11 +36,11 @@ def wait_for(c: Client, name: str, value: int, within_s: float = 60.0) -> dict[s
 
 @pytest.mark.ray
 def test_queries_answered_504_while_the_worker_was_busy_are_not_computed_afterwards(tmp_path):
-    """One worker, a 0.5 s deadline: a large inline query holds the worker's compute thread for several
-    seconds; queries sent behind it (resident ones over the channel, an inline one over Ray, a batch of
-    two) get 504, and once the large one ends the worker skips them all instead of computing them. The
-    server then answers exactly as before."""
-    srv = Server(tmp_path, args=("--workers", "1"), env={"SPLITKEY_REQUEST_TIMEOUT_S": str(TIMEOUT_S)}).start()
+    """One worker: a large inline query with the server's long deadline holds the worker's compute thread
+    for several seconds; queries sent behind it with a 0.5 s deadline (X-Request-Timeout; resident ones
+    over the channel, an inline one over Ray, a batch of two) get 504, and once the large one ends the
+    worker skips them all instead of computing them. The server then answers exactly as before."""
+    srv = Server(tmp_path, args=("--workers", "1")).start()
     try:
         rng = np.random.default_rng(11)
         k = rng.standard_normal((512, 2, 64)).astype(np.float32)
@@ -56,17 +57,22 @@ def test_queries_answered_504_while_the_worker_was_busy_are_not_computed_afterwa
             big_k = rng.standard_normal((30000, 2, 64)).astype(np.float32)
             answers: list[tuple] = []
 
+            late = {"X-Request-Timeout": str(TIMEOUT_S)}
+            bodies = {"resident": ("/v1/attention", {"q": qs[0].tolist(), "dtype": "float32", "contexts": [ctx]}),
+                      "inline": ("/v1/attention", {"q": qs[0].tolist(), "k": k[:64].tolist(), "v": v[:64].tolist(),
+                                                   "dtype": "float32"}),
+                      "batch": ("/v1/attention/batch", {"items": [{"q": q.tolist(), "dtype": "float32",
+                                                                   "contexts": [ctx]} for q in qs]})}
+
             def send(kind: str) -> None:
+                if kind != "busy":
+                    path, body = bodies[kind]
+                    r = httpx.post(srv.url + path, json=body, headers=late, timeout=60)
+                    answers.append((kind, 200) if r.status_code == 200 else (kind, r.status_code, r.json()["code"]))
+                    return
                 with Client(srv.url) as own:
                     try:
-                        if kind == "busy":
-                            own.attention(big_q, big_k, big_k)
-                        elif kind == "resident":
-                            own.attention(qs[0], contexts=[ctx])
-                        elif kind == "inline":
-                            own.attention(qs[0], k[:64], v[:64])
-                        else:
-                            own.attention_batch([{"q": q, "contexts": [ctx]} for q in qs])
+                        own.attention(big_q, big_k, big_k)
                         answers.append((kind, 200))
                     except SplitkeyError as err:
                         answers.append((kind, err.status, err.code))
@@ -79,8 +85,9 @@ def test_queries_answered_504_while_the_worker_was_busy_are_not_computed_afterwa
                 t.start()
             for t in (*queued, busy):
                 t.join(60)
-            assert sorted(answers) == sorted([(kind, 504, "deadline_exceeded") for kind in
-                                              ("busy", "resident", "resident", "resident", "inline", "batch")]), (
+            assert sorted(answers) == sorted([("busy", 200)] + [(kind, 504, "deadline_exceeded") for kind in
+                                                                ("resident", "resident", "resident", "inline",
+                                                                 "batch")]), (
                 "the large query must outlast the others' deadline", answers)
             # Six jobs (three resident queries, the inline shard, the batch's two items) in five calls:
             # when the large query ends the worker takes them, finds their time out, and skips them.
@@ -167,5 +174,35 @@ def test_a_clients_deadline_reaches_the_workers_so_what_it_gave_up_on_is_not_com
             assert f'splitkey_worker_expired_jobs_total{{worker="{name}"}} {float(after["expired"])}' in metrics
             out, lse = c.attention(q, contexts=[ctx], deadline=30.0)
             assert_close_to_reference(out, lse, q, k, v)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.ray
+def test_a_query_answered_504_stops_computing_at_its_deadline_and_frees_the_worker(tmp_path):
+    """A resident query of several seconds with a 0.3 s deadline is answered 504 at 0.3 s, and the
+    worker stops it at its next block of keys (workers.cutoff): a small query sent right after the 504 is
+    answered at once. Before, the worker computed the whole answer nobody waited for (measured: the
+    small query waited 1.9 to 2.5 s more)."""
+    srv = Server(tmp_path, args=("--workers", "1")).start()
+    try:
+        rng = np.random.default_rng(13)
+        k = rng.standard_normal((16384, 8, 64), dtype=np.float32)
+        big_q = rng.standard_normal((4096, 8, 64), dtype=np.float32)  # 3 to 10 s alone here
+        small = rng.standard_normal((1, 8, 64), dtype=np.float32)
+        with Client(srv.url) as c:
+            ctx = c.create_context(k, k)["id"]
+            c.attention(small, contexts=[ctx])
+            before = counts(c)
+            r = httpx.post(srv.url + f"/v1/attention?contexts={ctx}", timeout=60,
+                           content=to_bytes(encode_safetensors({"q": big_q})),
+                           headers={"Content-Type": "application/octet-stream", "X-Request-Timeout": "0.3"})
+            assert r.status_code == 504, r.text
+            t0 = time.monotonic()
+            out, lse = c.attention(small, contexts=[ctx])
+            freed_s = time.monotonic() - t0
+            assert_close_to_reference(out, lse, small, k, k)
+            assert freed_s < 1.0, f"the worker must stop the 504'd query within a block, took {freed_s:.2f} s"
+            assert counts(c)["expired"] == before["expired"] + 1
     finally:
         srv.stop()

@@ -1,7 +1,9 @@
 """Stopping the service: SIGTERM and SIGINT drain, the grace period cuts with the JSON error,
 exit status 0, and the embedded Ray does not outlive the front end, not even after a SIGKILL."""
 
+import collections
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -224,3 +226,61 @@ def test_a_second_signal_stops_a_server_that_waits_for_a_hung_write(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGCONT)
         srv.stop()
+
+
+TINY = json.dumps({"q": [[[1.0, 0.0]]], "k": [[[1.0, 0.0]]], "v": [[[1.0, 0.0]]]}).encode()
+TINY_REQUEST = (f"POST /v1/attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(TINY)}\r\n\r\n").encode() + TINY
+
+
+def _ask(sock: socket.socket) -> str:
+    """One request on ``sock``: its answer's status ("200 close" when the server closes after it),
+    "closed" when the server closed the connection before answering."""
+    from server import read_response
+
+    sock.sendall(TINY_REQUEST)
+    answer = read_response(sock)
+    if not answer:
+        return "closed"
+    head = answer.split("\r\n\r\n", 1)[0].lower()
+    return answer.split(" ", 2)[1] + (" close" if "connection: close" in head else "")
+
+
+def _hammer(port: int, stop: threading.Event, seen: collections.Counter, keep_alive: bool) -> None:
+    """Requests on new connections (or on one kept alive while the server allows) until ``stop``."""
+    while not stop.is_set():
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        except ConnectionRefusedError:  # nothing was sent: the client knows it can go elsewhere
+            seen["refused"] += 1
+            time.sleep(0.01)
+            continue
+        with sock:
+            try:
+                while not stop.is_set():
+                    answer = _ask(sock)
+                    seen[answer.split()[0]] += 1
+                    if not keep_alive or answer.endswith(("close", "closed")):
+                        break
+            except (ConnectionResetError, BrokenPipeError):
+                seen["reset"] += 1
+
+
+def test_requests_sent_through_a_drain_get_an_answer_or_a_refused_connection_never_a_reset(tmp_path):
+    """The listener is closed only once its backlog is answered, and the server's closes linger:
+    measured before the fix, 3 to 7 of ~2,000 requests per drain were reset (docs/SERVICE.md)."""
+    srv = Server(tmp_path, args=("--workers", "1"), env={"SPLITKEY_SHUTDOWN_GRACE_S": "1"}).start()
+    seen: collections.Counter = collections.Counter()
+    stop = threading.Event()
+    threads = [threading.Thread(target=_hammer, args=(srv.port, stop, seen, i % 2 == 0)) for i in range(8)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    os.kill(srv.proc.pid, signal.SIGTERM)
+    assert srv.proc.wait(timeout=60) == 0
+    time.sleep(0.3)  # the clients meet the closed port
+    stop.set()
+    for t in threads:
+        t.join()
+    assert seen["200"] > 0 and seen["503"] > 0 and seen["refused"] > 0, seen
+    assert set(seen) <= {"200", "503", "refused"}, seen

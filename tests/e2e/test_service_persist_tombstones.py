@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 def serve(home, store) -> Server:
     return Server(home, args=("--workers", "2", "--persist-dir", str(store)),
                   env={"SPLITKEY_CONTEXT_SHARD_KEYS": "256", "SPLITKEY_MIN_SHARD_KEYS": "64",
-                       "SPLITKEY_HEAL_INTERVAL_S": "3"}).start()
+                       "SPLITKEY_HEAL_INTERVAL_S": "3", "SPLITKEY_TOMBSTONE_HORIZON_S": "0"}).start()
 
 
 def files_of(store, ctx_id) -> list:
@@ -28,7 +28,12 @@ def files_of(store, ctx_id) -> list:
     return [p for p in store.rglob("*") if ctx_id in p.parts and ".deleted" not in p.parts]
 
 
+def tombstones_of(store, ctx_id) -> list:
+    return list(store.glob(f"*/.deleted/{ctx_id}"))
+
+
 def test_a_context_deleted_while_a_holder_was_dead_stays_deleted_after_its_replacement_and_a_restart(tmp_path):
+    """With a tombstone horizon of 0, its tombstones go too, once the replacement's folder is clean."""
     rng = np.random.default_rng(11)
     k, v = rng.standard_normal((200, 2, 16)).astype(np.float32), rng.standard_normal((200, 2, 8)).astype(np.float32)
     q = rng.standard_normal((3, 4, 16)).astype(np.float32)
@@ -55,12 +60,13 @@ def test_a_context_deleted_while_a_holder_was_dead_stays_deleted_after_its_repla
                 cluster = c.cluster()
                 workers = cluster["workers"]
                 if cluster["repair"]["workers_replaced"] >= 1 and all(w["alive"] for w in workers) \
-                        and [w["shards"] for w in workers] == [1, 1] and not files_of(store, gone):
+                        and [w["shards"] for w in workers] == [1, 1] and not files_of(store, gone) \
+                        and cluster["repair"]["tombstones_forgotten"] >= 1 and not tombstones_of(store, gone):
                     break
                 time.sleep(0.5)
             else:
-                pytest.fail(f"the replacement still holds the deleted context after 90 s: {cluster}, "
-                            f"files {files_of(store, gone)}")
+                pytest.fail(f"the replacement still holds the deleted context, or its tombstones are left, after "
+                            f"90 s: {cluster}, files {files_of(store, gone)}, tombstones {tombstones_of(store, gone)}")
             with pytest.raises(SplitkeyError) as err:
                 c.get_context(gone)
             assert err.value.status == 404

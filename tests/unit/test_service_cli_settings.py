@@ -30,6 +30,7 @@ EXAMPLES = {
     "remote_merge_bytes": "0", "context_shard_keys": "32", "max_replicas": "2", "persist_dir": "/p",
     "grpc_port": "8001", "record_cache": "16", "worker_channel": "false", "write_timeout_s": "2.5",
     "metrics_port": "9100", "metrics_host": "0.0.0.0", "log_format": "json", "log_level": "debug",
+    "max_connections": "100", "max_client_connections": "10", "tombstone_horizon_s": "60",
 }
 
 
@@ -140,7 +141,8 @@ def test_every_float_setting_refuses_infinity_and_nan_before_anything_starts(nam
 
 def test_the_float_settings_are_the_timeouts_rates_and_cpu_share():
     assert FLOAT_SETTINGS == ["body_grace_s", "body_timeout_s", "heal_interval_s", "min_body_rate",
-                              "request_timeout_s", "shutdown_grace_s", "worker_cpus", "write_timeout_s"]
+                              "request_timeout_s", "shutdown_grace_s", "tombstone_horizon_s", "worker_cpus",
+                              "write_timeout_s"]
 
 
 def write(tmp_path: pathlib.Path, text: str) -> pathlib.Path:

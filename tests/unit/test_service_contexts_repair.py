@@ -12,6 +12,7 @@ from faulty_pool import bitwise, kv, read, restart_directory, started, write
 
 from service.contexts import repair
 from service.contexts.repair import Repairer
+from service.contexts.tombstones import forget
 from service.core.metrics import Timings
 
 
@@ -226,6 +227,49 @@ def test_a_lost_shard_its_restarted_holder_reloaded_from_disk_is_listed_again_an
             assert desc["state"] == "ready" and desc["length"] == 300, desc
             assert bitwise(await read(pool, contexts, [ctx], q), before)
             await contexts.append(ctx, write(k[:5], v[:5]), Timings())  # writable again, not "delete it"
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_tombstone_is_removed_once_no_folder_holds_its_context_and_the_context_stays_deleted(rng, tmp_path):
+    async def main():
+        pool, directory, contexts = await started(2, persist_dir=tmp_path, tombstone_horizon_s=0)
+        healer = Repairer(pool, directory, contexts)
+        try:
+            k, v = kv(rng, 100)
+            ctx = (await contexts.create(write(k, v, replicas=2), Timings()))["id"]
+            pool.kill(1)  # its folder keeps the context's files
+            await contexts.delete(ctx)  # tombstoned on worker 0 alone
+            assert await forget(pool, 0) == 0  # a dead worker's folder may bring it back: kept
+            assert await pool.tombstones(0) == [ctx]
+            await healer.step()  # replaced: the replacement loads the folder, the sweep buries the context there
+            assert healer.stats.workers_replaced == 1 and healer.stats.tombstones_forgotten == 2
+            assert await pool.tombstones(0) == await pool.tombstones(1) == []
+            assert not any((tmp_path / s.name / ctx).exists() for s in pool.slots)
+        finally:
+            pool.shutdown()
+        pool, directory, contexts = await started(2, persist_dir=tmp_path)  # a full restart: still deleted
+        try:
+            assert await directory.all() == [] and await pool.held(0) == await pool.held(1) == []
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_tombstone_younger_than_the_horizon_is_kept(rng, tmp_path):
+    async def main():
+        pool, directory, contexts = await started(2, persist_dir=tmp_path, tombstone_horizon_s=3600)
+        healer = Repairer(pool, directory, contexts)
+        try:
+            k, v = kv(rng, 100)
+            ctx = (await contexts.create(write(k, v, replicas=2), Timings()))["id"]
+            await contexts.delete(ctx)
+            await healer.step()
+            assert healer.stats.tombstones_forgotten == 0
+            assert await pool.tombstones(0) == await pool.tombstones(1) == [ctx]
         finally:
             pool.shutdown()
 

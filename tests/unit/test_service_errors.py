@@ -13,6 +13,7 @@ from service.core.errors import (
     MethodNotAllowed,
     Overloaded,
     ServiceError,
+    TooManyConnections,
     Unauthorized,
     error_body,
     error_responses,
@@ -22,7 +23,7 @@ from service.core.errors import (
 
 @pytest.mark.parametrize("cls", list(ERRORS), ids=lambda c: c.__name__)
 def test_each_error_carries_the_contract_code_and_status(cls):
-    made = {Unauthorized: lambda: cls(), Overloaded: lambda: cls("busy", 1),
+    made = {Unauthorized: lambda: cls(), Overloaded: lambda: cls("busy", 1), TooManyConnections: lambda: cls("full", 1),
             MethodNotAllowed: lambda: cls("method must be POST, got PUT", "POST")}
     err = made.get(cls, lambda: cls("x must be y, got z"))()
     assert err.status == CONTRACT_STATUS[err.code]

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from workers import cutoff
 from workers.batch import Batcher
 
 
@@ -168,6 +169,26 @@ def test_run_here_does_not_run_a_job_whose_deadline_passed_on_its_way():
     assert done is not None and isinstance(done.exception(), Late)
     assert b.run_here("in time", deadline=time.monotonic() + 3600).result() == "done in time"
     assert ran == ["in time"] and b.expired == 1 and b.batches == 1
+
+
+def blocks(payloads):
+    """A kernel of many blocks of keys: it looks at its deadline before each (``workers.cutoff``)."""
+    for _ in range(500):
+        cutoff.check()
+        time.sleep(0.01)
+    return [f"done {p}" for p in payloads]
+
+
+def test_a_batch_running_past_the_latest_deadline_of_its_jobs_stops_at_its_next_block_and_fails_expired():
+    b = Batcher(blocks, expired=Late)
+    t0 = time.monotonic()
+    cut = [b.submit(p, key="a", deadline=t0 + 0.2) for p in ("x", "y")]
+    for f in cut:
+        with pytest.raises(Late, match="between two blocks of keys: not finished"):
+            f.result(10)
+    assert time.monotonic() - t0 < 2.0  # not the 5 s the whole run takes
+    assert b.expired == 2
+    cutoff.check()  # outside a batch: no deadline
 
 
 # -- through a shard worker -------------------------------------------------------------------

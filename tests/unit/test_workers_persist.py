@@ -448,6 +448,17 @@ def test_a_tombstoned_context_is_removed_from_disk_at_load_and_never_loaded(tmp_
     assert back.tombstones() == ["ctx_gone"]
 
 
+def test_a_tombstone_is_forgotten_only_when_old_enough_and_its_context_has_no_files_here(tmp_path):
+    files = ShardFiles(tmp_path)
+    files.tombstone("ctx_gone")
+    files.tombstone("ctx_back")
+    (tmp_path / "ctx_back").mkdir()  # files of it here again (a folder the delete did not reach)
+    assert files.forget_tombstones(["ctx_gone", "ctx_back"], older_than_s=3600) == []  # too young
+    assert files.stored(["ctx_gone", "ctx_back"]) == {"ctx_back"}
+    assert files.forget_tombstones(["ctx_gone", "ctx_back", "ctx_never"], older_than_s=0) == ["ctx_gone"]
+    assert files.tombstones() == {"ctx_back"}
+
+
 def test_a_folder_of_a_tombstoned_context_found_at_load_is_removed(tmp_path):
     st = ShardStore(10**8, files=ShardFiles(tmp_path))
     _create(st, "ctx_gone")
