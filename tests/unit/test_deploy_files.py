@@ -897,12 +897,15 @@ def test_rayservice_runs_the_fastapi_app_as_a_ray_serve_application(ray_start_op
     assert app["import_path"] == "service.serve:app" or (
         attr and (module_file.with_suffix(".py").is_file() or (module_file / "__init__.py").is_file())), app
     (ingress,) = app["deployments"]
-    assert ingress["name"] == "SplitkeyIngress" and ingress["num_replicas"] == 2
+    assert ingress["name"] == "SplitkeyIngress" and "num_replicas" not in ingress  # autoscaled
+    scaling = ingress["autoscaling_config"]
+    assert 2 <= scaling["min_replicas"] <= scaling["max_replicas"]  # one replaced leaves one answering
     env = app["runtime_env"]["env_vars"]
     assert not unknown_settings(env), unknown_settings(env)
     settings, _ = build_settings(monkeypatch, env, None)
     assert settings.api_key_file is not None, "the Serve app would answer without a key"
     assert ingress["max_ongoing_requests"] >= settings.max_inflight, "Serve would queue before admission"
+    assert scaling["target_ongoing_requests"] < ingress["max_ongoing_requests"], "scaled only once replicas are full"
     assert ingress["graceful_shutdown_timeout_s"] >= settings.shutdown_grace_s
     # The key file is mounted in every Ray pod: a replica may be placed on any of them.
     for where, template in pod_templates():
@@ -913,7 +916,7 @@ def test_rayservice_runs_the_fastapi_app_as_a_ray_serve_application(ray_start_op
     # Room for the shard workers besides the ingress replicas.
     cluster = spec["rayClusterConfig"]
     cpus = sum(k8s_cpus(_ray_container_limits(g)["cpu"]) * g["replicas"] for g in cluster["workerGroupSpecs"])
-    used = settings.workers * settings.worker_cpus + ingress["num_replicas"] * ingress["ray_actor_options"]["num_cpus"]
+    used = settings.workers * settings.worker_cpus + scaling["max_replicas"] * ingress["ray_actor_options"]["num_cpus"]
     assert used <= cpus, (used, cpus)
 
 
