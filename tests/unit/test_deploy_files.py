@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import math
 import os
 import re
@@ -284,8 +285,6 @@ def arg_defaults(parser: Any) -> dict[str, str]:
 
 
 def exec_form(value: str) -> list[str]:
-    import json
-
     words = json.loads(value)
     assert isinstance(words, list), f"not the exec (JSON) form: {value}"
     return words
@@ -338,6 +337,98 @@ def test_images_install_the_package_without_development_extras(path):
         for extra in ("test", "bench", "loadtest"):
             assert not re.search(rf"\.\[[^\]]*\b{extra}\b", run), f"installs the {extra} extra: {run}"
         assert " -e " not in run and "--editable" not in run, run
+
+
+CONSTRAINTS = DOCKER / "constraints.txt"
+
+
+def constraint_pins(path: Path = CONSTRAINTS) -> dict[str, str]:
+    """A constraints file as {normalized name: version}; every line a pin NAME==VERSION."""
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)", line.strip())
+            assert m, f"not an exact pin NAME==VERSION: {line!r}"
+            pins[canonicalize_name(m[1])] = m[2]
+    return pins
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_images_install_every_package_at_the_version_of_the_constraints_file(path):
+    structure = dockerfile(path).structure
+    copied = [i for i, ins in enumerate(structure) if ins["instruction"] == "COPY"
+              and ins["value"].split()[0] == "deploy/docker/constraints.txt"]
+    installs = [i for i, ins in enumerate(structure) if ins["instruction"] == "RUN" and "pip install" in ins["value"]]
+    assert copied and installs
+    for i in installs:
+        assert "-c deploy/docker/constraints.txt" in structure[i]["value"], structure[i]["value"]
+        assert any(c < i for c in copied), "the constraints file is copied after the install that reads it"
+
+
+def test_constraints_pin_every_dependency_of_the_images_and_ray_as_the_images_do():
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = constraint_pins()
+    ray_version = arg_defaults(dockerfile(DOCKER / "Dockerfile"))["RAY_VERSION"]
+    assert pins["ray"] == ray_version
+    wanted = [*PYPROJECT["project"]["dependencies"], *PYPROJECT["project"]["optional-dependencies"]["gpu"],
+              *PYPROJECT["project"]["optional-dependencies"]["serve"]]
+    for text in wanted:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is installed in the images but not pinned in {CONSTRAINTS.name}"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} does not satisfy {text}"
+
+
+def test_the_constraints_check_sees_a_loose_line(tmp_path):
+    loose = tmp_path / "constraints.txt"
+    loose.write_text("numpy>=2.0\n")
+    with pytest.raises(AssertionError, match="not an exact pin"):
+        constraint_pins(loose)
+
+
+PIPEFAIL_SHELL = ["/bin/bash", "-o", "pipefail", "-c"]
+
+
+def shells_of_runs(structure: list[dict[str, Any]]) -> list[tuple[list[str], str]]:
+    """Each RUN with the shell it runs in: /bin/sh -c unless a SHELL of its stage, or of the stage it
+    starts FROM (``FROM base AS build``), said otherwise."""
+    default = ["/bin/sh", "-c"]
+    stages: dict[str, list[str]] = {}
+    shell, out = default, []
+    for ins in structure:
+        if ins["instruction"] == "FROM":
+            words = ins["value"].split()
+            shell = stages.get(words[0], default)
+            if len(words) == 3 and words[1].upper() == "AS":
+                stages[words[2]] = shell
+            current = words[2] if len(words) == 3 else None
+        elif ins["instruction"] == "SHELL":
+            shell = exec_form(ins["value"])
+            if current:
+                stages[current] = shell
+        elif ins["instruction"] == "RUN":
+            out.append((shell, ins["value"]))
+    return out
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_a_run_with_a_pipe_runs_in_a_shell_with_pipefail(path):
+    # hadolint DL4006: under /bin/sh a pipe's status is its last command's; a failure before it passes.
+    for shell, run in shells_of_runs(dockerfile(path).structure):
+        if re.search(r"(?<!\|)\|(?!\|)", run):
+            assert shell == PIPEFAIL_SHELL, f"a pipe under {shell}: {run}"
+
+
+def test_the_pipefail_check_follows_shells_from_stage_to_stage():
+    structure = [{"instruction": "FROM", "value": "ubuntu AS base"},
+                 {"instruction": "SHELL", "value": json.dumps(PIPEFAIL_SHELL)},
+                 {"instruction": "FROM", "value": "base AS build"}, {"instruction": "RUN", "value": "a | b"},
+                 {"instruction": "FROM", "value": "ubuntu"}, {"instruction": "RUN", "value": "a || b"}]
+    assert shells_of_runs(structure) == [(PIPEFAIL_SHELL, "a | b"), (["/bin/sh", "-c"], "a || b")]
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
