@@ -54,6 +54,9 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 SERVICE_UID = 10001
 HTTP_PORT = 8000
+METRICS_PORT = 9100
+#: apiVersions that are not Kubernetes' own: KubeRay's, the Prometheus Operator's, Kustomize's.
+NOT_CORE = ("ray.io/", "monitoring.coreos.com/", "kustomize.config.k8s.io/")
 
 # Kubernetes versions the manifests must validate against: an old release still run by
 # managed services, and the newest schemas kubernetes-validate ships.
@@ -651,8 +654,11 @@ def test_kubernetes_core_objects_validate_against_the_schemas(version):
     from kubernetes_validate.utils import latest_version
 
     version = latest_version() if version == "latest" else version
-    core = [(p, d) for p, d in all_k8s_docs() if not d["apiVersion"].startswith("ray.io/")]
-    assert {d["kind"] for _, d in core} >= {"Deployment", "Service", "Secret", "ConfigMap", "PodDisruptionBudget"}
+    # Ray's objects (KubeRay's CRDs), the ServiceMonitor (the Prometheus Operator's) and the Kustomization
+    # (Kustomize's own file) are checked by the tests of their own below.
+    core = [(p, d) for p, d in all_k8s_docs() if not d["apiVersion"].startswith(NOT_CORE)]
+    assert {d["kind"] for _, d in core} >= {"Deployment", "Service", "Secret", "ConfigMap", "PodDisruptionBudget",
+                                           "NetworkPolicy"}
     for path, doc in core:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -853,7 +859,7 @@ def test_front_end_is_a_stateless_deployment_of_two_behind_a_cluster_ip_service(
     assert service["spec"]["selector"].items() <= labels.items()
     assert [(p["port"], p.get("protocol", "TCP")) for p in service["spec"]["ports"]] == [(HTTP_PORT, "TCP")]
     container = _frontend_container(frontend_docs)
-    assert [p["containerPort"] for p in container["ports"]] == [HTTP_PORT]
+    assert [p["containerPort"] for p in container["ports"]] == [HTTP_PORT, METRICS_PORT]  # metrics: not on the Service
     assert not [v for v in deployment["spec"]["template"]["spec"].get("volumes", [])
                 if "persistentVolumeClaim" in v], "the front end keeps no state"
 
@@ -910,8 +916,10 @@ def test_front_end_termination_grace_outlasts_the_drain(frontend_docs, monkeypat
 def test_front_end_is_scraped_by_prometheus_on_metrics(frontend_docs):
     annotations = only(frontend_docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
-    assert annotations["prometheus.io/port"] == str(HTTP_PORT)
+    assert annotations["prometheus.io/port"] == str(METRICS_PORT)  # the key-less port: a scraper sends no key
     assert annotations["prometheus.io/path"] == "/metrics"
+    env = {e["name"]: e.get("value") for e in _frontend_container(frontend_docs)["env"]}
+    assert env["SPLITKEY_METRICS_PORT"] == str(METRICS_PORT) and env["SPLITKEY_METRICS_HOST"] == "0.0.0.0"
 
 
 def test_front_end_memory_limit_holds_bodies_in_flight_and_its_object_store(frontend_docs, monkeypatch):
@@ -1063,3 +1071,161 @@ def test_no_secret_value_is_passed_in_plain_environment():
             for e in container.get("env", []):
                 if re.search(r"TOKEN|API_KEY|PASSWORD", e["name"]) and not e["name"].endswith(("_FILE", "_PATH")):
                     assert "valueFrom" in e, f"{where}: {e['name']} given as a literal"
+
+
+# ------------------------------------------------- Kustomize, monitoring, network policy
+
+KUSTOMIZATION = K8S / "kustomization.yaml"
+MONITORING = K8S / "monitoring.yaml"
+NETWORK_POLICY = K8S / "networkpolicy.yaml"
+DASHBOARD = K8S / "dashboards" / "splitkey.json"
+
+
+def test_the_kustomize_base_holds_the_cpu_deployment_and_files_that_exist():
+    doc = yaml.safe_load(KUSTOMIZATION.read_text())
+    assert doc["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and doc["kind"] == "Kustomization"
+    assert doc["resources"] == ["raycluster.yaml", "frontend.yaml", "networkpolicy.yaml", "monitoring.yaml"]
+    (generated,) = doc["configMapGenerator"]
+    files = [*doc["resources"], *generated["files"]]
+    assert all((K8S / f).is_file() and (K8S / f).resolve().is_relative_to(K8S) for f in files), files
+    assert generated["options"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar looks for
+    # Every object the base creates has a name no other object of its kind has.
+    objects = [(d["kind"], d["metadata"]["name"]) for f in doc["resources"] for d in yaml_docs(K8S / f)]
+    assert len(objects) == len(set(objects)), objects
+
+
+def test_the_service_monitor_has_the_crds_required_fields_and_scrapes_the_metrics_port():
+    # The ServiceMonitor CRD (monitoring.coreos.com/v1): spec.selector is required; each endpoint names a port
+    # of the selected Services by name (or targetPort); interval and scrapeTimeout are Prometheus durations.
+    docs = yaml_docs(MONITORING)
+    monitor, service = only(docs, "ServiceMonitor"), only(docs, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and dns1035(monitor["metadata"]["name"], 63)
+    assert set(monitor["spec"]) <= {"selector", "endpoints", "namespaceSelector", "jobLabel", "podTargetLabels",
+                                    "targetLabels", "sampleLimit"}, monitor["spec"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items(), "the ServiceMonitor selects no Service"
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    duration = re.compile(r"(\d+(ms|s|m|h))+")
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert set(endpoint) <= {"port", "targetPort", "path", "scheme", "interval", "scrapeTimeout", "honorLabels",
+                                 "relabelings", "metricRelabelings"}, endpoint
+        assert endpoint["port"] in ports and endpoint["path"] == "/metrics" and endpoint["scheme"] in ("http", "https")
+        assert duration.fullmatch(endpoint["interval"]) and duration.fullmatch(endpoint["scrapeTimeout"])
+        assert ports[endpoint["port"]]["port"] == METRICS_PORT
+    # The Service reaches the front ends' metrics port, the one splitkey serves /metrics on without the key.
+    frontend = yaml_docs(FRONTEND)
+    labels = only(frontend, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    container = _frontend_container(frontend)
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert named[ports["metrics"]["targetPort"]] == int(env["SPLITKEY_METRICS_PORT"]) == METRICS_PORT
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions In/NotIn/Exists) selects ``labels``."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        ok = {"In": lambda: labels.get(e["key"]) in e["values"],
+              "NotIn": lambda: labels.get(e["key"]) not in e["values"],
+              "Exists": lambda: e["key"] in labels}[e["operator"]]()
+        if not ok:
+            return False
+    return True
+
+
+def reachable(policies: list[dict[str, Any]], labels: dict[str, str], ports: set[int]) -> dict[str, set[int]]:
+    """The ports of a pod with ``labels`` (of ``ports``) that each kind of peer may reach under ``policies``:
+    ``anywhere`` (a rule without ``from``, or an ipBlock), ``cluster`` (a namespaceSelector), ``namespace``
+    (a podSelector alone). A pod no policy selects is open to anywhere."""
+    chosen = [p for p in policies if selects(p["spec"]["podSelector"], labels)]
+    if not chosen:
+        return {"anywhere": set(ports), "cluster": set(ports), "namespace": set(ports)}
+    out: dict[str, set[int]] = {"anywhere": set(), "cluster": set(), "namespace": set()}
+    for policy in chosen:
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        for rule in policy["spec"].get("ingress", []):
+            allowed = {p["port"] for p in rule["ports"]} & ports if "ports" in rule else set(ports)
+            peers = rule.get("from")
+            kinds = {"anywhere"} if not peers else {
+                "anywhere" if "ipBlock" in peer else "cluster" if "namespaceSelector" in peer else "namespace"
+                for peer in peers}
+            widest = "anywhere" if "anywhere" in kinds else "cluster" if "cluster" in kinds else "namespace"
+            for kind in ("namespace", "cluster", "anywhere")[:("namespace", "cluster", "anywhere").index(widest) + 1]:
+                out[kind] |= allowed
+    return out
+
+
+def ray_pod_ports() -> dict[str, tuple[dict[str, str], set[int]]]:
+    """The RayCluster's pods (head, worker) and the front end: their labels and the ports they listen on
+    (the declared ones and Ray's own: GCS, client server, raylet, object manager, workers)."""
+    ray_ports = {6379, 8265, 8080, 10001, 8076, 8077, 52365} | set(range(10002, 10010))
+    pods = {}
+    for where, template in pod_templates():
+        if where.startswith(("raycluster.yaml", "frontend.yaml")):
+            labels = template["metadata"]["labels"]
+            declared = {p["containerPort"] for c in containers_of(template) for p in c.get("ports", [])}
+            pods[labels["app.kubernetes.io/component"]] = (labels, declared | ray_ports)
+    assert set(pods) == {"ray-head", "ray-worker", "frontend"}, set(pods)
+    return pods
+
+
+def test_ray_ports_are_reached_only_from_the_namespace_and_the_api_from_anywhere():
+    policies = yaml_docs(NETWORK_POLICY)
+    assert {d["kind"] for d in policies} == {"NetworkPolicy"}
+    pods = ray_pod_ports()
+    for component in ("ray-head", "ray-worker"):
+        labels, ports = pods[component]
+        peers = reachable(policies, labels, ports)
+        assert peers["anywhere"] == set(), (component, peers["anywhere"])
+        assert peers["cluster"] <= {8265, 8080}, (component, peers["cluster"])  # dashboard (operator), metrics
+        assert peers["namespace"] == ports, component  # the cluster's own nodes reach each other
+    labels, ports = pods["frontend"]
+    peers = reachable(policies, labels, ports)
+    assert peers["anywhere"] == {HTTP_PORT} and peers["cluster"] == {HTTP_PORT, METRICS_PORT}
+    assert peers["namespace"] == ports  # a Ray node too: the workers reach its driver
+
+
+def test_the_network_policy_check_sees_a_ray_port_opened_to_anywhere():
+    opened = yaml_docs(NETWORK_POLICY)
+    opened[0]["spec"]["ingress"].append({"ports": [{"port": 6379, "protocol": "TCP"}]})
+    labels, ports = ray_pod_ports()["ray-head"]
+    assert reachable(opened, labels, ports)["anywhere"] == {6379}
+    assert reachable([], labels, ports)["anywhere"] == ports  # no policy: open
+
+
+def exported_names() -> set[str]:
+    """The sample names /metrics can carry, from the service's own registry."""
+    from service.core.metrics import Metrics
+
+    names = set()
+    for family in Metrics().registry.collect():
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+        names |= {family.name + s for s in suffixes}
+    return names
+
+
+def dashboard_metric_names(dashboard: dict[str, Any]) -> set[str]:
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert exprs, "a dashboard with no query"
+    return {name for expr in exprs for name in re.findall(r"\bsplitkey_[a-z_]+\b", expr)}
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_service_exports():
+    import json as json_module
+
+    dashboard = json_module.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "splitkey" and dashboard["panels"]
+    used = dashboard_metric_names(dashboard)
+    assert not used - exported_names(), sorted(used - exported_names())
+    # The ones an operator reads first are there: traffic, latency by stage, capacity, the workers.
+    assert {"splitkey_requests_total", "splitkey_request_stage_seconds_bucket", "splitkey_inflight_requests",
+            "splitkey_workers", "splitkey_worker_held_bytes", "splitkey_context_shards"} <= used
+    datasources = {t["datasource"]["uid"] for panel in dashboard["panels"] for t in panel["targets"]}
+    assert datasources == {"${datasource}"}, "every query through the dashboard's Prometheus variable"
+
+
+def test_the_dashboard_check_sees_a_renamed_metric():
+    old = {"panels": [{"targets": [{"expr": "rate(splitkey_repair_rounds[5m])"}]}]}  # the name before issue 51
+    assert dashboard_metric_names(old) - exported_names() == {"splitkey_repair_rounds"}
