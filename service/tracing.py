@@ -4,7 +4,8 @@ Off unless ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPO
 ``OTEL_SDK_DISABLED`` is not ``true``: then nothing of OpenTelemetry is imported and the app gets no
 middleware (``from_env`` returns None). On, each HTTP request is one trace, or joins the caller's when
 it sends a W3C ``traceparent`` (``tracestate`` too): a server span ``METHOD route`` (the metrics' route
-label, so span names stay few), with one child span per stage the request went through, as
+label, so span names stay few; its attribute ``splitkey.request_id`` is the ``X-Request-Id``
+answered, which the log lines name), with one child span per stage the request went through, as
 ``service.core.metrics.Timings`` measures them (parse, lookup, scatter, compute, worker, merge,
 encode; a context write's place, put, lease, store, commit, note). The ``worker`` span is the longest
 pass a worker reported for the request (its kernels and local merge), drawn at the end of
@@ -23,6 +24,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from service.core import request_id
 from service.core.metrics import RECORDING
 from service.middleware import UNMATCHED, route_label
 
@@ -106,6 +108,7 @@ class TracingMiddleware:
                 if stage not in NOT_SPANS:
                     self.tracer.start_span(stage, context=parent, start_time=offset_ns + int(start * 1e9)).end(
                         end_time=offset_ns + int(end * 1e9))
+            span.set_attribute("splitkey.request_id", request_id.current())  # the X-Request-Id answered, as logged
             if status["code"]:
                 span.set_attribute("http.response.status_code", status["code"])
             if status["code"] >= 500 or not status["code"]:

@@ -41,7 +41,7 @@ class Timings:
     seconds (``spans``: the list the tracing middleware set in ``RECORDING``; None without tracing)."""
 
     stages: dict[str, float] = field(default_factory=dict)
-    spans: list[tuple[str, float, float]] | None = field(default_factory=lambda: RECORDING.get())
+    spans: list[tuple[str, float, float]] | None = field(default_factory=RECORDING.get)
 
     def add(self, stage: str, seconds: float) -> None:
         if stage not in STAGES:

@@ -80,6 +80,9 @@ def test_a_request_is_one_trace_with_a_span_per_stage_inside_its_server_span_in_
     assert abs(worker.end_time - worker.start_time - 3e6) < 1e5 and worker.start_time >= compute.start_time
     assert server.attributes["http.route"] == "/v1/attention/staged"
     assert server.attributes["http.response.status_code"] == 200
+    r = request(app, "POST", "/v1/attention/staged", headers={"X-Request-Id": "client-chose-9"})
+    last = [s for s in exporter.get_finished_spans() if s.name == "POST /v1/attention/staged"][-1]
+    assert last.attributes["splitkey.request_id"] == r.headers["x-request-id"] == "client-chose-9"
 
 
 def test_an_incoming_traceparent_is_joined_and_tracestate_kept():
