@@ -46,6 +46,8 @@ from service.core.metrics import Metrics
 from service.metrics_listener import metrics_listener
 from service.middleware import FRONTEND, ServiceMiddleware
 from service.routes import attention, batch, contexts, kserve, ops
+from service import tracing
+from service.tracing import TracingMiddleware
 from service.runtime import AppState, Runtime
 from service.core.settings import ServiceSettings
 from service.wire.body import ClientClosed
@@ -243,7 +245,9 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
                                           ("POST", kserve.ROUTE): kserve.infer,
                                           ("POST", kserve.VERSIONED_INFER): kserve.infer},
                        handlers=handlers)
+    paths = _fixed_paths([*app.routes, *(r for router in routers for r in router.routes)])
     app.add_middleware(ServiceMiddleware, api_key=settings.api_key(), admission=admission, drain=drain,
-                       metrics=metrics, request_id_header=request_id_header,
-                       paths=_fixed_paths([*app.routes, *(r for router in routers for r in router.routes)]))
+                       metrics=metrics, request_id_header=request_id_header, paths=paths)
+    if (tracer := tracing.from_env()) is not None:  # an OTLP endpoint set and the otel extra installed
+        app.add_middleware(TracingMiddleware, tracer=tracer, paths=paths)
     return app

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -28,16 +29,27 @@ STAGES = ("parse", "lookup", "scatter", "compute", "worker", "merge", "encode", 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+#: Where the stages of the request this task serves go as intervals: set per request by the tracing
+#: middleware (``service.tracing``), only when tracing is on; None otherwise.
+RECORDING: ContextVar[list[tuple[str, float, float]] | None] = ContextVar("splitkey_stage_spans", default=None)
+
+
 @dataclass
 class Timings:
-    """Seconds spent per stage of one request (``STAGES``)."""
+    """Seconds spent per stage of one request (``STAGES``); while a trace records the request
+    (``service.tracing``), also each stage's interval as ``(stage, start, end)`` in ``perf_counter``
+    seconds (``spans``: the list the tracing middleware set in ``RECORDING``; None without tracing)."""
 
     stages: dict[str, float] = field(default_factory=dict)
+    spans: list[tuple[str, float, float]] | None = field(default_factory=RECORDING.get)
 
     def add(self, stage: str, seconds: float) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(STAGES)}, got {stage!r}")
         self.stages[stage] = self.stages.get(stage, 0.0) + seconds
+        if self.spans is not None:  # a stage is added as it ends
+            end = time.perf_counter()
+            self.spans.append((stage, end - seconds, end))
 
     @contextmanager
     def measure(self, stage: str) -> Iterator[None]:

@@ -1,5 +1,9 @@
 """The app as a Ray Serve application (service.serve): exact answers through Serve's proxy, and
-a context created through one replica is seen and used through another."""
+a context created through one replica is seen and used through another, that second replica
+added by Serve's autoscaling under load (from 1 to 2, with a target of 0.1 request each). Serve
+asks each replica's check_health as it starts (one failing there fails the deploy: the fixture
+sees it exit) and every 10 s after (one failing then is replaced, and would answer under a new
+X-Splitkey-Frontend); what it checks: tests/unit/test_service_serve.py."""
 
 from __future__ import annotations
 
@@ -29,7 +33,10 @@ def serve_url(tmp_path_factory):
     env = {**os.environ, "HOME": str(home), "SPLITKEY_WORKERS": "2", "SPLITKEY_WORKER_CPUS": "0.5",
            "SPLITKEY_MIN_SHARD_KEYS": "64", "SPLITKEY_CONTEXT_SHARD_KEYS": "256"}
     with (home / "serve.log").open("w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "service.serve", "--port", str(port), "--replicas", "2"],
+        # Autoscaled from 1 replica to 2 as soon as requests wait (the defaults: docs/DEPLOY.md "Ray Serve").
+        autoscaling = ("--min-replicas", "1", "--max-replicas", "2", "--target-ongoing-requests", "0.1",
+                       "--upscale-delay-s", "0")
+        proc = subprocess.Popen([sys.executable, "-m", "service.serve", "--port", str(port), *autoscaling],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
@@ -72,16 +79,17 @@ def test_a_context_created_through_one_replica_is_used_through_another(serve_url
         return httpx.post(serve_url + "/v1/attention", json={"q": q.tolist(), "contexts": [ctx]}, timeout=60,
                           headers={"Accept": "application/json"})
 
-    # Serve sends a request to the replica with the shorter queue: requests in flight at once
-    # reach both (one at a time may all go to one). Ask until both have answered.
+    # Requests in flight make Serve add the second replica (a target of 0.1 each), then
+    # reach both (Serve sends each to the replica with the shorter queue). Ask until both have answered.
+    deadline = time.monotonic() + 120
     with ThreadPoolExecutor(8) as pool:
-        for _ in range(10):
+        while time.monotonic() < deadline:
             for r in pool.map(ask, range(16)):
                 assert r.status_code == 200, r.text
                 answers.setdefault(r.headers["x-splitkey-frontend"], r.content)
             if len(answers) == 2:
                 break
-    assert creator in answers and len(answers) == 2, f"only {list(answers)} answered"
+    assert creator in answers and len(answers) == 2, f"only {list(answers)} answered"  # none replaced
     first, second = answers.values()
     assert first == second  # the same answer, bit for bit, whichever replica computed it
     with Client(serve_url) as c:

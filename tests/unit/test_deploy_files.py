@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import math
 import os
 import re
@@ -53,6 +54,9 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 SERVICE_UID = 10001
 HTTP_PORT = 8000
+METRICS_PORT = 9100
+#: apiVersions that are not Kubernetes' own: KubeRay's, the Prometheus Operator's, Kustomize's.
+NOT_CORE = ("ray.io/", "monitoring.coreos.com/", "kustomize.config.k8s.io/")
 
 # Kubernetes versions the manifests must validate against: an old release still run by
 # managed services, and the newest schemas kubernetes-validate ships.
@@ -284,8 +288,6 @@ def arg_defaults(parser: Any) -> dict[str, str]:
 
 
 def exec_form(value: str) -> list[str]:
-    import json
-
     words = json.loads(value)
     assert isinstance(words, list), f"not the exec (JSON) form: {value}"
     return words
@@ -338,6 +340,98 @@ def test_images_install_the_package_without_development_extras(path):
         for extra in ("test", "bench", "loadtest"):
             assert not re.search(rf"\.\[[^\]]*\b{extra}\b", run), f"installs the {extra} extra: {run}"
         assert " -e " not in run and "--editable" not in run, run
+
+
+CONSTRAINTS = DOCKER / "constraints.txt"
+
+
+def constraint_pins(path: Path = CONSTRAINTS) -> dict[str, str]:
+    """A constraints file as {normalized name: version}; every line a pin NAME==VERSION."""
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([0-9][0-9A-Za-z.+!-]*)", line.strip())
+            assert m, f"not an exact pin NAME==VERSION: {line!r}"
+            pins[canonicalize_name(m[1])] = m[2]
+    return pins
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_images_install_every_package_at_the_version_of_the_constraints_file(path):
+    structure = dockerfile(path).structure
+    copied = [i for i, ins in enumerate(structure) if ins["instruction"] == "COPY"
+              and ins["value"].split()[0] == "deploy/docker/constraints.txt"]
+    installs = [i for i, ins in enumerate(structure) if ins["instruction"] == "RUN" and "pip install" in ins["value"]]
+    assert copied and installs
+    for i in installs:
+        assert "-c deploy/docker/constraints.txt" in structure[i]["value"], structure[i]["value"]
+        assert any(c < i for c in copied), "the constraints file is copied after the install that reads it"
+
+
+def test_constraints_pin_every_dependency_of_the_images_and_ray_as_the_images_do():
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    pins = constraint_pins()
+    ray_version = arg_defaults(dockerfile(DOCKER / "Dockerfile"))["RAY_VERSION"]
+    assert pins["ray"] == ray_version
+    wanted = [*PYPROJECT["project"]["dependencies"], *PYPROJECT["project"]["optional-dependencies"]["gpu"],
+              *PYPROJECT["project"]["optional-dependencies"]["serve"]]
+    for text in wanted:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is installed in the images but not pinned in {CONSTRAINTS.name}"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} does not satisfy {text}"
+
+
+def test_the_constraints_check_sees_a_loose_line(tmp_path):
+    loose = tmp_path / "constraints.txt"
+    loose.write_text("numpy>=2.0\n")
+    with pytest.raises(AssertionError, match="not an exact pin"):
+        constraint_pins(loose)
+
+
+PIPEFAIL_SHELL = ["/bin/bash", "-o", "pipefail", "-c"]
+
+
+def shells_of_runs(structure: list[dict[str, Any]]) -> list[tuple[list[str], str]]:
+    """Each RUN with the shell it runs in: /bin/sh -c unless a SHELL of its stage, or of the stage it
+    starts FROM (``FROM base AS build``), said otherwise."""
+    default = ["/bin/sh", "-c"]
+    stages: dict[str, list[str]] = {}
+    shell, out = default, []
+    for ins in structure:
+        if ins["instruction"] == "FROM":
+            words = ins["value"].split()
+            shell = stages.get(words[0], default)
+            if len(words) == 3 and words[1].upper() == "AS":
+                stages[words[2]] = shell
+            current = words[2] if len(words) == 3 else None
+        elif ins["instruction"] == "SHELL":
+            shell = exec_form(ins["value"])
+            if current:
+                stages[current] = shell
+        elif ins["instruction"] == "RUN":
+            out.append((shell, ins["value"]))
+    return out
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_a_run_with_a_pipe_runs_in_a_shell_with_pipefail(path):
+    # hadolint DL4006: under /bin/sh a pipe's status is its last command's; a failure before it passes.
+    for shell, run in shells_of_runs(dockerfile(path).structure):
+        if re.search(r"(?<!\|)\|(?!\|)", run):
+            assert shell == PIPEFAIL_SHELL, f"a pipe under {shell}: {run}"
+
+
+def test_the_pipefail_check_follows_shells_from_stage_to_stage():
+    structure = [{"instruction": "FROM", "value": "ubuntu AS base"},
+                 {"instruction": "SHELL", "value": json.dumps(PIPEFAIL_SHELL)},
+                 {"instruction": "FROM", "value": "base AS build"}, {"instruction": "RUN", "value": "a | b"},
+                 {"instruction": "FROM", "value": "ubuntu"}, {"instruction": "RUN", "value": "a || b"}]
+    assert shells_of_runs(structure) == [(PIPEFAIL_SHELL, "a | b"), (["/bin/sh", "-c"], "a || b")]
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
@@ -560,8 +654,11 @@ def test_kubernetes_core_objects_validate_against_the_schemas(version):
     from kubernetes_validate.utils import latest_version
 
     version = latest_version() if version == "latest" else version
-    core = [(p, d) for p, d in all_k8s_docs() if not d["apiVersion"].startswith("ray.io/")]
-    assert {d["kind"] for _, d in core} >= {"Deployment", "Service", "Secret", "ConfigMap", "PodDisruptionBudget"}
+    # Ray's objects (KubeRay's CRDs), the ServiceMonitor (the Prometheus Operator's) and the Kustomization
+    # (Kustomize's own file) are checked by the tests of their own below.
+    core = [(p, d) for p, d in all_k8s_docs() if not d["apiVersion"].startswith(NOT_CORE)]
+    assert {d["kind"] for _, d in core} >= {"Deployment", "Service", "Secret", "ConfigMap", "PodDisruptionBudget",
+                                           "NetworkPolicy"}
     for path, doc in core:
         try:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -762,7 +859,7 @@ def test_front_end_is_a_stateless_deployment_of_two_behind_a_cluster_ip_service(
     assert service["spec"]["selector"].items() <= labels.items()
     assert [(p["port"], p.get("protocol", "TCP")) for p in service["spec"]["ports"]] == [(HTTP_PORT, "TCP")]
     container = _frontend_container(frontend_docs)
-    assert [p["containerPort"] for p in container["ports"]] == [HTTP_PORT]
+    assert [p["containerPort"] for p in container["ports"]] == [HTTP_PORT, METRICS_PORT]  # metrics: not on the Service
     assert not [v for v in deployment["spec"]["template"]["spec"].get("volumes", [])
                 if "persistentVolumeClaim" in v], "the front end keeps no state"
 
@@ -819,8 +916,10 @@ def test_front_end_termination_grace_outlasts_the_drain(frontend_docs, monkeypat
 def test_front_end_is_scraped_by_prometheus_on_metrics(frontend_docs):
     annotations = only(frontend_docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
-    assert annotations["prometheus.io/port"] == str(HTTP_PORT)
+    assert annotations["prometheus.io/port"] == str(METRICS_PORT)  # the key-less port: a scraper sends no key
     assert annotations["prometheus.io/path"] == "/metrics"
+    env = {e["name"]: e.get("value") for e in _frontend_container(frontend_docs)["env"]}
+    assert env["SPLITKEY_METRICS_PORT"] == str(METRICS_PORT) and env["SPLITKEY_METRICS_HOST"] == "0.0.0.0"
 
 
 def test_front_end_memory_limit_holds_bodies_in_flight_and_its_object_store(frontend_docs, monkeypatch):
@@ -897,12 +996,15 @@ def test_rayservice_runs_the_fastapi_app_as_a_ray_serve_application(ray_start_op
     assert app["import_path"] == "service.serve:app" or (
         attr and (module_file.with_suffix(".py").is_file() or (module_file / "__init__.py").is_file())), app
     (ingress,) = app["deployments"]
-    assert ingress["name"] == "SplitkeyIngress" and ingress["num_replicas"] == 2
+    assert ingress["name"] == "SplitkeyIngress" and "num_replicas" not in ingress  # autoscaled
+    scaling = ingress["autoscaling_config"]
+    assert 2 <= scaling["min_replicas"] <= scaling["max_replicas"]  # one replaced leaves one answering
     env = app["runtime_env"]["env_vars"]
     assert not unknown_settings(env), unknown_settings(env)
     settings, _ = build_settings(monkeypatch, env, None)
     assert settings.api_key_file is not None, "the Serve app would answer without a key"
     assert ingress["max_ongoing_requests"] >= settings.max_inflight, "Serve would queue before admission"
+    assert scaling["target_ongoing_requests"] < ingress["max_ongoing_requests"], "scaled only once replicas are full"
     assert ingress["graceful_shutdown_timeout_s"] >= settings.shutdown_grace_s
     # The key file is mounted in every Ray pod: a replica may be placed on any of them.
     for where, template in pod_templates():
@@ -913,7 +1015,7 @@ def test_rayservice_runs_the_fastapi_app_as_a_ray_serve_application(ray_start_op
     # Room for the shard workers besides the ingress replicas.
     cluster = spec["rayClusterConfig"]
     cpus = sum(k8s_cpus(_ray_container_limits(g)["cpu"]) * g["replicas"] for g in cluster["workerGroupSpecs"])
-    used = settings.workers * settings.worker_cpus + ingress["num_replicas"] * ingress["ray_actor_options"]["num_cpus"]
+    used = settings.workers * settings.worker_cpus + scaling["max_replicas"] * ingress["ray_actor_options"]["num_cpus"]
     assert used <= cpus, (used, cpus)
 
 
@@ -969,3 +1071,161 @@ def test_no_secret_value_is_passed_in_plain_environment():
             for e in container.get("env", []):
                 if re.search(r"TOKEN|API_KEY|PASSWORD", e["name"]) and not e["name"].endswith(("_FILE", "_PATH")):
                     assert "valueFrom" in e, f"{where}: {e['name']} given as a literal"
+
+
+# ------------------------------------------------- Kustomize, monitoring, network policy
+
+KUSTOMIZATION = K8S / "kustomization.yaml"
+MONITORING = K8S / "monitoring.yaml"
+NETWORK_POLICY = K8S / "networkpolicy.yaml"
+DASHBOARD = K8S / "dashboards" / "splitkey.json"
+
+
+def test_the_kustomize_base_holds_the_cpu_deployment_and_files_that_exist():
+    doc = yaml.safe_load(KUSTOMIZATION.read_text())
+    assert doc["apiVersion"] == "kustomize.config.k8s.io/v1beta1" and doc["kind"] == "Kustomization"
+    assert doc["resources"] == ["raycluster.yaml", "frontend.yaml", "networkpolicy.yaml", "monitoring.yaml"]
+    (generated,) = doc["configMapGenerator"]
+    files = [*doc["resources"], *generated["files"]]
+    assert all((K8S / f).is_file() and (K8S / f).resolve().is_relative_to(K8S) for f in files), files
+    assert generated["options"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar looks for
+    # Every object the base creates has a name no other object of its kind has.
+    objects = [(d["kind"], d["metadata"]["name"]) for f in doc["resources"] for d in yaml_docs(K8S / f)]
+    assert len(objects) == len(set(objects)), objects
+
+
+def test_the_service_monitor_has_the_crds_required_fields_and_scrapes_the_metrics_port():
+    # The ServiceMonitor CRD (monitoring.coreos.com/v1): spec.selector is required; each endpoint names a port
+    # of the selected Services by name (or targetPort); interval and scrapeTimeout are Prometheus durations.
+    docs = yaml_docs(MONITORING)
+    monitor, service = only(docs, "ServiceMonitor"), only(docs, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and dns1035(monitor["metadata"]["name"], 63)
+    assert set(monitor["spec"]) <= {"selector", "endpoints", "namespaceSelector", "jobLabel", "podTargetLabels",
+                                    "targetLabels", "sampleLimit"}, monitor["spec"]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items(), "the ServiceMonitor selects no Service"
+    ports = {p["name"]: p for p in service["spec"]["ports"]}
+    duration = re.compile(r"(\d+(ms|s|m|h))+")
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert set(endpoint) <= {"port", "targetPort", "path", "scheme", "interval", "scrapeTimeout", "honorLabels",
+                                 "relabelings", "metricRelabelings"}, endpoint
+        assert endpoint["port"] in ports and endpoint["path"] == "/metrics" and endpoint["scheme"] in ("http", "https")
+        assert duration.fullmatch(endpoint["interval"]) and duration.fullmatch(endpoint["scrapeTimeout"])
+        assert ports[endpoint["port"]]["port"] == METRICS_PORT
+    # The Service reaches the front ends' metrics port, the one splitkey serves /metrics on without the key.
+    frontend = yaml_docs(FRONTEND)
+    labels = only(frontend, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    container = _frontend_container(frontend)
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert named[ports["metrics"]["targetPort"]] == int(env["SPLITKEY_METRICS_PORT"]) == METRICS_PORT
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector (matchLabels, matchExpressions In/NotIn/Exists) selects ``labels``."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        ok = {"In": lambda: labels.get(e["key"]) in e["values"],
+              "NotIn": lambda: labels.get(e["key"]) not in e["values"],
+              "Exists": lambda: e["key"] in labels}[e["operator"]]()
+        if not ok:
+            return False
+    return True
+
+
+def reachable(policies: list[dict[str, Any]], labels: dict[str, str], ports: set[int]) -> dict[str, set[int]]:
+    """The ports of a pod with ``labels`` (of ``ports``) that each kind of peer may reach under ``policies``:
+    ``anywhere`` (a rule without ``from``, or an ipBlock), ``cluster`` (a namespaceSelector), ``namespace``
+    (a podSelector alone). A pod no policy selects is open to anywhere."""
+    chosen = [p for p in policies if selects(p["spec"]["podSelector"], labels)]
+    if not chosen:
+        return {"anywhere": set(ports), "cluster": set(ports), "namespace": set(ports)}
+    out: dict[str, set[int]] = {"anywhere": set(), "cluster": set(), "namespace": set()}
+    for policy in chosen:
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        for rule in policy["spec"].get("ingress", []):
+            allowed = {p["port"] for p in rule["ports"]} & ports if "ports" in rule else set(ports)
+            peers = rule.get("from")
+            kinds = {"anywhere"} if not peers else {
+                "anywhere" if "ipBlock" in peer else "cluster" if "namespaceSelector" in peer else "namespace"
+                for peer in peers}
+            widest = "anywhere" if "anywhere" in kinds else "cluster" if "cluster" in kinds else "namespace"
+            for kind in ("namespace", "cluster", "anywhere")[:("namespace", "cluster", "anywhere").index(widest) + 1]:
+                out[kind] |= allowed
+    return out
+
+
+def ray_pod_ports() -> dict[str, tuple[dict[str, str], set[int]]]:
+    """The RayCluster's pods (head, worker) and the front end: their labels and the ports they listen on
+    (the declared ones and Ray's own: GCS, client server, raylet, object manager, workers)."""
+    ray_ports = {6379, 8265, 8080, 10001, 8076, 8077, 52365} | set(range(10002, 10010))
+    pods = {}
+    for where, template in pod_templates():
+        if where.startswith(("raycluster.yaml", "frontend.yaml")):
+            labels = template["metadata"]["labels"]
+            declared = {p["containerPort"] for c in containers_of(template) for p in c.get("ports", [])}
+            pods[labels["app.kubernetes.io/component"]] = (labels, declared | ray_ports)
+    assert set(pods) == {"ray-head", "ray-worker", "frontend"}, set(pods)
+    return pods
+
+
+def test_ray_ports_are_reached_only_from_the_namespace_and_the_api_from_anywhere():
+    policies = yaml_docs(NETWORK_POLICY)
+    assert {d["kind"] for d in policies} == {"NetworkPolicy"}
+    pods = ray_pod_ports()
+    for component in ("ray-head", "ray-worker"):
+        labels, ports = pods[component]
+        peers = reachable(policies, labels, ports)
+        assert peers["anywhere"] == set(), (component, peers["anywhere"])
+        assert peers["cluster"] <= {8265, 8080}, (component, peers["cluster"])  # dashboard (operator), metrics
+        assert peers["namespace"] == ports, component  # the cluster's own nodes reach each other
+    labels, ports = pods["frontend"]
+    peers = reachable(policies, labels, ports)
+    assert peers["anywhere"] == {HTTP_PORT} and peers["cluster"] == {HTTP_PORT, METRICS_PORT}
+    assert peers["namespace"] == ports  # a Ray node too: the workers reach its driver
+
+
+def test_the_network_policy_check_sees_a_ray_port_opened_to_anywhere():
+    opened = yaml_docs(NETWORK_POLICY)
+    opened[0]["spec"]["ingress"].append({"ports": [{"port": 6379, "protocol": "TCP"}]})
+    labels, ports = ray_pod_ports()["ray-head"]
+    assert reachable(opened, labels, ports)["anywhere"] == {6379}
+    assert reachable([], labels, ports)["anywhere"] == ports  # no policy: open
+
+
+def exported_names() -> set[str]:
+    """The sample names /metrics can carry, from the service's own registry."""
+    from service.core.metrics import Metrics
+
+    names = set()
+    for family in Metrics().registry.collect():
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(family.type, ("",))
+        names |= {family.name + s for s in suffixes}
+    return names
+
+
+def dashboard_metric_names(dashboard: dict[str, Any]) -> set[str]:
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert exprs, "a dashboard with no query"
+    return {name for expr in exprs for name in re.findall(r"\bsplitkey_[a-z_]+\b", expr)}
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_service_exports():
+    import json as json_module
+
+    dashboard = json_module.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "splitkey" and dashboard["panels"]
+    used = dashboard_metric_names(dashboard)
+    assert not used - exported_names(), sorted(used - exported_names())
+    # The ones an operator reads first are there: traffic, latency by stage, capacity, the workers.
+    assert {"splitkey_requests_total", "splitkey_request_stage_seconds_bucket", "splitkey_inflight_requests",
+            "splitkey_workers", "splitkey_worker_held_bytes", "splitkey_context_shards"} <= used
+    datasources = {t["datasource"]["uid"] for panel in dashboard["panels"] for t in panel["targets"]}
+    assert datasources == {"${datasource}"}, "every query through the dashboard's Prometheus variable"
+
+
+def test_the_dashboard_check_sees_a_renamed_metric():
+    old = {"panels": [{"targets": [{"expr": "rate(splitkey_repair_rounds[5m])"}]}]}  # the name before issue 51
+    assert dashboard_metric_names(old) - exported_names() == {"splitkey_repair_rounds"}
