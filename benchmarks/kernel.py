@@ -24,8 +24,8 @@ Everything runs in one process with the same number of threads for everyone:
   ``partial_attention_resident``) and on the contract layout
   (``partial_attention``: inline requests);
 * the fused kernel (``cpu_kernels="fused"``, workers/fused.py): numba threads =
-  ``T``, on both layouts, decode only (prefill-shaped calls run the NumPy kernel
-  whatever the option says, so prefill is not repeated for it);
+  ``T``, on both layouts for decode; for prefill on the resident layout only
+  (prefill over the contract layout runs the NumPy kernel whatever the option says);
 * naive NumPy: scores materialised per kv head, softmax, ``p @ v``; BLAS at ``T``;
 * PyTorch SDPA on CPU: ``torch.set_num_threads(T)``; q ``[1, h_q, n_q, d]``, k
   and v in SDPA's layout ``[1, h_kv, n_k, d]`` with ``enable_gqa=True`` (no
@@ -357,7 +357,7 @@ class Row:
         return self.roof_bytes / cell.median / 1e9 if cell is not None and self.roof_bytes else None
 
 
-IMPLS = ("resident", "inline", "naive", "sdpa")
+IMPLS = ("resident", "fused_resident", "inline", "naive", "sdpa")
 #: Decode adds the fused kernel on both layouts.
 DECODE_IMPLS = ("resident", "inline", "fused_resident", "fused_inline", "naive", "sdpa")
 FUSED = CpuKernels.FUSED
@@ -432,6 +432,8 @@ def run_case(row: Row, n_q: int, n_k: int, causal: bool, args: argparse.Namespac
         first["roof_resident"] = lambda: ours_resident(q, roof_view, causal, args.threads, FUSED)
         first["roof_inline"] = lambda: ours_inline(q, roof_k, roof_v, causal, args.threads, FUSED)
         row.roof_bytes = float(2 * n_roof * h_kv * d * dt.itemsize)
+    if n_q > 1:  # prefill: the fused kernel on the resident layout (workers.fused.choose)
+        first["fused_resident"] = lambda: ours_resident(q, view, causal, args.threads, FUSED)
     if torch is not None:
         v_sdpa = torch.from_numpy(view.v)[None]  # [1, h_kv, n_k, d], each head contiguous
         first["sdpa"] = lambda: sdpa(torch, q, k_sdpa, v_sdpa, causal)
@@ -535,12 +537,12 @@ def instruction_sets() -> str:
 
 
 def table_row(head: list[str], row: Row, limit: float) -> str:
-    """``head`` cells, then rates of the four implementations, ratios to SDPA and to ``limit``, the diff."""
+    """``head`` cells, then rates of the five implementations, ratios to SDPA and to ``limit``, the diff."""
     c = row.cells
-    share = [f"{row.work / c[n].median / 1e9 / limit:.0%}" if n in c else "-" for n in ("resident", "inline")]
+    ours = ("resident", "fused_resident", "inline")
+    share = [f"{row.work / c[n].median / 1e9 / limit:.0%}" if n in c else "-" for n in ours]
     cells = [*head, *(rate(row.work, c.get(n)) for n in IMPLS),
-             ratio(c.get("resident"), c.get("sdpa")), ratio(c.get("inline"), c.get("sdpa")), *share,
-             f"{row.max_diff:.1e}"]
+             *(ratio(c.get(n), c.get("sdpa")) for n in ours), *share, f"{row.max_diff:.1e}"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -636,9 +638,10 @@ def report(args: argparse.Namespace, argv: list[str], limits: dict[str, tuple[fl
         "",
         f"### Prefill: n_q={n_q}, n_k={n_k}, same heads, float32 (GFLOP/s, 4 n_q h_q n_k d)",
         "",
-        ("| case | splitkey resident | splitkey inline | naive NumPy | SDPA | resident / SDPA | inline / SDPA "
-         "| resident / sgemm | inline / sgemm | max abs diff |"),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ("| case | splitkey resident | fused resident | splitkey inline | naive NumPy | SDPA | resident / SDPA "
+         "| fused resident / SDPA | inline / SDPA | resident / sgemm | fused resident / sgemm | inline / sgemm "
+         "| max abs diff |"),
+        "| --- " * 13 + "|",
     ]
     for row in prefill:
         lines.append(table_row([row.label + " *" * row.two_phases], row, sgemm_gfs))

@@ -4,8 +4,8 @@ The plan (``workers.plan``) cuts the call into work items; each streams its key
 range through ``workers.blockwise.stream``; key-split parts of one tile merge in
 key order, so the result does not depend on which thread finished first.
 
-With ``KernelOptions.cpu_kernels = "fused"``, decode-shaped calls run on the
-numba kernel of ``workers.fused`` instead (``workers.fused.choose`` says which).
+With ``KernelOptions.cpu_kernels = "fused"``, decode and prefill over resident keys run on
+the numba kernel of ``workers.fused`` instead (``workers.fused.choose`` says which).
 
 Several problems over the same keys (requests that reached a worker together,
 ``workers.batch``) run as one call when :func:`workers.plan.batchable`: every

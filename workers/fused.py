@@ -1,4 +1,4 @@
-"""The fused CPU kernel: decode-shaped tiles in one pass per key block (``workers.fused_kernels``).
+"""The fused CPU kernel: query rows in one pass per key block (``workers.fused_kernels``).
 
 The NumPy kernel (``workers.blockwise``) issues separate BLAS calls and softmax
 passes per block, re-reading each score tile; for decode, where reading K and V
@@ -7,11 +7,12 @@ and keeps m, l, acc in L1 streams closer to the memory bandwidth
 (docs/BENCHMARKS.md, "CPU kernels (issues 2 and 16)").
 
 * **Selection** (:func:`choose`): ``KernelOptions.cpu_kernels`` says which kernel
-  is wanted; the fused one runs only for decode-shaped tiles (at most
-  ``plan.DECODE_ROWS`` rows per kv head), key arrays whose innermost axis is
-  contiguous, K and V of one dtype accumulated as that dtype implies (the kernels
-  :func:`warm` compiles), and when numba loaded. Everything else runs on the NumPy
-  kernel, which stays the reference.
+  is wanted; the fused one runs decode and, on the resident layout, prefill
+  (its register tiles outrun BLAS's small-``d`` products there: docs/BENCHMARKS.md,
+  "Prefill"), for key arrays whose innermost axis is contiguous, K and V of one
+  dtype accumulated as that dtype implies (the kernels :func:`warm` compiles), and
+  when numba loaded. Everything else runs on the NumPy kernel, which stays the
+  reference. A prefill-shaped call runs its rows in tiles of :data:`ROW_TILE`.
 * **Fallback**: when numba cannot be imported or a kernel fails to compile, one
   log line says so and the NumPy kernel answers; a failed call never leaves a
   partial result behind (outputs are fresh arrays).
@@ -45,6 +46,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from merge import NO_SCORE, State, merge_group
+from workers.cutoff import Cut, check
 from workers.dtypes import BFLOAT16, FLOAT16, FLOAT32, FLOAT64, accumulation_dtype
 from workers.layout import NaturalKV, StreamingView
 from workers.options import CpuKernels, KernelOptions
@@ -64,6 +66,11 @@ log = logging.getLogger(__name__)
 INLINE_BLOCK, RESIDENT_BLOCK = 64, 1024
 #: Work units per thread (key chunks, x kv heads for the resident layout): load balance.
 UNITS_PER_THREAD = 4
+#: Rows per kernel call at most: a prefill-shaped call runs its rows in tiles of this many, so that
+#: each unit's score scratch ``[rows, block]`` (1 MiB of float32 at the resident block) stays in L2.
+#: Each row's arithmetic depends on that row alone, so the tiles change no bit. Work whose deadline
+#: has passed stops between tiles (``workers.cutoff``).
+ROW_TILE = 256
 #: The dtypes of K and V the fused kernel serves, each compiled at worker start (:func:`warm`).
 WARM_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -142,9 +149,11 @@ def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPat
     if kopts.cpu_kernels is CpuKernels.NUMPY or (kopts.cpu_kernels is CpuKernels.AUTO and ready_at() is None):
         return CpuPath.NUMPY
     p0 = problems[0]
-    if p0.n_q == 0 or p0.n_k == 0 or p0.n_q * p0.group > DECODE_ROWS:
-        return CpuPath.NUMPY  # empty (nothing to stream) or prefill-shaped: BLAS is at its best there
+    if p0.n_q == 0 or p0.n_k == 0:
+        return CpuPath.NUMPY  # nothing to stream
     if isinstance(kv, NaturalKV):
+        if p0.n_q * p0.group > DECODE_ROWS:
+            return CpuPath.NUMPY  # prefill over the contract layout: its dot loop is no faster than BLAS
         arrays = (kv.k, kv.v)
     elif isinstance(kv, StreamingView):
         arrays = (kv.kt, kv.v)
@@ -237,8 +246,21 @@ def run_fused(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingVie
     acc_out = np.zeros((n_chunks, h_kv, n_rows, d_v), dtype=acc_dt)
     fn = mod.resident_kernel if resident else mod.inline_kernel
     _set_threads(kopts.threads)
-    fn(q_all, k_flat, ks[0], ks[1], v_flat, vs[0], vs[1], n_k, d_v, kpos, arange, kpos0, qpos, cap, slope,
-       has_alibi, lo, hi, has_lo, has_hi, masked, block, bounds, acc_dt.type(0), m_out, l_out, acc_out)
+    if n_rows <= ROW_TILE:
+        fn(q_all, k_flat, ks[0], ks[1], v_flat, vs[0], vs[1], n_k, d_v, kpos, arange, kpos0, qpos, cap, slope,
+           has_alibi, lo, hi, has_lo, has_hi, masked, block, bounds, acc_dt.type(0), m_out, l_out, acc_out)
+    else:
+        for t0 in range(0, n_rows, ROW_TILE):
+            check()  # a prefill past its deadline stops between tiles (a tile is one compiled call)
+            t1 = min(t0 + ROW_TILE, n_rows)
+            # The tile's rows, contiguous as the compiled kernel's arguments are: its states
+            # m [C, h_kv, T], l [C, h_kv, T], acc [C, h_kv, T, d_v] go back into the call's.
+            m_t, l_t, acc_t = (np.ascontiguousarray(a[:, :, t0:t1]) for a in (m_out, l_out, acc_out))
+            fn(np.ascontiguousarray(q_all[:, t0:t1]), k_flat, ks[0], ks[1], v_flat, vs[0], vs[1], n_k, d_v, kpos,
+               arange, kpos0, qpos[t0:t1], cap[t0:t1], np.ascontiguousarray(slope[:, t0:t1]), has_alibi[t0:t1],
+               lo[t0:t1], hi[t0:t1], has_lo[t0:t1], has_hi[t0:t1], masked, block, bounds, acc_dt.type(0),
+               m_t, l_t, acc_t)
+            m_out[:, :, t0:t1], l_out[:, :, t0:t1], acc_out[:, :, t0:t1] = m_t, l_t, acc_t
     states = []
     r0 = 0
     for (_, p), n in zip(parts, sizes):
@@ -261,6 +283,8 @@ def try_fused(parts: Sequence[tuple[Any, Problem]], kv: Any, kopts: KernelOption
     """:func:`run_fused`, or None after one log line when the compiled path fails (the caller runs NumPy)."""
     try:
         return run_fused(parts, kv, kopts)
+    except Cut:
+        raise  # the request's deadline passed: not a failure of the kernel
     except MemoryError:
         # Out of memory for this call's states or scratch, not a broken kernel: NumPy's blocks
         # take less, and the next call tries the fused path again.
@@ -342,7 +366,7 @@ def warm_in_background(threads: int = 1) -> threading.Thread:
             return
         took = warm(threads=threads)  # from the disk cache now
         if ready_at() is not None:
-            log.info("fused CPU kernel ready (loaded in %.1f s): it serves decode-shaped calls from now on",
+            log.info("fused CPU kernel ready (loaded in %.1f s): it serves the calls it can from now on",
                      sum(took.values()))
 
     thread = threading.Thread(target=run, name="splitkey-fused-warm", daemon=True)

@@ -151,8 +151,8 @@ class CpuKernels(enum.Enum):
 
     #: The blockwise NumPy/BLAS kernel (``workers.blockwise``): the reference, and the library's default.
     NUMPY = "numpy"
-    #: The numba kernel of ``workers.fused`` for decode-shaped tiles (one pass per key
-    #: block), NumPy elsewhere and wherever numba is unavailable; compiled on first use.
+    #: The numba kernel of ``workers.fused`` for decode and for prefill over resident keys (one
+    #: pass per key block), NumPy elsewhere and wherever numba is unavailable; compiled on first use.
     FUSED = "fused"
     #: FUSED once this process has compiled (or loaded) the fused kernels (``workers.fused.warm``),
     #: NUMPY until then: a call never waits for a compile. A worker's default: it serves at once

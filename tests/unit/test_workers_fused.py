@@ -177,6 +177,50 @@ def test_batched_decode_is_bitwise_each_query_alone(rng, dtype, block, n_k):
             assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16, np.float16], ids=lambda t: np.dtype(t).name)
+def test_prefill_over_resident_keys_runs_in_row_tiles_and_matches_reference(rng, monkeypatch, case, dtype):
+    # 21 queries x 4 rows = 84 rows per kv head, in tiles of 16: five whole tiles and a short one.
+    monkeypatch.setattr(fused, "ROW_TILE", 16)
+    _, k, v, k_pos, _ = make(rng, dtype=dtype, n_k=700)
+    q = rng.standard_normal((21, 8, 16)).astype(dtype)  # [n_q, h_q, d]
+    q_pos = np.sort(rng.integers(int(k_pos[0]), int(k_pos[-1]) + 3, 21))
+    kw, opts, alibi = options_of(case, 8, rng)
+    out, lse = run("resident", q, k, v, k_pos, q_pos, opts, fused_opts(threads=2), shards=2)
+    assert fused.available()  # the tiles ran compiled: no fallback to NumPy
+    assert_close_to_reference(out, lse, q, k, v, q_pos=q_pos, k_pos=k_pos, alibi_slopes=alibi, **kw)
+
+
+def test_prefill_rows_are_bitwise_each_query_alone_whatever_the_row_tiles(rng, monkeypatch):
+    _, k, v, k_pos, _ = make(rng, dtype=BFLOAT16, n_k=2603)
+    view = StreamingKV.from_arrays(k, v, k_pos).snapshot()
+    q = rng.standard_normal((12, 8, 16)).astype(BFLOAT16)  # 48 rows per kv head: prefill-shaped
+    q_pos = np.sort(rng.integers(int(k_pos[0]), int(k_pos[-1]), 12))
+    opts, kernel = AttentionOptions(causal=True, softcap=4.0), fused_opts(threads=2)
+    whole = partial_attention_resident(q, view, q_pos=q_pos, options=opts, kernel=kernel)  # one tile
+    monkeypatch.setattr(fused, "ROW_TILE", 8)
+    tiled = partial_attention_resident(q, view, q_pos=q_pos, options=opts, kernel=kernel)  # six tiles
+    for i in range(12):
+        alone = partial_attention_resident(q[i:i + 1], view, q_pos=q_pos[i:i + 1], options=opts, kernel=kernel)
+        for st in (whole, tiled):
+            for a, b in zip((st.m, st.l, st.acc), (alone.m, alone.l, alone.acc)):
+                assert np.array_equal(a[i:i + 1], b)
+    assert fused.available()
+
+
+def test_a_prefill_past_its_deadline_stops_between_row_tiles_and_keeps_the_kernel(rng, monkeypatch):
+    from workers import cutoff
+
+    monkeypatch.setattr(fused, "ROW_TILE", 8)
+    _, k, v, k_pos, _ = make(rng, n_k=300)
+    view = StreamingKV.from_arrays(k, v, k_pos).snapshot()
+    q = rng.standard_normal((6, 8, 16)).astype(np.float32)  # 24 rows per kv head: three tiles
+    q_pos = np.full(6, int(k_pos[-1]))
+    with cutoff.until(0.0), pytest.raises(cutoff.Cut):  # a deadline long past
+        partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(), kernel=fused_opts())
+    assert fused.available()  # a cut is no failure of the compiled path
+
+
 # -- selection and fallback ---------------------------------------------------------------------
 
 def problem_and_kv(rng, n_q=1, layout="inline"):
@@ -196,8 +240,10 @@ def test_choose_runs_fused_only_where_asked_and_decode_shaped(rng):
     assert fused.choose([p], view, fused_opts()) is fused.CpuPath.FUSED
     _, p, kv = problem_and_kv(rng, n_q=5)  # 5 x 4 = 20 rows per kv head: still decode-shaped
     assert fused.choose([p], kv, fused_opts()) is fused.CpuPath.FUSED
-    _, p, kv = problem_and_kv(rng, n_q=9)  # 36 rows: prefill-shaped, BLAS
+    _, p, kv = problem_and_kv(rng, n_q=9)  # 36 rows: prefill-shaped over the contract layout, BLAS
     assert fused.choose([p], kv, fused_opts()) is fused.CpuPath.NUMPY
+    _, p, view = problem_and_kv(rng, n_q=9, layout="resident")  # over the resident layout: the register tiles
+    assert fused.choose([p], view, fused_opts()) is fused.CpuPath.FUSED
 
 
 def test_auto_picks_numpy_until_this_process_has_warmed_the_kernels_then_fused(rng, monkeypatch):
