@@ -25,6 +25,7 @@ The rules (:func:`check`), per context:
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -45,12 +46,17 @@ def stream(seed: int, ctx: int, length: int) -> tuple[np.ndarray, np.ndarray]:
     """``k, v [length, H_KV, D]`` (float32): the first ``length`` keys of context ``ctx``'s stream."""
     if length % CHUNK:
         raise ValueError(f"length must be a multiple of {CHUNK}, got {length}")
-    blocks = [np.random.default_rng([seed, ctx, b]).standard_normal((2, CHUNK, H_KV, D)).astype(np.float32)
-              for b in range(length // CHUNK)]
+    blocks = [_block(seed, ctx, b) for b in range(length // CHUNK)]
     if not blocks:
         return np.zeros((0, H_KV, D), np.float32), np.zeros((0, H_KV, D), np.float32)
     kv = np.concatenate(blocks, axis=1)
     return kv[0], kv[1]
+
+
+@functools.cache
+def _block(seed: int, ctx: int, b: int) -> np.ndarray:
+    """``[2, CHUNK, H_KV, D]``: k and v of chunk ``b`` (kept: a soak's checker reads each many times)."""
+    return np.random.default_rng([seed, ctx, b]).standard_normal((2, CHUNK, H_KV, D)).astype(np.float32)
 
 
 def query(seed: int, ctx: int, serial: int) -> np.ndarray:
