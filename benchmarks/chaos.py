@@ -19,8 +19,9 @@ Each request goes to one of the front ends at random. A scheduler injects a faul
 ``--gap`` seconds (a random kind of ``--faults``): ``worker_kill`` (SIGKILL a shard worker),
 ``worker_pause`` (SIGSTOP, SIGCONT 3-12 s later), ``directory_kill`` (``ray.kill``, Ray restarts
 it), ``frontend_term`` / ``frontend_kill`` (SIGTERM / SIGKILL a front end, then start it again),
-``segment_corrupt`` (flip a byte of a stored segment, then SIGKILL the worker that holds it, so
-that it reloads its folder), ``persist_full`` (fill the persist filesystem for 3-8 s; only where a
+``segment_corrupt`` (flip a byte of a stored segment of a context with two replicas, then SIGKILL
+the worker that holds it, so that it reloads its folder; a context's only copy damaged is lost by
+design, docs/RELIABILITY.md "A damaged store"), ``persist_full`` (fill the persist filesystem for 3-8 s; only where a
 tmpfs can be mounted for it, i.e. as root: else left out and said so), ``node_pause`` (a stand-in
 for a partition: SIGSTOP a non-head node's raylet and every process under it, SIGCONT 3-10 s
 later). Then the faults stop, the service is given up to 120 s to recover, every context is read
@@ -42,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,10 @@ class Workload:
             self.contexts.append(c)
         return c
 
+    def replicated(self) -> set[str]:
+        with self._lock:
+            return {c.id for c in self.contexts if c.id is not None and c.replicas >= 2 and not c.deleted}
+
     def create(self, c: Context) -> bool:
         k, v = stream(self.seed, c.ctx, FIRST)
         t0 = self.history.now()
@@ -403,6 +408,7 @@ class Injector:
     persist: Path
     rng: random.Random
     stop: threading.Event
+    replicated: Callable[[], set[str]]  #: ids of the contexts with two replicas or more, now
 
     def worker_kill(self) -> str:
         pids = worker_pids()
@@ -427,9 +433,10 @@ class Injector:
         return self._restart(signal.SIGKILL)
 
     def segment_corrupt(self) -> str:
-        segments = sorted(self.persist.glob("*/*/*/*.safetensors"))
+        ids = self.replicated()  # one replica damaged: the other must serve (one replica: lost, by design)
+        segments = sorted(s for s in self.persist.glob("*/*/*/*.safetensors") if s.parts[-3] in ids)
         if not segments:
-            return "no segment stored"
+            return "no segment of a replicated context stored"
         seg = self.rng.choice(segments)
         data = bytearray(seg.read_bytes())
         at = self.rng.randrange(len(data) // 2, len(data))  # past the header: in the tensors
@@ -454,7 +461,7 @@ class Injector:
         return "filled"
 
     def node_pause(self) -> str:
-        node = self.rng.choice(self.cluster.worker_nodes)
+        node = self.rng.choice(list(self.cluster.worker_nodes))
         raylet = node.all_processes["raylet"][0].process.pid
         pids = [raylet, *(p.pid for p in psutil.Process(raylet).children(recursive=True))]
         return self._paused(pids, self.rng.uniform(3, 10), f"node raylet {raylet} and {len(pids) - 1} under it")
@@ -535,7 +542,7 @@ def _run(opts: Options, cluster: Any, front_ends: Sequence[FrontEnd], persist: P
         if not work.create(c):
             raise RuntimeError(f"the context of {c.replicas} replicas could not be created: {history.ops[-1]}")
     faults_stop = threading.Event()
-    injector = Injector(cluster, front_ends, persist, random.Random(rng.random()), faults_stop)
+    injector = Injector(cluster, front_ends, persist, random.Random(rng.random()), faults_stop, work.replicated)
     threads = [threading.Thread(target=work.writer, args=(c,)) for c in long_lived]
     threads += [threading.Thread(target=work.reader, args=(random.Random(rng.random()),)) for _ in range(opts.readers)]
     threads.append(threading.Thread(target=work.churn, args=(random.Random(rng.random()),)))

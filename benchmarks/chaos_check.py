@@ -130,9 +130,11 @@ def matching_lengths(op: dict[str, Any], seed: int, most: int) -> list[int]:
     """The prefix lengths (multiples of CHUNK, up to ``most``) whose float64 answer ``op``'s answer matches."""
     k, v = stream(seed, op["ctx"], most)
     out64, lse64 = prefix_answers(query(seed, op["ctx"], op["q"]), k, v)
-    out, lse = np.asarray(op["out"], np.float64), np.asarray(op["lse"], np.float64)
-    return [n for n in range(CHUNK, most + 1, CHUNK)
-            if np.allclose(out, out64[n], rtol=RTOL, atol=ATOL) and np.allclose(lse, lse64[n], rtol=RTOL, atol=ATOL)]
+    out, lse = np.asarray(op["out"], np.float64).reshape(H_Q, D), np.asarray(op["lse"], np.float64).reshape(H_Q)
+    lengths = np.arange(CHUNK, most + 1, CHUNK)
+    close = (np.abs(out - out64[lengths]) <= ATOL + RTOL * np.abs(out64[lengths])).all(axis=(1, 2))
+    close &= (np.abs(lse - lse64[lengths]) <= ATOL + RTOL * np.abs(lse64[lengths])).all(axis=1)
+    return [int(n) for n in lengths[close]]
 
 
 def _check_read(op: dict[str, Any], ctx: _Context, seed: int, report: Report) -> None:
@@ -206,11 +208,13 @@ class FaultFigures:
 
 def availability(history: Sequence[dict[str, Any]]) -> dict[str, FaultFigures]:
     """Per fault kind, the figures of :class:`FaultFigures`; ``"none"``: requests before the first fault."""
-    faults = sorted((op for op in history if op["op"] == "fault"), key=lambda op: op["t0"])
+    faults = sorted((op for op in history if op["op"] == "fault" and not op["target"].startswith("not injected")),
+                    key=lambda op: op["t0"])
     requests = [op for op in history if op["op"] in ("read", "append")]
     writers = {op["ctx"] for op in requests if op["op"] == "append" and op.get("writer")}
     figures: dict[str, FaultFigures] = {"none": FaultFigures("none")}
     starts = [f["t0"] for f in faults] + [float("inf")]
+    history_end = max((op["t1"] for op in requests), default=0.0)
     for i, fault in enumerate(faults):
         fig = figures.setdefault(fault["kind"], FaultFigures(fault["kind"]))
         fig.injected += 1
@@ -221,7 +225,7 @@ def availability(history: Sequence[dict[str, Any]]) -> dict[str, FaultFigures]:
         back = [min((op["t1"] for op in requests if op["ctx"] == c and op["op"] == "append"
                      and op["outcome"] == "ok" and op["t0"] >= fault["t1"]), default=float("inf"))
                 for c in writers]
-        if back and max(back) <= starts[i + 1]:
+        if back and max(back) <= min(starts[i + 1], history_end):
             fig.recovery_s.append(max(back) - fault["t1"])
         else:
             fig.unrecovered += 1
