@@ -576,7 +576,8 @@ def summarize(opts: Options, ops: list[dict[str, Any]], kinds: Sequence[str], mo
         "operations": len(ops), "reads_checked": report.reads_checked,
         "appends_acknowledged": report.appends_acknowledged, "finals_checked": report.finals_checked,
         "unavailable_at_end": report.unavailable_at_end, "recovered_after_faults_s": recovery,
-        "violations": {rule: report.count(rule) for rule in ("lost_ack", "unsent", "wrong", "resurrected")},
+        "violations": {rule: report.count(rule) for rule in ("stale_read", "lost_ack", "unsent", "wrong",
+                                                                       "resurrected")},
         "violation_examples": [{"rule": v.rule, "ctx": v.ctx, "detail": v.detail, "op": v.op}
                                for v in report.violations[:10]],
         "not_injected_errors": [op for op in ops if op["op"] == "fault" and op["target"].startswith("not injected")],

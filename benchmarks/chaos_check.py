@@ -15,12 +15,13 @@ The rules (:func:`check`), per context:
 
 * A read that began at ``t0`` and ended at ``t1`` may reflect any prefix from the length
   *acknowledged* before ``t0`` to the length *sent* (acknowledged or not) by ``t1``: an append
-  concurrent with the read may be seen or not. Reflecting a shorter prefix is a **lost
-  acknowledged write** (``lost_ack``); a longer one, keys never acknowledged nor sent by then
-  (``unsent``); no prefix at all (a hole, a wrong key, a wrong merge) a **wrong answer** (``wrong``).
-* After the faults (``final``): the length must be at least every acknowledged length and at
-  most the keys sent, and the answer that of that prefix; a deleted context must be gone
-  (``resurrected`` if it answers).
+  concurrent with the read may be seen or not. Reflecting a shorter prefix is a **stale read**
+  (``stale_read``: an answer that misses an acknowledged append, which the context may still
+  hold); a longer one, keys never acknowledged nor sent by then (``unsent``); no prefix at all (a
+  hole, a wrong key, a wrong merge) a **wrong answer** (``wrong``).
+* After the faults (``final``): the length must be at least every acknowledged length (else a
+  **lost acknowledged write**, ``lost_ack``) and at most the keys sent, and the answer that of
+  that prefix; a deleted context must be gone (``resurrected`` if it answers).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def prefix_answers(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndar
 
 @dataclass
 class Violation:
-    rule: str  #: lost_ack, unsent, wrong, resurrected
+    rule: str  #: stale_read, lost_ack, unsent, wrong, resurrected
     ctx: int
     op: dict[str, Any]
     detail: str
@@ -145,7 +146,7 @@ def _check_read(op: dict[str, Any], ctx: _Context, seed: int, report: Report) ->
     if not seen:
         report.violations.append(Violation("wrong", op["ctx"], op, f"no prefix matches (allowed {lo}..{hi})"))
     elif max(seen) < lo:
-        report.violations.append(Violation("lost_ack", op["ctx"], op, f"saw {max(seen)} keys, {lo} acknowledged"))
+        report.violations.append(Violation("stale_read", op["ctx"], op, f"saw {max(seen)} keys, {lo} acknowledged"))
     else:
         report.violations.append(Violation("unsent", op["ctx"], op, f"saw {min(seen)} keys, {hi} sent by then"))
 

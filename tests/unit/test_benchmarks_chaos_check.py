@@ -65,8 +65,8 @@ def test_a_read_may_see_an_append_that_got_no_answer():
     assert rules([created(), append(FIRST, 2.0, 4.0, "unknown"), read(FIRST + chaos.CHUNK, 5.0, 6.0)]) == []
 
 
-def test_a_read_missing_an_acknowledged_append_is_a_lost_ack():
-    assert rules([created(), append(FIRST, 2.0, 3.0), read(FIRST, 4.0, 5.0)]) == ["lost_ack"]
+def test_a_read_missing_an_acknowledged_append_is_a_stale_read():
+    assert rules([created(), append(FIRST, 2.0, 3.0), read(FIRST, 4.0, 5.0)]) == ["stale_read"]
 
 
 def test_a_final_length_short_of_what_was_acknowledged_is_a_lost_ack():
