@@ -25,8 +25,8 @@ def _serve(args: argparse.Namespace) -> int:
     from service.app import create_app
     from service.core import listener
     from service.core.connections import Connections, open_files_limit
-    from service.http_protocol import JsonErrorsProtocol
     from service.core.settings import ServiceSettings
+    from service.http_protocol import JsonErrorsProtocol
 
     try:
         settings = ServiceSettings(**cli_settings.layered(args, os.environ))
@@ -44,21 +44,18 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"splitkey serve: cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 1
-    if settings.grpc_port:  # tried now, so a port in use fails before Ray starts (the server binds it later)
+    # The other ports are tried now, so that one in use fails before Ray starts; the gRPC server and
+    # service.metrics_listener bind them later.
+    for other_host, other_port, flag in ((settings.host, settings.grpc_port, "--grpc-port"),
+                                         (settings.metrics_host, settings.metrics_port, "--metrics-port")):
+        if not other_port:
+            continue
         try:
-            listen(settings.host, settings.grpc_port).close()
+            listen(other_host, other_port).close()
         except OSError as exc:
             sock.close()
-            print(f"splitkey serve: cannot listen on {settings.host}:{settings.grpc_port} (--grpc-port): "
-                  f"{exc.strerror or exc}", file=sys.stderr)
-            return 1
-    if settings.metrics_port:  # likewise (service.metrics_listener binds it when the app starts)
-        try:
-            listen(settings.metrics_host, settings.metrics_port).close()
-        except OSError as exc:
-            sock.close()
-            print(f"splitkey serve: cannot listen on {settings.metrics_host}:{settings.metrics_port} (--metrics-port): "
-                  f"{exc.strerror or exc}", file=sys.stderr)
+            print(f"splitkey serve: cannot listen on {other_host}:{other_port} ({flag}): {exc.strerror or exc}",
+                  file=sys.stderr)
             return 1
     logs.configure(settings.log_format, settings.log_level)
     log = logging.getLogger("splitkey")
