@@ -349,8 +349,8 @@ class ShardWorker:
             for i, j in enumerate(resident):
                 for r in j.reads:
                     readers.setdefault(r, []).append(i)
-            for r in readers:  # a record older than one noted committed here: the front end reads it again
-                self.store.check_committed(r.context_id, r.version)
+            for r in readers:  # a cached record this worker cannot vouch for: the front end reads it again
+                self.store.check_read(r)
             views = {r: self.store.view(r.context_id, r.index, r.length) for r in readers}  # ShardMissing first
             state_of: dict[tuple[int, ShardRead], State] = {}
             for r, idx in readers.items():

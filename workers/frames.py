@@ -140,7 +140,7 @@ def _query_parts(q: Any, query: ShardQuery, reads: Sequence[ShardRead]) -> tuple
     arrays = [q]
     header: dict[str, Any] = {
         "budget": query.budget_s,
-        "reads": [[r.context_id, r.index, r.length, r.version] for r in reads],
+        "reads": [[r.context_id, r.index, r.length, r.version, r.fresh] for r in reads],
         "options": {"scale": opts.scale, "causal": opts.causal,
                     "window": None if opts.window is None else list(opts.window), "softcap": opts.softcap,
                     "alibi": opts.alibi_slopes is not None},
@@ -154,6 +154,13 @@ def _query_parts(q: Any, query: ShardQuery, reads: Sequence[ShardRead]) -> tuple
     return header, arrays
 
 
+def _read(context_id: Any, index: Any, length: Any, version: Any, fresh: Any = False) -> ShardRead:
+    """One read of a query's header (a front end before 2026-12-07 sent no ``fresh``)."""
+    if not isinstance(fresh, bool):
+        raise ValueError(f"a read's fresh must be a bool, got {fresh!r}")
+    return ShardRead(str(context_id), int(index), int(length), int(version), fresh)
+
+
 def _parse_query_parts(header: Mapping[str, Any], it: Iterator[np.ndarray]) -> tuple[Any, ShardQuery,
                                                                                       tuple[ShardRead, ...]]:
     try:
@@ -165,7 +172,7 @@ def _parse_query_parts(header: Mapping[str, Any], it: Iterator[np.ndarray]) -> t
         options = AttentionOptions(scale=opts["scale"], causal=opts["causal"],
                                    window=None if opts["window"] is None else tuple(opts["window"]),
                                    softcap=opts["softcap"], alibi_slopes=alibi)
-        reads = tuple(ShardRead(str(c), int(i), int(n), int(v)) for c, i, n, v in header["reads"])
+        reads = tuple(_read(*r) for r in header["reads"])
     except (KeyError, TypeError, ValueError, StopIteration, IndexError) as exc:
         raise FrameError(f"a query must carry q, its positions, options and reads: {type(exc).__name__}: {exc}") \
             from None

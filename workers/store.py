@@ -31,7 +31,7 @@ from workers.copies import prefault
 from workers.dtypes import dtype_name, dtype_of
 from workers.layout import ShardKV, ShardView, StreamingKV, bytes_per_key, padded_capacity
 from workers.persist import ShardFiles
-from workers.tasks import ShardWrite
+from workers.tasks import ShardRead, ShardWrite
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,11 @@ class ShardMissing(Exception):
 class RecordStale(Exception):
     """A query read a context record older than one this worker was told is committed.
 
-    The front end caches records (``service.contexts.records_cache``) and names the
-    version it read in each :class:`workers.tasks.ShardRead`; a worker that was noted a
-    newer committed version (``note_context``, sent after every commit and before a
-    write is acknowledged) refuses, and the front end reads the directory again.
+    The front end caches records (``service.contexts.cache``) and names the version it
+    read in each :class:`workers.tasks.ShardRead`; a worker that was noted a newer
+    committed version (``note_context``, sent after every commit and before a write is
+    acknowledged), or none since it loaded the context, refuses (:meth:`ShardStore.check_read`),
+    and the front end reads the directory again.
     """
 
 
@@ -129,8 +130,8 @@ class ShardStore:
         self.files = files  # every write also on disk, durable before it returns (workers.persist)
         self._shards: dict[tuple[str, int], ShardKV] = {}
         self._info: dict[str, dict] = {}  # context_id -> the newest committed context record seen
-        #: context_id -> the newest version noted as committed (note_context only: a create's record may
-        #: not be committed yet, so it does not count here); what check_committed compares with.
+        #: context_id -> the newest version known committed here: noted (note_context; a create's record may
+        #: not be committed yet, so it does not count) or read fresh (check_read); what check_read compares with.
         self._committed: dict[str, int] = {}
         #: (context_id, index) -> a shard a restart found on disk and left there (its budget: :meth:`restore`),
         #: with the record found beside it: reported to a directory rebuild (:meth:`unloaded`).
@@ -312,7 +313,7 @@ class ShardStore:
 
     def note_context(self, context_id: str, record: dict) -> None:
         """Remember the context's committed record (kept if its version is the newest seen); from now on
-        reads of older versions are refused (:meth:`check_committed`).
+        reads of older versions are refused (:meth:`check_read`).
 
         Only for a context this store holds a shard of, checked under the write lock that
         :meth:`drop` holds: a note of an earlier commit that arrives after a delete dropped the
@@ -334,9 +335,10 @@ class ShardStore:
         with self._index:
             old = self._info.get(context_id)
             newest = old is None or record.get("version", 0) >= old.get("version", 0)
+            changed = newest and old != record  # a create's record noted once committed: on disk already
             if newest:
                 self._info[context_id] = dict(record)
-        if newest and persist and self.files is not None:
+        if changed and persist and self.files is not None:
             self.files.save_record(context_id, dict(record))
 
     def _uncommitted(self, context_id: str, index: int) -> bool:
@@ -348,15 +350,32 @@ class ShardStore:
             record = self._info.get(context_id)
         return record is not None and all(s.get("index") != index for s in record.get("shards", ()))
 
-    def check_committed(self, context_id: str, version: int) -> None:
-        """Raise :class:`RecordStale` when a newer version of the context than ``version`` was noted
-        committed here; ``version`` 0 is not checked (a caller that read the directory itself)."""
+    def check_read(self, read: ShardRead) -> None:
+        """Raise :class:`RecordStale` when ``read`` names a record this worker cannot vouch for.
+
+        A read of a record the front end took from the directory for this query (``read.fresh``) is
+        never refused: this worker is listed in it, so its copy holds that version's keys, and it
+        takes the version as noted (a replacement that reloaded its copy from disk, or missed a note,
+        learns it so). A read of a cached record is refused when a newer version was noted here, and
+        also when none was: this worker (re)loaded the context or was listed again since it was last
+        told, so appends acknowledged meanwhile may be missing from its copy (docs/RELIABILITY.md,
+        the soak's stale reads). Version 0 is not checked (a front end of a release before 2026-12-07).
+        """
+        context_id, version = read.context_id, read.version
         if not version:
             return
         with self._index:
-            newest = self._committed.get(context_id, 0)
-        if newest > version:
-            raise RecordStale(f"context {context_id} is at version {newest} or later, the query read {version}")
+            noted = self._committed.get(context_id)
+            if read.fresh:
+                # Only over a shard held here: a read racing a delete must not bring a note back.
+                if (noted is None or noted < version) and (context_id, read.index) in self._shards:
+                    self._committed[context_id] = version
+                return
+        if noted is None:
+            raise RecordStale(f"context {context_id}: no committed version of it was noted on this worker since it "
+                              f"loaded it; the query read version {version}")
+        if noted > version:
+            raise RecordStale(f"context {context_id} is at version {noted} or later, the query read {version}")
 
     def view(self, context_id: str, index: int, length: int) -> ShardView:
         """The first ``length`` keys of a shard (the committed prefix)."""

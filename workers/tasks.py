@@ -69,14 +69,17 @@ class ShardQuery:
 class ShardRead:
     """The committed prefix of one resident shard: keys ``[0, length)`` of shard ``index``.
 
-    ``version`` is the context record's version the front end read the shard from
-    (``workers.store.ShardStore.check_committed``); 0 when it is not to be checked.
+    ``version`` is the context record's version the front end read the shard from; ``fresh``
+    when it read it from the directory for this query, not from its cache
+    (``workers.store.ShardStore.check_read``: a fresh read is never refused). Version 0 is
+    not checked.
     """
 
     context_id: str
     index: int
     length: int
     version: int = 0
+    fresh: bool = False
 
 
 @dataclass(frozen=True, eq=False)

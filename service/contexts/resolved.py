@@ -43,15 +43,14 @@ class Resolved:
                 raise InvalidTensor(f"k, v must have [h_kv, d, d_v] = {[dims.h_kv, dims.d, dims.d_v]} as the "
                                     f"contexts, got {[inline.h_kv, inline.d, inline.d_v]}")
 
-    def version(self, rec: ContextRecord) -> int:
-        """The version a read of ``rec``'s shards names for the workers to check: a cached record's, or
-        0 for one just read from the directory (committed when the query began: whatever commits while
-        it runs, the answer is of a whole committed state, and no check could refuse it rightly)."""
-        return int(rec["version"]) if self.cached else 0
-
     def jobs(self, pool: WorkerSurface, fanin: int) -> list[Job]:
-        """One job per non-empty shard, in key order; only the shard's replicas may run it."""
-        return [Job(work=ResidentWork((ShardRead(rec["id"], shard["index"], shard["length"], self.version(rec)),),
+        """One job per non-empty shard, in key order; only the shard's replicas may run it. Each read names
+        the record's version, and whether it is cached (a worker refuses a cached record it cannot vouch
+        for) or was read from the directory for this query (``fresh``: committed when the query began;
+        whatever commits while it runs, the answer is of a whole committed state, and none is refused).
+        See ``workers.store.ShardStore.check_read``."""
+        return [Job(work=ResidentWork((ShardRead(rec["id"], shard["index"], shard["length"], int(rec["version"]),
+                                                 not self.cached),),
                                       fanin),
                     candidates=tuple(pool.indexes(shard["workers"])),
                     label=f"shard {shard['index']} of context {rec['id']}")

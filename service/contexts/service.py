@@ -191,7 +191,7 @@ class ContextService:
 
     # -- writes ---------------------------------------------------------------
     async def create(self, write: ContextWrite, timings: Timings) -> dict:
-        """A new context holding the write's keys; ``timings`` gets its place, put, store and commit stages."""
+        """A new context holding the write's keys; ``timings`` gets its place, put, store, commit and note stages."""
         kv = write.kv
         n, dims = kv.dims.n_k, kv.dims
         k_pos = self._positions(kv, start=0)
@@ -234,6 +234,10 @@ class ContextService:
             raise
         with timings.measure("commit"):
             await self.directory.commit(record, None)
+        with timings.measure("note"):
+            # Before the answer, as an append's: a holder serves cached reads only of a version it was told is
+            # committed (workers.store.ShardStore.check_read), and this front end's cache has it from now on.
+            await self._note(record)
         self.cache.put(record)
         return self.describe(record)
 

@@ -10,10 +10,16 @@ import asyncio
 import numpy as np
 from faulty_pool import bitwise, kv, read, restart_directory, started, write
 
+from service.cluster.orchestrator import Orchestrator
 from service.contexts import repair
 from service.contexts.repair import Repairer
+from service.contexts.service import ContextService
 from service.contexts.tombstones import forget
+from service.core.errors import ContextLost
 from service.core.metrics import Timings
+from workers.options import AttentionOptions
+from workers.store import RecordStale
+from workers.tasks import ShardQuery
 
 
 def normal(records):
@@ -270,6 +276,63 @@ def test_a_tombstone_younger_than_the_horizon_is_kept(rng, tmp_path):
             await healer.step()
             assert healer.stats.tombstones_forgotten == 0
             assert await pool.tombstones(0) == await pool.tombstones(1) == [ctx]
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
+def reference(k, v, q):
+    """float64 attention of ``q`` [n_q, h_q, d] over every key of ``k``, ``v`` (GQA: h_q a multiple of h_kv)."""
+    group = q.shape[1] // k.shape[1]
+    kk = np.repeat(k.astype(np.float64), group, axis=1)  # [n_k, h_q, d]
+    vv = np.repeat(v.astype(np.float64), group, axis=1)  # [n_k, h_q, d_v]
+    s = np.einsum("qhd,khd->qhk", q.astype(np.float64), kk) / np.sqrt(q.shape[2])  # [n_q, h_q, n_k]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("qhk,khd->qhd", p / p.sum(-1, keepdims=True), vv)
+
+
+async def cached_read(pool, contexts, ids, q):
+    """``out`` of ``q`` over the contexts as a front end's query path reads them: from its record cache when it
+    can, once more from the directory when a worker refuses the cached record (``AttentionService.attention``)."""
+    for fresh in (False, True):
+        resolved = await contexts.resolve(ids, fresh=fresh)
+        n_q = q.shape[0]
+        q_pos = np.arange(resolved.next_pos - n_q, resolved.next_pos, dtype=np.int64)
+        orch = Orchestrator(pool, fanin=2, remote_merge_bytes=2**30)
+        try:
+            out, _ = await orch.run(q, ShardQuery(q_pos, AttentionOptions()), resolved.jobs(pool, 2),
+                                    Timings(), state_nbytes=n_q * q.shape[1] * (resolved.dims.d_v + 2) * 4)
+            return out
+        except (RecordStale, ContextLost):
+            if fresh or not resolved.cached:
+                raise
+            contexts.forget(ids)
+    raise AssertionError("unreachable")
+
+
+def test_a_cached_record_never_reads_a_replica_reloaded_from_disk_after_newer_appends(rng, tmp_path):
+    """The soak's stale read (docs/RELIABILITY.md): a front end caches a record, a holder dies and its
+    replacement reloads the shard from its folder while the repair copies it elsewhere, another front end
+    appends; a query through the old record must not be answered from the reloaded copy's prefix."""
+    async def main():
+        pool, directory, reader = await started(3, persist_dir=tmp_path, record_cache=64, context_shard_keys=1024)
+        writer = ContextService(reader.settings, pool, directory)  # a second front end: its own cache
+        healer = Repairer(pool, directory, writer)
+        try:
+            k, v = kv(rng, 100)
+            ctx = (await writer.create(write(k[:64], v[:64], replicas=2, shards=1), Timings()))["id"]
+            await writer.append(ctx, write(k[64:72], v[64:72]), Timings())
+            q = q_of(rng)
+            out = await cached_read(pool, reader, [ctx], q)  # the reader now caches the record of 72 keys
+            np.testing.assert_allclose(out, reference(k[:72], v[:72], q), atol=1e-5)
+            holders = sorted(pool.indexes((await writer.record(ctx))["shards"][0]["workers"]))
+            pool.kill(holders[0])  # the replica a query picks first (ties go to the lowest index)
+            await healer.step()  # forgotten, replaced (its replacement reloads the shard), copied elsewhere
+            assert healer.stats.workers_replaced == 1
+            await writer.append(ctx, write(k[72:88], v[72:88]), Timings())  # acknowledged: 88 keys
+            out = await cached_read(pool, reader, [ctx], q)
+            np.testing.assert_allclose(out, reference(k[:88], v[:88], q), atol=1e-5)
         finally:
             pool.shutdown()
 

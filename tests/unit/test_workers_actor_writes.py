@@ -11,7 +11,7 @@ from workers import frames
 from workers.actor import ShardWorker
 from workers.config import WorkerConfig
 from workers.store import RecordStale
-from workers.tasks import ShardWrite
+from workers.tasks import ShardRead, ShardWrite
 
 H_KV, D = 2, 8
 
@@ -48,4 +48,4 @@ def test_a_note_over_the_channel_keeps_the_record_and_refuses_older_reads(worker
     assert reply["op"] == "done" and reply["result"] is None
     assert worker.held()[0]["context"] == record
     with pytest.raises(RecordStale):
-        worker.store.check_committed("ctx", 2)
+        worker.store.check_read(ShardRead("ctx", 0, 4, 2))

@@ -11,8 +11,8 @@ from safetensors.numpy import load_file, save_file
 
 from workers import BFLOAT16
 from workers.persist import ShardFiles
-from workers.store import ShardStore
-from workers.tasks import ShardWrite
+from workers.store import RecordStale, ShardStore
+from workers.tasks import ShardRead, ShardWrite
 from faults import flip_data_byte
 
 
@@ -169,7 +169,8 @@ def test_a_note_that_arrives_after_the_context_was_dropped_brings_nothing_back(t
     st.drop("c")
     st.note_context("c", {"version": 2, "id": "c"})
     assert st.held() == [] and not (tmp_path / "c").exists()
-    st.check_committed("c", 1)  # nothing noted: no version refused
+    with pytest.raises(RecordStale, match="no committed version"):  # nothing noted, nothing held: not vouched for
+        st.check_read(ShardRead("c", 0, 50, 2))
     again = restarted(tmp_path)
     assert again.held() == [] and again.files.load() == ([], {})
 

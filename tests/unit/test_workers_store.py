@@ -7,7 +7,7 @@ from reference import contract_layout
 
 from workers.layout import bytes_per_key, padded_capacity
 from workers.store import CapacityError, ShardMissing, ShardStore
-from workers.tasks import ShardWrite
+from workers.tasks import ShardRead, ShardWrite
 
 
 def kv(n, h_kv=2, d=8, d_v=4, seed=0):
@@ -160,21 +160,46 @@ def test_readers_see_the_committed_prefix_while_a_writer_appends():
     assert st.info("c", 0).length == len(k)
 
 
-def test_check_committed_refuses_only_reads_older_than_a_noted_commit():
+def test_a_cached_read_is_refused_when_older_than_a_noted_commit_or_when_none_was_noted():
     from workers.store import RecordStale
+
+    def cached(version):
+        return ShardRead("c1", 0, 10, version)
 
     st = ShardStore(budget_bytes=10**8)
     k, v = kv(10)
     # A create's record is not a commit: a failed append's new shard must not make version 1 look stale.
     st.create(ShardWrite("c1", 0, "float32", 100, np.arange(10)), k, v, context={"version": 2})
-    st.check_committed("c1", 1)
+    with pytest.raises(RecordStale, match="no committed version"):  # nothing noted: nothing vouched for
+        st.check_read(cached(1))
+    st.check_read(cached(0))  # 0: not checked
     st.note_context("c1", {"version": 3})
-    for version in (0, 3, 4):  # 0: not checked; the noted one and newer pass
-        st.check_committed("c1", version)
+    for version in (3, 4):  # the noted one and newer pass
+        st.check_read(cached(version))
     with pytest.raises(RecordStale, match="version 3"):
-        st.check_committed("c1", 2)
+        st.check_read(cached(2))
     st.note_context("c1", {"version": 1})  # an older note changes nothing
     with pytest.raises(RecordStale):
-        st.check_committed("c1", 2)
+        st.check_read(cached(2))
     st.drop("c1")  # the context's last shard gone: what was noted goes with it
-    st.check_committed("c1", 1)
+    with pytest.raises(RecordStale, match="no committed version"):
+        st.check_read(cached(3))
+
+
+def test_a_fresh_read_is_never_refused_and_vouches_for_its_version():
+    """A read of a record just taken from the directory lists this worker: its copy holds that version."""
+    from workers.store import RecordStale
+
+    st = ShardStore(budget_bytes=10**8)
+    k, v = kv(10)
+    st.create(ShardWrite("c1", 0, "float32", 100, np.arange(10)), k, v, context={"version": 2})
+    st.check_read(ShardRead("c1", 0, 10, 5, fresh=True))
+    st.check_read(ShardRead("c1", 0, 10, 5))  # the version read fresh is vouched for now
+    with pytest.raises(RecordStale, match="version 5"):
+        st.check_read(ShardRead("c1", 0, 10, 4))
+    st.check_read(ShardRead("c1", 0, 10, 3, fresh=True))  # older fresh reads are served, the note stays 5
+    with pytest.raises(RecordStale, match="version 5"):
+        st.check_read(ShardRead("c1", 0, 10, 4))
+    st.check_read(ShardRead("c2", 0, 10, 7, fresh=True))  # a shard not held here (a delete raced): no note kept
+    with pytest.raises(RecordStale, match="no committed version"):
+        st.check_read(ShardRead("c2", 0, 10, 7))
