@@ -55,7 +55,7 @@ from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, S
 log = logging.getLogger(__name__)
 
 #: What a worker reports to a rebuilding directory (``service.contexts.directory.WorkerReport``).
-WorkerReport = tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]
+WorkerReport = tuple[list[dict[str, Any]], list[dict[str, Any]], list[str], str]
 
 
 #: A query's exceptions that keep their class (the worker gone, the domain errors); any other is ``failed``.
@@ -105,7 +105,6 @@ class LocalPool(Roster[LocalSlot]):
         #: The Ray pool's config for the same settings, without the direct channel (no socket here).
         self.config: WorkerConfig = dataclasses.replace(worker_config(settings, "cpu"), channel=False)
         self.slots: list[LocalSlot] = [self._slot(i, f"{WORKER_PREFIX}{i}") for i in range(workers)]
-        self.replaced_elsewhere: set[str] = set()  # nothing else replaces this process's workers
 
     @classmethod
     async def start(cls, settings: ServiceSettings, workers: int = 2) -> LocalPool:
@@ -162,8 +161,7 @@ class LocalPool(Roster[LocalSlot]):
             try:
                 info: dict = await asyncio.wait_for(self._invoke(slot.index, slot.worker, "ping", (), health=True),
                                                     timeout_s)
-                if answered(slot, info):
-                    self.replaced_elsewhere.add(slot.name)
+                answered(slot, info)
             except TimeoutError:
                 missed_ping(slot, timeout_s)
             except Exception as exc:  # noqa: BLE001 - gone, or its ping raised: as a RayError there
@@ -182,7 +180,7 @@ class LocalPool(Roster[LocalSlot]):
         if worker is None:
             log.warning("directory rebuild: %s did not answer: it is gone", name)
             return None
-        got: WorkerReport = by_value((worker.held(), worker.unloaded(), worker.tombstones()))
+        got: WorkerReport = by_value((worker.held(), worker.unloaded(), worker.tombstones(), worker.incarnation))
         return got
 
 

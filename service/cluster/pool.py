@@ -224,8 +224,6 @@ class WorkerPool(Roster[Slot]):
         self.device = device
         self.detached = detached
         self._config = worker_config(settings, device)
-        #: Names found behind a new worker by :meth:`refresh` and not yet taken by the repair loop.
-        self.replaced_elsewhere: set[str] = set()
 
     # -- lifecycle --------------------------------------------------------------
     @classmethod
@@ -289,8 +287,8 @@ class WorkerPool(Roster[Slot]):
         """Ping every worker; record node, bytes held and whether it answered.
 
         A name whose worker is not the one seen before (another front end replaced
-        it: alive, but holding nothing of what the name held) goes into
-        :attr:`replaced_elsewhere`, for the repair loop to take.
+        it) is taken as it is: that front end forgot the old worker's replicas first
+        (``service.contexts.repair``); only its direct channel is opened again.
         """
         async def one(slot: Slot) -> None:
             if slot.handle is None:  # a replacement Ray refused (WorkerPool.replace): dead, tried again next round
@@ -300,7 +298,6 @@ class WorkerPool(Roster[Slot]):
                 info = await asyncio.wait_for(
                     _await(slot.handle.ping.options(concurrency_group=HEALTH_GROUP).remote()), timeout_s)
                 if answered(slot, info):
-                    self.replaced_elsewhere.add(slot.name)
                     slot.drop_channel()
                     slot.channel_retry_at = 0.0  # the new worker may have a channel the old one had not
             except TimeoutError:

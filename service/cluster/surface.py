@@ -176,7 +176,7 @@ class _PingedSlot(_Slot, Protocol):
 
 def answered(slot: _PingedSlot, info: dict) -> bool:
     """Note a ping's answer on ``slot``: alive, its node and what it holds. True when the name now stands for
-    another worker than the one seen before (another front end replaced it: it holds nothing of the old one's)."""
+    another worker than the one seen before (another front end replaced it; its direct channel is another)."""
     slot.info, slot.node_id, slot.alive = info, info.get("node_id", ""), True
     seen = str(info.get("incarnation", ""))
     replaced = bool(slot.incarnation) and seen != slot.incarnation
@@ -216,9 +216,6 @@ class WorkerSurface(Protocol):
     def size(self) -> int: ...
     @property
     def alive(self) -> Sequence[WorkerSlot]: ...
-    @property
-    def replaced_elsewhere(self) -> set[str]:
-        """Names found behind a new worker by :meth:`refresh` and not yet taken by the repair loop."""
     @property
     def call_errors(self) -> tuple[type[Exception], ...]:
         """What a call other than a query raises when the worker is gone or its method failed."""

@@ -23,7 +23,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar, cast
 
@@ -72,8 +72,9 @@ class LeaseLost(ValueError):
 
 
 #: What one worker reports to a rebuilding directory: the shards it holds (``ShardWorker.held``), those
-#: its start left on disk (``ShardWorker.unloaded``) and the contexts it has a tombstone of.
-WorkerReport = tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]
+#: its start left on disk (``ShardWorker.unloaded``), the contexts it has a tombstone of, and which
+#: worker it is (its incarnation, as its ping says).
+WorkerReport = tuple[list[dict[str, Any]], list[dict[str, Any]], list[str], str]
 #: How a rebuilding directory asks a worker, by name, for its report: None when it does not answer.
 Reporter = Callable[[str], WorkerReport | None]
 
@@ -87,10 +88,11 @@ def ray_reporter(namespace: str) -> Reporter:
             # Shards left on disk at its start (no room): their records count, the worker holds no replica.
             unloaded: list[dict[str, Any]] = ray.get(handle.unloaded.remote(), timeout=30)
             deleted: list[str] = ray.get(handle.tombstones.remote(), timeout=30)
+            incarnation = str(ray.get(handle.ping.remote(), timeout=30)["incarnation"])
         except (ValueError, ray.exceptions.RayError) as exc:
             log.warning("directory rebuild: %s did not answer: %s", name, exc)
             return None
-        return held, unloaded, deleted
+        return held, unloaded, deleted, incarnation
     return report
 
 
@@ -101,6 +103,10 @@ class DirectoryActor:
         ``listen``: open a direct channel for the calls of a write (:meth:`channel`)."""
         self.records: dict[str, ContextRecord] = {}
         self.leases: dict[str, tuple[str, float]] = {}
+        #: worker name -> the incarnations of it whose replicas were forgotten (:meth:`forget_worker`: once each)
+        self.forgotten: dict[str, set[str]] = {}
+        #: worker name -> the incarnation that reported to this directory's rebuild, while no death of it is known
+        self.reported: dict[str, str] = {}
         self._lock = threading.RLock()
         #: Which life of the actor this is: new at every (re)start, so a writer that sees the same one
         #: at its commit and at its lease's release knows no restart came between (ContextService.append).
@@ -145,7 +151,8 @@ class DirectoryActor:
             got = reporter(name)
             if got is None:
                 continue
-            held, unloaded, tombstoned = got
+            held, unloaded, tombstoned, incarnation = got
+            self.reported[name] = incarnation
             deleted.update(tombstoned)
             answered += 1
             for info in held:
@@ -183,10 +190,23 @@ class DirectoryActor:
 
     @_locked
     def commit(self, record: ContextRecord, owner: str | None = None) -> str:
-        """Store a record; for an existing context only under the caller's lease. Returns the incarnation."""
+        """Store a record; for an existing context only under the caller's lease, and only newer than the one
+        stored. Returns the incarnation.
+
+        The version check catches the one change made without the lease: a dead worker's replicas forgotten
+        (:meth:`forget_worker`) while a write was under way from the record before. Its commit would put the
+        dead name back, and reuse the version the forget gave a different record, which a front end may have
+        cached: a worker noted that version would then serve that record's shorter prefix. Refused, the write
+        is sent again by its client (its keys past the committed length are never read)."""
         ctx_id = record["id"]
-        if ctx_id in self.records and owner is not None and not self._holds(ctx_id, owner):
-            raise LeaseLost(f"lease on {ctx_id} must be held by {owner}, got another holder")
+        current = self.records.get(ctx_id)
+        if current is not None and owner is not None:
+            if not self._holds(ctx_id, owner):
+                raise LeaseLost(f"lease on {ctx_id} must be held by {owner}, got another holder")
+            if int(record["version"]) <= int(current["version"]):
+                raise LeaseLost(f"record of {ctx_id} must be newer than the directory's version {current['version']}, "
+                                f"got version {record['version']}: it changed under the lease (a dead worker's "
+                                "replicas were forgotten)")
         self.records[ctx_id] = record
         return self.incarnation
 
@@ -196,20 +216,24 @@ class DirectoryActor:
         return self.records.pop(ctx_id, None)
 
     @_locked
-    def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int:
-        """A worker of this name died or was replaced: it holds none of its replicas any more,
-        but for ``keep`` (``"CONTEXT/SHARD"`` -> keys held, from a live replacement's own report).
+    def forget_worker(self, name: str, incarnation: str) -> int:
+        """Worker ``incarnation`` of ``name`` died: it holds none of its replicas any more. Returns the number
+        of replicas forgotten.
 
-        Removes the name from every other shard (each record's version is bumped), so that no
-        read or write goes to an empty replacement; returns the number of replicas forgotten.
-        A shard the replacement reports holding in full (at least the record's length: another
-        front end replaced it and already rebuilt that replica there) keeps the name.
+        Removes the name from every shard (each record's version is bumped), so that no read or write goes
+        to its replacement before that holds a copy. Once per incarnation, and not once another incarnation
+        of the name reported to this directory: every front end that sees the death asks, and the one that
+        replaces the worker asks first; a later ask would remove replicas made on the replacement since,
+        which is alive, holds them, and would never be told of the appends after (it would answer a
+        record cached before them: docs/RELIABILITY.md, "Found by the soak").
         """
-        keep = keep or {}
+        if incarnation in self.forgotten.get(name, ()) or self.reported.get(name, incarnation) != incarnation:
+            return 0
+        self.forgotten.setdefault(name, set()).add(incarnation)
+        self.reported.pop(name, None)
         forgotten = 0
         for ctx_id, record in self.records.items():
-            hit = [s for s in record["shards"] if name in s["workers"]
-                   and keep.get(f"{ctx_id}/{s['index']}", -1) < s["length"]]
+            hit = [s for s in record["shards"] if name in s["workers"]]
             if not hit:
                 continue
             shards = [{**s, "workers": [w for w in s["workers"] if w != name]} if s in hit else s
@@ -269,7 +293,7 @@ class DirectorySurface(Protocol):
     async def all(self) -> list[ContextRecord]: ...
     async def commit(self, record: ContextRecord, owner: str | None) -> str: ...
     async def remove(self, ctx_id: str) -> ContextRecord | None: ...
-    async def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int: ...
+    async def forget_worker(self, name: str, incarnation: str) -> int: ...
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool: ...
     async def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]: ...
     async def release(self, ctx_id: str, owner: str) -> str: ...
@@ -391,8 +415,8 @@ class Directory:
         result: ContextRecord | None = await self._call(lambda h: h.remove.remote(ctx_id))
         return result
 
-    async def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int:
-        return int(await self._call(lambda h: h.forget_worker.remote(name, dict(keep or {}))))
+    async def forget_worker(self, name: str, incarnation: str) -> int:
+        return int(await self._call(lambda h: h.forget_worker.remote(name, incarnation)))
 
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
         result: bool = await self._call(lambda h: h.acquire.remote(ctx_id, owner, ttl_s))
@@ -454,8 +478,8 @@ class LocalDirectory:
         result: ContextRecord | None = await self._call("remove", ctx_id)
         return result
 
-    async def forget_worker(self, name: str, keep: Mapping[str, int] | None = None) -> int:
-        return int(await self._call("forget_worker", name, dict(keep or {})))
+    async def forget_worker(self, name: str, incarnation: str) -> int:
+        return int(await self._call("forget_worker", name, incarnation))
 
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
         result: bool = await self._call("acquire", ctx_id, owner, ttl_s)

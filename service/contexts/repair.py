@@ -1,9 +1,9 @@
 """Self-healing replicas (docs/CONTEXTS.md, "Health and repair").
 
-Every ``heal_interval_s`` the loop pings the workers. A worker that died, or whose
-name now stands for a new worker (another front end replaced it), first loses its
-replicas in the directory (``forget_worker``: nothing is read from or written to an
-empty replacement), then is replaced under its name. Then every shard below its
+Every ``heal_interval_s`` the loop pings the workers. A worker that died first loses
+its replicas in the directory (``forget_worker``: nothing is read from or written to an
+empty replacement), then is replaced under its name; a name another front end replaced
+is taken as it is. Then every shard below its
 context's replica count that still has a live replica is copied from one to other
 live workers (another node first, then the one holding the fewest bytes), under
 the context's write lease: an append waits for the copy instead of racing it, and
@@ -86,22 +86,20 @@ class Repairer:
         await self.pool.refresh(timeout_s=PING_TIMEOUT_S)
         # Dead workers that had answered (a replacement that never came up, its node gone, is
         # not replaced again each round), and names another front end replaced.
-        gone = [s for s in self.pool.slots
-                if (not s.alive and s.incarnation) or s.name in self.pool.replaced_elsewhere]
+        # A name another front end replaced needs nothing here: that front end forgot the dead worker's
+        # replicas before it started the new one (below), and every replica listed under the name since is
+        # the new worker's own.
+        gone = [s for s in self.pool.slots if not s.alive and s.incarnation]
         for slot in gone:
-            keep: dict[str, int] = {}
-            if slot.alive:  # replaced by another front end, which may have rebuilt replicas on it already
-                held = await self.pool.held(slot.index)
-                keep = {f"{h['context_id']}/{h['index']}": int(h["length"]) for h in held}
-            self.stats.replicas_forgotten += await self.directory.forget_worker(slot.name, keep)  # before any replacement
-            self.pool.replaced_elsewhere.discard(slot.name)
-            if not slot.alive:
-                if self.pool.replace(slot):
-                    self.stats.workers_replaced += 1
-                    log.warning("worker %s died: its replicas are forgotten and it is replaced", slot.name)
-                else:
-                    log.warning("worker %s died: its replicas are forgotten; its name is still held, "
-                                "so it is replaced in a later round", slot.name)
+            # Before any replacement; once per dead worker, whichever front end asks first (the directory's
+            # forget_worker: a late ask must not remove what the replacement holds now).
+            self.stats.replicas_forgotten += await self.directory.forget_worker(slot.name, slot.incarnation)
+            if self.pool.replace(slot):
+                self.stats.workers_replaced += 1
+                log.warning("worker %s died: its replicas are forgotten and it is replaced", slot.name)
+            else:
+                log.warning("worker %s died: its replicas are forgotten; its name is still held, "
+                            "so it is replaced in a later round", slot.name)
         if gone:
             await self.pool.refresh(timeout_s=PING_TIMEOUT_S)
         # A replacement loads the dead worker's --persist-dir folder: a context there that no holder has a

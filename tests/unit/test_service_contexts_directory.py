@@ -53,22 +53,51 @@ def test_a_forgotten_worker_leaves_every_shard_and_each_record_is_versioned_agai
     d.commit(record("c"))
     d.commit({"id": "e", "version": 4, "shards": [{"index": 0, "length": 5, "workers": ["w1"]},
                                                   {"index": 1, "length": 2, "workers": ["w2"]}]})
-    assert d.forget_worker("w1") == 2
+    assert d.forget_worker("w1", "inc-a") == 2
     assert d.get("c")["shards"][0]["workers"] == ["w0"] and d.get("c")["version"] == 2
     assert [s["workers"] for s in d.get("e")["shards"]] == [[], ["w2"]] and d.get("e")["version"] == 5
-    assert d.forget_worker("w1") == 0 and d.get("c")["version"] == 2  # nothing left to forget: untouched
+    assert d.forget_worker("w1", "inc-b") == 0 and d.get("c")["version"] == 2  # nothing left to forget: untouched
 
 
-def test_a_replacement_keeps_the_replicas_it_reports_holding_in_full():
-    """Another front end replaced the worker and rebuilt some replicas on it already: those stay."""
+def test_a_dead_worker_is_forgotten_once_so_its_replacements_replicas_stay():
+    """Two front ends see the same death; the first forgets and replaces the worker, whose replacement then
+    gets replicas under the same name. The second front end's late ask must leave them listed: the
+    replacement holds them and would never be told of the appends after (docs/RELIABILITY.md)."""
     d = DirectoryActor([], "ns")
-    d.commit({"id": "e", "version": 1, "shards": [{"index": 0, "length": 5, "workers": ["w0", "w1"]},
-                                                  {"index": 1, "length": 8, "workers": ["w0", "w1"]},
-                                                  {"index": 2, "length": 0, "workers": ["w0", "w1"]}]})
-    # Shard 0 rebuilt in full, shard 1 only partly (a stale copy), shard 2 empty and held.
-    assert d.forget_worker("w1", {"e/0": 5, "e/1": 3, "e/2": 0}) == 1
-    assert [s["workers"] for s in d.get("e")["shards"]] == [["w0", "w1"], ["w0"], ["w0", "w1"]]
-    assert d.get("e")["version"] == 2
+    d.commit(record("c"))
+    assert d.forget_worker("w1", "inc-a") == 1
+    d.acquire("c", "repair", 60)
+    d.commit({**record("c", 3), "shards": [{"index": 0, "length": 5, "workers": ["w0", "w1"]}]}, owner="repair")
+    assert d.forget_worker("w1", "inc-a") == 0
+    assert d.get("c")["shards"][0]["workers"] == ["w0", "w1"] and d.get("c")["version"] == 3
+    assert d.forget_worker("w1", "inc-b") == 1  # the replacement's own death is forgotten in its turn
+    assert d.get("c")["shards"][0]["workers"] == ["w0"]
+
+
+def test_a_rebuilt_directory_forgets_no_death_older_than_the_worker_that_reported_to_it():
+    """The directory restarted after a front end forgot a dead worker (that memory went with it) and was
+    rebuilt from the reports of the worker's replacement: a late ask about the dead one changes nothing."""
+    held = [{"context_id": "c", "index": 0, "length": 5, "context": record("c", 3)}]
+    reports = {"w0": (held, [], [], "inc-0"), "w1": (held, [], [], "inc-new")}
+    d = DirectoryActor(["w0", "w1"], "ns", reporter=reports.get)
+    assert d.get("c")["shards"][0]["workers"] == ["w0", "w1"]
+    assert d.forget_worker("w1", "inc-old") == 0 and d.get("c")["shards"][0]["workers"] == ["w0", "w1"]
+    assert d.forget_worker("w1", "inc-new") == 1 and d.get("c")["shards"][0]["workers"] == ["w0"]
+
+
+def test_a_commit_from_before_a_forget_under_the_same_lease_is_refused():
+    """An append read the record, a worker's replicas were forgotten (without the lease), then the append
+    commits: it would list the dead name again under the version the forget gave another record."""
+    d = DirectoryActor([], "ns")
+    d.commit(record("c"))
+    assert d.acquire("c", "writer", 60)
+    before = d.get("c")
+    d.forget_worker("w1", "inc-a")
+    longer = {**before, "version": before["version"] + 1,
+              "shards": [{"index": 0, "length": 9, "workers": ["w0", "w1"]}]}
+    with pytest.raises(ValueError, match="changed under the lease"):
+        d.commit(longer, owner="writer")
+    assert d.get("c")["shards"][0] == {"index": 0, "length": 5, "workers": ["w0"]}
 
 
 def test_health_says_ready_degraded_or_lost_from_the_live_workers():
