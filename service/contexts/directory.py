@@ -279,8 +279,8 @@ def lapsed(ctx_id: str) -> WorkersUnavailable:
     from the workers could take names it: the workers keep only committed records, ``ContextService``)."""
     return WorkersUnavailable(
         f"the write to context {ctx_id} was not stored: its lease lapsed before the commit (the write "
-        f"ran past {LEASE_TTL_S:g} s, or the contexts directory restarted), and another write may have "
-        f"taken the context since; send it again")
+        f"ran past {LEASE_TTL_S:g} s, or the contexts directory restarted), or a dead worker's replicas were "
+        f"forgotten meanwhile, and another write may have taken the context since; send it again")
 
 
 class DirectorySurface(Protocol):
