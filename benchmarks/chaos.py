@@ -225,7 +225,7 @@ class Service:
             return "refused", type(exc).__name__
         except httpx.HTTPError as exc:
             return "unknown", type(exc).__name__
-        if resp.status_code >= 500 and resp.status_code != 503:
+        if resp.status_code >= 500 and resp.status_code not in (503, 507):  # 507: not stored (a full disk too)
             return "unknown", f"{resp.status_code} {resp.text[:200]}"  # 500, 504: perhaps stored
         if resp.status_code >= 400:
             return "refused", f"{resp.status_code} {_code(resp)}"

@@ -31,6 +31,11 @@ Segments written before digests were stored load unverified (one info line per l
 committed length would read as a valid, shorter context: a wrong answer); a record whose
 digest does not match is damaged, and one written before records had digests loads unverified.
 
+A write the filesystem refuses for lack of room (``ENOSPC``, or ``EDQUOT``: a quota; also as
+safetensors words it, :func:`_no_space_errno`) raises :class:`NoSpace`, with the temporary it was
+writing removed; the store undoes the rest of that write (``workers.store.StorageFull``). Any other
+error of a write is raised as it is (its temporary removed too).
+
 A delete leaves a tombstone (:meth:`ShardFiles.tombstone`) on every live worker, durable before
 the delete answers, and removes the context's files; a folder of a tombstoned context found at
 a load (a holder that was dead at the delete, replaced or restarted) is removed, not loaded.
@@ -44,6 +49,8 @@ Names read from ``.deleted`` are used only if they are context ids
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -51,7 +58,7 @@ import os
 import shutil
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +94,45 @@ def check_context_id(context_id: str) -> str:
     if not isinstance(context_id, str) or not CONTEXT_ID.fullmatch(context_id):
         raise ValueError(f"context_id must match {CONTEXT_ID.pattern}, got {str(context_id)[:80]!r}")
     return context_id
+
+
+#: The errnos of a write refused for lack of room: the filesystem is full, or the user's quota is.
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: How safetensors' writer names the OS error under a SafetensorError, which keeps no errno of its own
+#: (Rust's ``io::Error``: "Error while serializing: I/O error: No space left on device (os error 28)").
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+class NoSpace(OSError):
+    """A write to the store's folder was refused for lack of room (an errno of :data:`NO_SPACE`); the
+    file it was writing is not left behind (``errno`` and ``strerror`` are the refusal's)."""
+
+
+def _no_space_errno(exc: BaseException) -> int | None:
+    """The errno of :data:`NO_SPACE` that ``exc`` reports (an OSError, or a SafetensorError that names
+    its OS error), else None: any other error is not a full disk."""
+    if isinstance(exc, OSError):
+        code = exc.errno
+    elif isinstance(exc, SafetensorError) and (m := _OS_ERROR.search(str(exc))) is not None:
+        code = int(m[1])
+    else:
+        return None
+    return code if code in NO_SPACE else None
+
+
+@contextlib.contextmanager
+def _refused_for_space() -> Iterator[None]:
+    """Around writes to the store: a refusal for lack of room becomes :class:`NoSpace` (from the
+    original); every other error passes through unchanged."""
+    try:
+        yield
+    except NoSpace:
+        raise
+    except (OSError, SafetensorError) as exc:
+        code = _no_space_errno(exc)
+        if code is None:
+            raise
+        raise NoSpace(code, os.strerror(code)) from exc
 
 
 class Damaged(ValueError):
@@ -145,13 +191,21 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic_write(path: Path, write: Any) -> None:
-    """``write(tmp_path)``, flushed, then renamed to ``path`` (and the folder flushed)."""
+    """``write(tmp_path)``, flushed, then renamed to ``path`` (and the folder flushed). A write that
+    fails before the rename removes its temporary and raises (:class:`NoSpace` for lack of room)."""
     tmp = path.with_name(path.name + TMP)
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    with _refused_for_space():
+        try:
+            write(tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            # The torn temporary goes now (the next start removes any left); the write's own error is raised.
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        _fsync_dir(path.parent)
 
 
 def _segment_bounds(name: str) -> tuple[int, int] | None:
@@ -203,8 +257,9 @@ class ShardFiles:
         folder = self._shard_dir(context_id, index)
         if folder.exists():
             shutil.rmtree(folder)
-        folder.mkdir(parents=True)
-        _fsync_dir(folder.parent)
+        with _refused_for_space():  # a full disk may refuse the folders too (NoSpace)
+            folder.mkdir(parents=True)
+            _fsync_dir(folder.parent)
         meta = {"dtype": dtype, "reserve": int(reserve), "max_capacity": int(max_capacity),
                 "dims": [int(x) for x in dims]}
         _atomic_write(folder / SHARD, lambda p: p.write_text(json.dumps(meta)))

@@ -30,7 +30,7 @@ from workers.batch import lower_priority
 from workers.copies import prefault
 from workers.dtypes import dtype_name, dtype_of
 from workers.layout import ShardKV, ShardView, StreamingKV, bytes_per_key, padded_capacity
-from workers.persist import ShardFiles
+from workers.persist import NoSpace, ShardFiles
 from workers.tasks import ShardRead, ShardWrite
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,11 @@ def _prefault_ahead(kv: StreamingKV) -> None:
 
 class CapacityError(Exception):
     """The worker's memory budget cannot hold what was asked; nothing was written."""
+
+
+class StorageFull(CapacityError):
+    """The worker's ``--persist-dir`` refused a write for lack of room (``workers.persist.NoSpace``): the
+    write was undone, in memory and on disk, as a refused capacity is; nothing of it was stored."""
 
 
 class ShardMissing(Exception):
@@ -151,6 +156,13 @@ class ShardStore:
             raise CapacityError(f"{what} needs {extra} bytes, but this worker holds {used} of its {self.budget}-byte "
                                 f"budget ({max(self.budget - used, 0)} free)")
 
+    def _full(self, what: str, exc: NoSpace) -> StorageFull:
+        """The refusal of a write undone because the disk refused it for lack of room; names the worker
+        (its folder under ``--persist-dir`` is named for it: ``workers.actor``), never the path."""
+        name = self.files.root.name if self.files is not None else "?"
+        return StorageFull(f"worker {name}'s --persist-dir is full ({exc.strerror}): {what} was refused, and "
+                           f"nothing of it was stored")
+
     def create(self, write: ShardWrite, k: Any, v: Any, *, context: dict) -> ShardInfo:
         """A new shard holding ``k``, ``v`` at ``write.k_pos``; ``context`` is the record to remember.
 
@@ -186,18 +198,35 @@ class ShardStore:
                       f"shard {index} of context {context_id}")
         kv = ShardKV(h_kv, d, d_v, dt, xp=self.xp, capacity=capacity, reach=reach)
         kv.append(self._to(k, dt), self._to(v, dt), self._to_pos(write.k_pos))
+        what = f"shard {index} of context {context_id}"
+        if self.files is not None and persist:
+            try:
+                self.files.create(context_id, index, write.dtype, capacity, write.max_capacity, (h_kv, d, d_v))
+                self.files.write(context_id, index, 0, self._host(k, dt), self._host(v, dt), np.asarray(write.k_pos))
+            except NoSpace as exc:
+                self.files.drop(context_id, index)  # shard.json, or a folder made before the disk was full
+                raise self._full(what, exc) from exc
+        with self._index:
+            old = self._info.get(context_id)
+            self._shards[key] = kv
+        # Not a commit: the write may still be undone. A restore writes nothing: the record it read is on disk
+        # already, and one it could not read (damaged, or none) must stay as it is, not become ``{}``.
+        try:
+            self._remember(context_id, context, persist=persist)
+        except NoSpace as exc:  # its record.json: the shard goes as it came (the old record.json is intact)
+            with self._index:
+                del self._shards[key]
+                if old is None:
+                    self._info.pop(context_id, None)
+                else:
+                    self._info[context_id] = old
+            if self.files is not None:
+                self.files.drop(context_id, index)
+            raise self._full(what, exc) from exc
         if capacity > n and self.xp is np:
             # Reserved for the appends to come: fault its memory in now, beside the
             # upload's next chunks, instead of in each append (workers.copies.prefault).
             threading.Thread(target=_prefault_ahead, args=(kv.body,), name="splitkey-prefault", daemon=True).start()
-        if self.files is not None and persist:
-            self.files.create(context_id, index, write.dtype, capacity, write.max_capacity, (h_kv, d, d_v))
-            self.files.write(context_id, index, 0, self._host(k, dt), self._host(v, dt), np.asarray(write.k_pos))
-        with self._index:
-            self._shards[key] = kv
-        # Not a commit: the write may still be undone. A restore writes nothing: the record it read is on disk
-        # already, and one it could not read (damaged, or none) must stay as it is, not become ``{}``.
-        self._remember(context_id, context, persist=persist)
         return self.info(context_id, index)
 
     def append(self, write: ShardWrite, k: Any, v: Any, *, committed: int) -> ShardInfo:
@@ -227,8 +256,13 @@ class ShardStore:
         self._reserve(extra, f"append to shard {index} of context {context_id}")
         kv.append(self._to(k, kv.dtype), self._to(v, kv.dtype), self._to_pos(write.k_pos))
         if self.files is not None:
-            self.files.write(context_id, index, committed, self._host(k, kv.dtype), self._host(v, kv.dtype),
-                             np.asarray(write.k_pos))
+            try:
+                self.files.write(context_id, index, committed, self._host(k, kv.dtype), self._host(v, kv.dtype),
+                                 np.asarray(write.k_pos))
+            except NoSpace as exc:  # undone as a refused capacity leaves it: the first ``committed`` keys
+                kv.truncate(committed)
+                self.files.truncate(context_id, index, committed)
+                raise self._full(f"the append to shard {index} of context {context_id}", exc) from exc
         return self.info(context_id, index)
 
     def truncate(self, context_id: str, index: int, length: int) -> None:

@@ -72,7 +72,7 @@ from workers.channel import append_frame, write_frame
 from workers.config import settings_of
 from workers.frames import FrameError, RemoteError
 from workers.options import CpuKernels
-from workers.store import CapacityError, ShardMissing
+from workers.store import CapacityError, ShardMissing, StorageFull
 from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, carry
 
 #: Bytes of k and v per part of an append sent over a write channel: the worker stores a part while the
@@ -114,8 +114,10 @@ HEALTH_GROUP = "health"
 INLINE_ARG_BYTES = 256 * 2**10
 #: Seconds before a worker whose direct channel could not be opened is tried again (Ray meanwhile).
 CHANNEL_RETRY_S = 30.0
-#: A worker's exceptions a write over the channel may answer that the contexts service handles by class.
-WRITE_ERRORS: dict[str, type[Exception]] = {"CapacityError": CapacityError, "ShardMissing": ShardMissing}
+#: A worker's exceptions a write over the channel may answer that the contexts service handles by class
+#: (a StorageFull is a CapacityError: its --persist-dir was full, and the write was undone).
+WRITE_ERRORS: dict[str, type[Exception]] = {"CapacityError": CapacityError, "StorageFull": StorageFull,
+                                            "ShardMissing": ShardMissing}
 
 
 @dataclass
@@ -202,7 +204,7 @@ def _written(name: str, header: dict, arrays: list[Any]) -> list[dict]:
     """The shards' summaries a ``written`` reply carries; a worker's error raised as a Ray call raises it."""
     if header.get("op") == "error":
         err = RemoteError(str(header.get("kind", "Exception")), str(header.get("message", "")))
-        known = {"CapacityError": CapacityError, "ShardMissing": ShardMissing}.get(err.kind)
+        known = WRITE_ERRORS.get(err.kind)
         if known is not None:
             raise known(err.message)
         raise failed(name, err.kind, err.message)
