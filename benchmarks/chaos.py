@@ -59,7 +59,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import common
-from benchmarks.chaos_check import CHUNK, availability, check, query, read_history, stream, write_history
+from benchmarks.chaos_check import (CHUNK, availability, check, outside_faults, query, read_history, stream,
+                                    write_history)
 from service.wire.safetensors import decode_safetensors, encode_safetensors
 
 NAMESPACE = "splitkey"
@@ -569,6 +570,7 @@ def summarize(opts: Options, ops: list[dict[str, Any]], kinds: Sequence[str], mo
               recovery: float | None) -> dict[str, Any]:
     report = check(ops, opts.seed)
     figures = availability(ops)
+    outside = outside_faults(ops)
     summary = {
         "seed": opts.seed, "duration_s": opts.duration_s, "faults_included": list(kinds),
         "not_injected": [] if mounted else ["persist_full (no tmpfs could be mounted: not root)"],
@@ -581,6 +583,9 @@ def summarize(opts: Options, ops: list[dict[str, Any]], kinds: Sequence[str], mo
         "violation_examples": [{"rule": v.rule, "ctx": v.ctx, "detail": v.detail, "op": v.op}
                                for v in report.violations[:10]],
         "not_injected_errors": [op for op in ops if op["op"] == "fault" and op["target"].startswith("not injected")],
+        "replicated_outside_faults": {"grace_s": outside.grace_s, "requests": outside.requests,
+                                      "answered": outside.answered, "share": round(outside.share, 5),
+                                      "errors": dict(outside.errors.most_common(5))},
         "per_fault": {kind: {"injected": f.injected, "requests": f.requests, "answered": f.answered,
                              "availability": round(f.availability, 4),
                              "recovery_s_median": round(float(np.median(f.recovery_s)), 2) if f.recovery_s else None,
@@ -597,8 +602,11 @@ def table(summary: dict[str, Any]) -> str:
     rows = [[kind, f["injected"], f["requests"], f"{100 * f['availability']:.1f}%",
              "-" if f["recovery_s_median"] is None else f"{f['recovery_s_median']} / {f['recovery_s_max']}",
              f["unrecovered_before_next"]] for kind, f in summary["per_fault"].items()]
+    out = summary["replicated_outside_faults"]
     return common.markdown_table(["fault", "injected", "requests", "answered", "recovery s (median / max)",
-                                  "not recovered before the next"], rows)
+                                  "not recovered before the next"], rows) + (
+        f"\n\nreplicated contexts, outside each fault and the {out['grace_s']:g} s after it: "
+        f"{out['answered']} of {out['requests']} answered ({100 * out['share']:.2f}%)")
 
 
 def parse(argv: Sequence[str] | None = None) -> Options:

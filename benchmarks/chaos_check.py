@@ -236,6 +236,49 @@ def availability(history: Sequence[dict[str, Any]]) -> dict[str, FaultFigures]:
     return figures
 
 
+@dataclass
+class Outside:
+    """Requests (reads and appends) to the contexts of two replicas or more that overlap no fault nor the
+    ``grace_s`` after its end (a request in flight when a fault hit is the fault's): what the issue's
+    ">= 99% answered" target is about (docs/RELIABILITY.md).
+    A refusal that is the right answer counts as answered: 404 (a churn context read as it is deleted)
+    and 409 (an ``after`` that an earlier, unanswered append of the same writer made wrong)."""
+
+    grace_s: float
+    requests: int = 0
+    answered: int = 0
+    errors: Counter[str] = field(default_factory=Counter)  #: what the requests not answered got
+
+    @property
+    def share(self) -> float:
+        return self.answered / self.requests if self.requests else 1.0
+
+
+#: Refusals that answer the request rightly (:class:`Outside`).
+RIGHT_REFUSALS = ("404 ", "409 ")
+
+
+def outside_faults(history: Sequence[dict[str, Any]], grace_s: float = 1.0) -> Outside:
+    """:class:`Outside` of ``history``: requests to replicated contexts whose ``[t0, t1]`` meets no
+    ``[fault t0, fault t1 + grace_s]``."""
+    replicated = {op["ctx"] for op in history if op["op"] == "create" and op.get("replicas", 1) >= 2}
+    windows = [(op["t0"], op["t1"] + grace_s) for op in history if op["op"] == "fault"
+               and not op["target"].startswith("not injected")]
+    figures = Outside(grace_s)
+    for op in history:
+        if op["op"] not in ("read", "append") or op["ctx"] not in replicated:
+            continue
+        if any(op["t0"] <= hi and lo <= op["t1"] for lo, hi in windows):
+            continue
+        figures.requests += 1
+        error = str(op.get("error", ""))
+        if op["outcome"] == "ok" or error.startswith(RIGHT_REFUSALS):
+            figures.answered += 1
+        else:
+            figures.errors[error[:80]] += 1
+    return figures
+
+
 def read_history(path: Path) -> list[dict[str, Any]]:
     with path.open() as f:
         return [json.loads(line) for line in f if line.strip()]

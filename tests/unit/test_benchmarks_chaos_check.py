@@ -108,3 +108,22 @@ def test_availability_counts_answers_and_recovery_per_fault_kind():
     kill = figures["worker_kill"]
     assert (kill.injected, kill.requests, kill.answered, kill.recovery_s) == (1, 2, 1, [3.5])
     assert (figures["none"].requests, figures["none"].answered) == (1, 1)
+
+
+def test_replicated_availability_leaves_out_each_fault_and_the_second_after_it():
+    replicated = {**created(), "replicas": 2}
+    single = {**created(), "ctx": 1, "replicas": 1}
+    fault = {"op": "fault", "kind": "worker_pause", "t0": 10.0, "t1": 14.0, "target": "pid 1 for 4.0 s"}
+    failed = {"op": "not injected", "kind": "worker_kill", "t0": 20.0, "t1": 20.0, "target": "not injected: x"}
+    history = [replicated, single, fault, {**failed, "op": "fault"},
+               append(FIRST, 2.0, 3.0),  # before: answered
+               append(FIRST + 8, 12.0, 13.0, "refused"),  # during the pause: left out
+               append(FIRST + 8, 9.0, 10.5, "refused"),  # in flight when it began: the fault's, left out
+               append(FIRST + 8, 14.9, 15.5, "refused"),  # within the second after it: left out
+               {**append(FIRST + 8, 15.2, 15.6, "refused"), "error": "503 workers_unavailable"},  # counted, lost
+               {**append(FIRST + 8, 16.0, 16.5, "refused"), "error": "409 length_mismatch"},  # a right refusal
+               {**append(FIRST + 8, 20.5, 21.0, "refused"), "error": "503 x"},  # a fault not injected: no window
+               {**read(FIRST, 17.0, 17.5), "ctx": 1, "outcome": "refused"}]  # one replica: not counted
+    out = chaos.outside_faults(history)
+    assert (out.requests, out.answered) == (4, 2) and out.errors == {"503 workers_unavailable": 1, "503 x": 1}
+    assert abs(out.share - 0.5) < 1e-12
