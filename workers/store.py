@@ -66,6 +66,12 @@ class StorageFull(CapacityError):
     write was undone, in memory and on disk, as a refused capacity is; nothing of it was stored."""
 
 
+class TombstoneUnwritten(Exception):
+    """A delete whose tombstone the worker's ``--persist-dir`` had no room for: the context's shards and
+    files there are gone all the same (``ShardStore.delete``); only the guard against another worker's
+    copy coming back at a restart is missing on this worker."""
+
+
 class ShardMissing(Exception):
     """The worker does not hold the shard (never stored, dropped, or lost in a restart)."""
 
@@ -290,14 +296,20 @@ class ShardStore:
         """The context was deleted: its tombstone on disk (``workers.persist``), then every shard dropped from
         memory and disk; returns the shards dropped.
 
-        A tombstone that cannot be written (a full disk, a bad id) is raised, but only after the
-        shards are dropped all the same: the user deleted the context, and its memory must not
-        stay held until the next start. Without the tombstone this worker's files still go; what
-        a tombstone guards against is another worker's copy coming back (docs/CONTEXTS.md).
+        A tombstone that cannot be written (a full disk: :class:`TombstoneUnwritten`; a bad id) is
+        raised, but only after the shards are dropped all the same: the user deleted the context,
+        and its memory must not stay held until the next start. Without the tombstone this worker's
+        files still go; what a tombstone guards against is another worker's copy coming back
+        (docs/CONTEXTS.md).
         """
         try:
             if self.files is not None:
                 self.files.tombstone(context_id)
+        except NoSpace as exc:
+            name = self.files.root.name if self.files is not None else "?"
+            raise TombstoneUnwritten(f"worker {name}'s --persist-dir is full ({exc.strerror}): the tombstone of "
+                                     f"context {context_id} was not written; its shards and files here are "
+                                     "removed") from exc
         finally:
             dropped = self.drop(context_id)
         return dropped

@@ -57,7 +57,7 @@ from service.core.settings import ServiceSettings
 from service.wire.request import ContextWrite, InlineKV
 from workers.dtypes import dtype_name, dtype_of
 from workers.problem import Arange, KVDims, check_positions
-from workers.store import CapacityError, ShardMissing
+from workers.store import CapacityError, ShardMissing, TombstoneUnwritten
 from workers.tasks import ShardWrite
 
 log = logging.getLogger(__name__)
@@ -310,9 +310,17 @@ class ContextService:
             raise ContextNotFound(f"id must name an existing context, got {ctx_id!r}")
         # Tombstoned on every live worker before the answer: a holder down now removes it when it comes back
         # (service.contexts.tombstones).
-        await asyncio.gather(*(self._quietly(self.fence.call(s.index, self.pool.delete(s.index, ctx_id)))
-                               for s in self.pool.alive))
+        await asyncio.gather(*(self._tombstone(s.index, ctx_id) for s in self.pool.alive))
         return describe(rec)
+
+    async def _tombstone(self, index: int, ctx_id: str) -> None:
+        """Delete the context on worker ``index``. A full ``--persist-dir`` there is logged, not answered: the
+        delete is done (gone from the directory, its shards and files dropped); the tombstones the other
+        workers wrote still keep it from coming back at a directory rebuild."""
+        try:
+            await self._quietly(self.fence.call(index, self.pool.delete(index, ctx_id)))
+        except TombstoneUnwritten as exc:
+            log.warning("context %s deleted, but %s", ctx_id, worker_message(exc))
 
     # -- the parts of an append ---------------------------------------------------
     def _fill_shards(self, new: ContextRecord, refs: Refs, plan: AppendPlan,

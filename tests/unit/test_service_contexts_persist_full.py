@@ -128,3 +128,29 @@ def test_a_streamed_append_a_full_persist_dir_refuses_comes_back_over_the_channe
     with pytest.raises(StorageFull, match=f"^worker {FULL}'s --persist-dir is full") as got:
         _written(FULL, reply, [])  # the front end's side: the class kept, so the service answers 507
     assert isinstance(got.value, CapacityError)
+
+
+def test_a_delete_whose_tombstone_a_full_persist_dir_refuses_is_still_done(rng, tmp_path, monkeypatch, caplog):
+    """The delete took effect (gone from the directory, every shard and file dropped): it is answered as done,
+    and the missing tombstone is logged, never a 500 that a retry would turn into a 404."""
+    async def main():
+        pool, directory, contexts = await started(2, persist_dir=tmp_path)
+        try:
+            k, v = kv(rng, 200)
+            ctx = (await contexts.create(write(k, v, replicas=2), Timings()))["id"]
+            real = persist.ShardFiles.tombstone
+
+            def tombstone(files, context_id):
+                if files.root.name == FULL:
+                    raise persist.NoSpace(28, "No space left on device")
+                return real(files, context_id)
+            monkeypatch.setattr(persist.ShardFiles, "tombstone", tombstone)
+            assert (await contexts.delete(ctx))["id"] == ctx
+            assert await directory.get(ctx) is None
+            assert [await pool.held(i) for i in range(pool.size)] == [[], []]
+            assert not any((tmp_path / s.name / ctx).exists() for s in pool.slots)  # files gone on both
+            assert any("tombstone of context" in r.getMessage() and FULL in r.getMessage() for r in caplog.records)
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
