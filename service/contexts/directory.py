@@ -203,6 +203,8 @@ class DirectoryActor:
         if current is not None and owner is not None:
             if not self._holds(ctx_id, owner):
                 raise LeaseLost(f"lease on {ctx_id} must be held by {owner}, got another holder")
+            if record == current:  # the same commit sent again (its first answer was lost with the channel)
+                return self.incarnation
             if int(record["version"]) <= int(current["version"]):
                 raise LeaseLost(f"record of {ctx_id} must be newer than the directory's version {current['version']}, "
                                 f"got version {record['version']}: it changed under the lease (a dead worker's "

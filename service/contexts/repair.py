@@ -112,9 +112,17 @@ class Repairer:
         await self._count(records)
         for record in records:
             if self.contexts.health(record)["degraded_shards"]:
-                await self.rebuild(record["id"])
+                try:
+                    await self.rebuild(record["id"])
+                except WorkersUnavailable as exc:  # its lease taken or lapsed (a worker forgotten meanwhile): next round
+                    self._failed(f"rebuilding {record['id']}", exc)
         if self.stats.replicas_rebuilt:
             await self._count(await self.directory.all())
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.stats.failures += 1
+        self.stats.last_error = f"{what}: {shown(exc)}"
+        log.warning("%s failed, tried again next round: %s", what, exc)
 
     async def _forget_tombstones(self) -> None:
         """Remove the tombstones no folder needs any more (``service.contexts.tombstones.forget``), within
@@ -177,6 +185,9 @@ class Repairer:
                         await self.contexts.commit(new, lease)
             except ContextNotFound:
                 continue  # deleted meanwhile
+            except WorkersUnavailable as exc:  # its lease taken or lapsed: looked for again next round
+                self._failed(f"listing {ctx_id} again", exc)
+                continue
             if here:
                 await self.contexts.note(new)
                 adopted += here

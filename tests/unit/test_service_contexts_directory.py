@@ -100,6 +100,16 @@ def test_a_commit_from_before_a_forget_under_the_same_lease_is_refused():
     assert d.get("c")["shards"][0] == {"index": 0, "length": 5, "workers": ["w0"]}
 
 
+def test_a_commit_sent_again_is_stored_once_and_answered_again():
+    """A commit whose answer was lost with the direct channel goes again through Ray: the same record, accepted."""
+    d = DirectoryActor([], "ns")
+    d.commit(record("c"))
+    assert d.acquire("c", "writer", 60)
+    again = record("c", 2)
+    assert d.commit(again, owner="writer") == d.commit(again, owner="writer") == d.incarnation
+    assert d.get("c") == again
+
+
 def test_health_says_ready_degraded_or_lost_from_the_live_workers():
     from service.contexts.records import health
 
