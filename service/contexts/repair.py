@@ -104,7 +104,12 @@ class Repairer:
             await self.pool.refresh(timeout_s=PING_TIMEOUT_S)
         # A replacement loads the dead worker's --persist-dir folder: a context there that no holder has a
         # record of leaves its memory again (service.contexts.orphans; workers seen before are not asked).
-        await self.orphans.sweep()
+        # Within PING_TIMEOUT_S: a worker that hangs is swept at a later round, and the repairs go on.
+        try:
+            await asyncio.wait_for(self.orphans.sweep(), PING_TIMEOUT_S)
+        except TimeoutError:
+            log.info("contexts without a record looked for again next round: a worker did not answer within %g s",
+                     PING_TIMEOUT_S)
         await self._forget_tombstones()
         records = await self.directory.all()
         if await self.readopt(records):

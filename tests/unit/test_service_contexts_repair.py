@@ -337,3 +337,31 @@ def test_a_cached_record_never_reads_a_replica_reloaded_from_disk_after_newer_ap
             pool.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_worker_that_hangs_when_swept_does_not_hold_up_the_repairs(rng, tmp_path, monkeypatch):
+    """The orphan sweep asks each worker not swept yet what it holds; one that does not answer is asked again
+    at a later round, while this round still replaces a dead worker and rebuilds what it held."""
+    monkeypatch.setattr(repair, "PING_TIMEOUT_S", 0.2)
+
+    async def main():
+        pool, directory, contexts = await started(3, persist_dir=tmp_path)
+        healer = Repairer(pool, directory, contexts)  # nothing swept yet (the app's start would have)
+        try:
+            k, v = kv(rng, 150)
+            ctx = (await contexts.create(write(k, v, replicas=2), Timings()))["id"]
+            dead = pool.indexes((await contexts.record(ctx))["shards"][0]["workers"])[0]
+            hung = next(i for i in range(pool.size) if i != dead)
+            pool.kill(dead)
+            pool.hang(hung, "held")  # answers pings, never says what it holds
+            await asyncio.wait_for(healer.step(), 10)
+            assert healer.stats.workers_replaced == 1 and healer.stats.replicas_rebuilt >= 1
+            assert (await contexts.get(ctx))["state"] == "ready"
+            assert pool.slots[hung].incarnation not in healer.orphans.swept
+            pool.release(hung)
+            await asyncio.wait_for(healer.step(), 10)
+            assert pool.slots[hung].incarnation in healer.orphans.swept
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
