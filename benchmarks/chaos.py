@@ -59,8 +59,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import common
-from benchmarks.chaos_check import (CHUNK, availability, check, outside_faults, query, read_history, stream,
-                                    write_history)
+from benchmarks.chaos_check import (
+    CHUNK,
+    availability,
+    check,
+    outside_faults,
+    query,
+    read_history,
+    stream,
+    write_history,
+)
 from service.wire.safetensors import decode_safetensors, encode_safetensors
 
 NAMESPACE = "splitkey"

@@ -157,7 +157,7 @@ def _query_parts(q: Any, query: ShardQuery, reads: Sequence[ShardRead]) -> tuple
 def _read(context_id: Any, index: Any, length: Any, version: Any, fresh: Any = False) -> ShardRead:
     """One read of a query's header (a front end before 2026-12-07 sent no ``fresh``)."""
     if not isinstance(fresh, bool):
-        raise ValueError(f"a read's fresh must be a bool, got {fresh!r}")
+        raise TypeError(f"a read's fresh must be a bool, got {fresh!r}")
     return ShardRead(str(context_id), int(index), int(length), int(version), fresh)
 
 

@@ -55,8 +55,8 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import re
+import shutil
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass

@@ -23,8 +23,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import common  # noqa: E402
-from benchmarks.service import TimedClient  # noqa: E402
+from benchmarks import common
+from benchmarks.service import TimedClient
 
 KINDS = ("create r1", "create r2", "decode")
 
