@@ -21,7 +21,7 @@ from service.cluster.surface import InlineWork, WorkerSurface
 from service.contexts.resolved import Resolved
 from service.contexts.service import ContextService
 from service.core.errors import BodyTooLarge, ContextLost, InvalidTensor, WorkersUnavailable, client_input
-from service.core.metrics import Timings
+from service.core.metrics import TRACEPARENT, Timings
 from service.core.settings import ServiceSettings
 from service.wire.request import AttentionRequest
 from workers.dtypes import accumulation_dtype
@@ -206,7 +206,7 @@ class AttentionService:
         check_answer_size(req, d_v, self.max_elements, json_limit)
         # 2. Positions over the union: inline keys continue after the contexts.
         q_pos, k_pos = union_positions(req, resolved.next_pos if resolved is not None else None)
-        query = ShardQuery(q_pos=q_pos, options=req.options)
+        query = ShardQuery(q_pos=q_pos, options=req.options, trace=TRACEPARENT.get())  # the workers' spans' parent
         # 3. Scatter: q and each inline shard go into the object store once.
         bounds: list[tuple[int, int]] = []
         if kv is not None:

@@ -7,62 +7,40 @@ it sends a W3C ``traceparent`` (``tracestate`` too): a server span ``METHOD rout
 label, so span names stay few; its attribute ``splitkey.request_id`` is the ``X-Request-Id``
 answered, which the log lines name), with one child span per stage the request went through, as
 ``service.core.metrics.Timings`` measures them (parse, lookup, scatter, compute, worker, merge,
-encode; a context write's place, put, lease, store, commit, note). The ``worker`` span is the longest
-pass a worker reported for the request (its kernels and local merge), drawn at the end of
-``compute``, which holds it: the workers run in Ray's processes and export nothing themselves.
+encode; a context write's place, put, lease, store, commit, note). The ``worker`` stage span is the
+longest pass a worker reported for the request (its kernels and local merge), drawn at the end of
+``compute``, which holds it. The workers draw their own passes too, in their own processes: the
+request's calls carry the server span's ``traceparent`` (``TRACEPARENT``, then
+``workers.tasks.ShardQuery.trace``), and each worker exports a ``worker pass`` span under it
+(``workers.tracing``), when the ``OTEL_*`` variables reach the worker's process.
 
-The exporter is OTLP, configured by the standard ``OTEL_*`` variables (endpoint, headers,
-``OTEL_EXPORTER_OTLP_PROTOCOL``: ``grpc``, the default, or ``http/protobuf``), the resource by
-``OTEL_SERVICE_NAME`` (default ``splitkey``) and ``OTEL_RESOURCE_ATTRIBUTES``; spans leave in
-batches from a thread of the SDK (``BatchSpanProcessor``), never on the event loop.
+The exporter (``workers.tracing.from_env``) is OTLP, configured by the standard ``OTEL_*`` variables;
+spans leave in batches from a thread of the SDK (``BatchSpanProcessor``), never on the event loop.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from service.core import request_id
-from service.core.metrics import RECORDING
+from service.core.metrics import RECORDING, TRACEPARENT
 from service.middleware import UNMATCHED, route_label
+from workers.tracing import from_env as tracing_from_env
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
 log = logging.getLogger(__name__)
 
-#: The variables that name where traces go; one of them set turns tracing on.
-ENDPOINT_VARS = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 #: Stages that are no span of their own: ``total`` is the server span.
 NOT_SPANS = frozenset({"total"})
 
 
 def from_env(environ: dict[str, str] | None = None) -> Tracer | None:
-    """The tracer the standard ``OTEL_*`` variables ask for, exporting over OTLP; None (and nothing
-    imported) when no endpoint is set or the SDK is disabled; None with a warning when an endpoint is
-    set but the ``otel`` extra is not installed."""
-    env = os.environ if environ is None else environ
-    if not any(env.get(name) for name in ENDPOINT_VARS) or env.get("OTEL_SDK_DISABLED", "").lower() == "true":
-        return None
-    try:
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        if env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")) == "grpc":
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        else:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
-    except ImportError as exc:
-        log.warning("tracing is off: an OTLP endpoint is set but the otel extra is not installed "
-                    "(pip install 'splitkey[otel]'): %s", exc)
-        return None
-    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "splitkey")})
-    provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    log.info("tracing requests to %s", next(env[name] for name in reversed(ENDPOINT_VARS) if env.get(name)))
-    return provider.get_tracer("splitkey")
+    """The front end's tracer (``workers.tracing.from_env``: the standard ``OTEL_*`` variables)."""
+    return tracing_from_env(environ, process="frontend")
 
 
 class TracingMiddleware:
@@ -72,10 +50,12 @@ class TracingMiddleware:
     def __init__(self, app: Any, *, tracer: Tracer, paths: frozenset[str]) -> None:
         from opentelemetry.propagate import extract
         from opentelemetry.trace import SpanKind, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         from opentelemetry.trace.status import Status, StatusCode
 
         self.app, self.tracer, self.paths = app, tracer, paths
         self._extract, self._in_context = extract, set_span_in_context
+        self._w3c = TraceContextTextMapPropagator()
         self._server, self._error = SpanKind.SERVER, (Status, StatusCode.ERROR)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -92,6 +72,9 @@ class TracingMiddleware:
         offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)
         stages: list[tuple[str, float, float]] = []
         token = RECORDING.set(stages)
+        ours: dict[str, str] = {}
+        self._w3c.inject(ours, context=self._in_context(span))  # the workers draw their passes under it
+        parent_token = TRACEPARENT.set(ours.get("traceparent"))
         status = {"code": 0}
 
         async def send_status(message: dict) -> None:
@@ -103,6 +86,7 @@ class TracingMiddleware:
             await self.app(scope, receive, send_status)
         finally:
             RECORDING.reset(token)
+            TRACEPARENT.reset(parent_token)
             parent = self._in_context(span)
             for stage, start, end in stages:
                 if stage not in NOT_SPANS:

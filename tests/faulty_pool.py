@@ -30,8 +30,8 @@ class FaultyPool(LocalPool):
     """A LocalPool whose workers can be told to fail (module docstring); ``sent`` lists every call made,
     ``(worker index, method)``, in the order the calls reached their worker (or its fault)."""
 
-    def __init__(self, settings: ServiceSettings, workers: int) -> None:
-        super().__init__(settings, workers)
+    def __init__(self, settings: ServiceSettings, workers: int, tracer: Any = None) -> None:
+        super().__init__(settings, workers, tracer)
         self.sent: list[tuple[int, str]] = []
         self._gates: dict[int, tuple[asyncio.Event, frozenset[str]]] = {}
         self._fail: dict[int, list[tuple[str | None, Exception]]] = {}
@@ -104,10 +104,12 @@ def settings(**overrides: Any) -> ServiceSettings:
     return ServiceSettings(**values)
 
 
-async def started(workers: int = 3, **overrides: Any) -> tuple[FaultyPool, LocalDirectory, ContextService]:
-    """A pool of ``workers``, a directory over them, and the contexts service on both (one front end)."""
+async def started(workers: int = 3, tracer: Any = None,
+                  **overrides: Any) -> tuple[FaultyPool, LocalDirectory, ContextService]:
+    """A pool of ``workers`` (their pass spans to ``tracer``), a directory over them, and the contexts
+    service on both (one front end)."""
     s = settings(**overrides)
-    pool = FaultyPool(s, workers)
+    pool = FaultyPool(s, workers, tracer)
     await pool.refresh()
     directory = LocalDirectory(DirectoryActor([sl.name for sl in pool.slots], NAMESPACE, reporter=pool.report))
     return pool, directory, ContextService(s, pool, directory)

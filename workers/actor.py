@@ -31,7 +31,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -48,6 +48,10 @@ from workers.options import CpuKernels
 from workers.persist import ShardFiles
 from workers.store import Expired, ShardInfo, ShardStore
 from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, arrive, carry
+from workers.tracing import from_env, pass_spans
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +124,12 @@ def _share_a_shard(first: ResidentJob, other: ResidentJob) -> bool:
 class ShardWorker:
     """Computes partial states over inline shards and over the resident shards it holds."""
 
-    def __init__(self, config: WorkerConfig, name: str) -> None:
+    def __init__(self, config: WorkerConfig, name: str, tracer: Tracer | None = None) -> None:
+        """``tracer``: where this worker's pass spans go (``workers.tracing``); None: the one the ``OTEL_*``
+        variables ask for where ``config.tracing`` says the front end traces, else none."""
         self.config = config
         self.name = name
+        self.tracer = tracer if tracer is not None or not config.tracing else from_env(process="worker")
         #: Tells this worker from an earlier one of the same name (a replacement starts empty).
         self.incarnation = secrets.token_hex(8)
         self.xp: Any = np
@@ -329,6 +336,7 @@ class ShardWorker:
     def _run(self, jobs: Sequence[InlineJob | ResidentJob]) -> list[tuple[ComputeStatus, Any]]:
         """One batch on the compute thread: a single inline job, or resident jobs of one key that share shards."""
         t0 = time.perf_counter()
+        t0_ns = time.time_ns()
         xp = self.xp
         kernel = self.config.kernel
         job = jobs[0]
@@ -360,6 +368,9 @@ class ShardWorker:
             states = [[_host_state(state_of[(i, r)]) for r in j.reads] if j.fanin is None
                       else merge_all([state_of[(i, r)] for r in j.reads], fanin=j.fanin) for i, j in enumerate(resident)]
         seconds = time.perf_counter() - t0
+        if self.tracer is not None:
+            pass_spans(self.tracer, [j.query.trace for j in jobs], t0_ns, time.time_ns(),
+                       {"splitkey.worker": self.name, "splitkey.batch": len(jobs)})
         out: list[tuple[ComputeStatus, Any]] = []
         for st in states:
             if isinstance(st, list):  # unmerged, one per read (partial_resident_many)

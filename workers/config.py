@@ -26,6 +26,8 @@ class WorkerConfig:
       ``workers.persist``) and loads them from when it starts; None: memory only.
     * ``channel``: open the direct channel (``workers.channel``): resident queries then come
       over a socket of their own instead of a Ray call; False: Ray calls only.
+    * ``tracing``: the front end traces requests: the worker draws its passes for them with the
+      tracer the ``OTEL_*`` variables of its own process ask for (``workers.tracing``).
     """
 
     device: str = "cpu"
@@ -34,6 +36,7 @@ class WorkerConfig:
     batch_rows: int = MAX_BATCH_ROWS
     persist_dir: str | None = None
     channel: bool = True
+    tracing: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

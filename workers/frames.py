@@ -36,6 +36,7 @@ from workers.dtypes import BFLOAT16
 from workers.options import AttentionOptions
 from workers.problem import Arange
 from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, arrive
+from workers.tracing import MAX_TRACEPARENT
 
 PREFIX = struct.Struct("<IQ")
 #: Largest JSON header (a query's reads are ~60 bytes each: thousands of shards fit).
@@ -151,6 +152,8 @@ def _query_parts(q: Any, query: ShardQuery, reads: Sequence[ShardRead]) -> tuple
         arrays.append(np.asarray(query.q_pos, dtype=np.int64))
     if opts.alibi_slopes is not None:
         arrays.append(np.asarray(opts.alibi_slopes))
+    if query.trace is not None:
+        header["trace"] = query.trace
     return header, arrays
 
 
@@ -182,7 +185,12 @@ def _parse_query_parts(header: Mapping[str, Any], it: Iterator[np.ndarray]) -> t
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not 0 <= budget < math.inf):
         raise FrameError(f"budget must be null or a finite number of seconds >= 0, got {budget!r:.40}")
-    return q, ShardQuery(q_pos=q_pos, options=options, budget_s=None if budget is None else float(budget)), reads
+    trace = header.get("trace")  # absent: not traced
+    if trace is not None and (not isinstance(trace, str) or len(trace) > MAX_TRACEPARENT):
+        raise FrameError(f"trace must be null or a traceparent of at most {MAX_TRACEPARENT} characters, "
+                         f"got {trace!r:.40}")
+    return q, ShardQuery(q_pos=q_pos, options=options, budget_s=None if budget is None else float(budget),
+                         trace=trace), reads
 
 
 def query_frame(call_id: int, q: Any, query: ShardQuery, reads: Sequence[ShardRead],

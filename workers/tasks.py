@@ -53,16 +53,20 @@ class ShardQuery:
     this call; the worker starts its own clock on arrival and does not start the work once
     they are spent (docs/SERVICE.md, "Deadlines"). Relative, so no two nodes' clocks are ever
     compared. None: no deadline (internal calls), the work always runs.
+
+    ``trace``: the W3C ``traceparent`` of the request when it is traced (``workers.tracing``: the
+    worker draws its passes for it); None otherwise.
     """
 
     q_pos: Any  # [n_q] int64 numpy array: absolute positions of the queries
     options: AttentionOptions
     budget_s: float | None = None
+    trace: str | None = None
 
     def with_budget(self, budget_s: float | None) -> ShardQuery:
         """This query with ``budget_s`` seconds left (set by the front end as it sends each call). Built
         field by field, a third of ``dataclasses.replace``'s cost: a new field must be passed on here."""
-        return ShardQuery(self.q_pos, self.options, budget_s)
+        return ShardQuery(self.q_pos, self.options, budget_s, self.trace)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from merge import State
 from service.cluster.startup import WORKER_PREFIX, worker_config
@@ -51,6 +51,9 @@ from service.core.settings import ServiceSettings
 from workers.actor import ShardWorker
 from workers.config import WorkerConfig
 from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, carry
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +102,10 @@ class LocalPool(Roster[LocalSlot]):
     #: No cluster beside the workers: every exception is a worker's (``WorkerSurface.cluster_errors``).
     cluster_errors: tuple[type[Exception], ...] = ()
 
-    def __init__(self, settings: ServiceSettings, workers: int) -> None:
+    def __init__(self, settings: ServiceSettings, workers: int, tracer: Tracer | None = None) -> None:
+        """``tracer``: where the workers' pass spans go (``workers.tracing``; None: as their config says)."""
         self.settings = settings
+        self.tracer = tracer
         self.device = "cpu"
         #: The Ray pool's config for the same settings, without the direct channel (no socket here).
         self.config: WorkerConfig = dataclasses.replace(worker_config(settings, "cpu"), channel=False)
@@ -114,7 +119,7 @@ class LocalPool(Roster[LocalSlot]):
         return pool
 
     def _slot(self, index: int, name: str) -> LocalSlot:
-        return LocalSlot(index, name, ShardWorker(self.config, name),
+        return LocalSlot(index, name, ShardWorker(self.config, name, self.tracer),
                          ThreadPoolExecutor(self.settings.worker_concurrency, thread_name_prefix=f"{name}-call"),
                          ThreadPoolExecutor(1, thread_name_prefix=f"{name}-health"))
 

@@ -14,6 +14,7 @@ from service.core.errors import WorkersUnavailable
 from service.core.settings import ServiceSettings
 from workers.config import WorkerConfig
 from workers.options import KernelOptions
+from workers.tracing import enabled as tracing_enabled
 
 #: Workers are named actors ``splitkey-worker-<i>`` in the settings' namespace (``service.cluster.pool``).
 WORKER_PREFIX = "splitkey-worker-"
@@ -50,6 +51,7 @@ def worker_config(settings: ServiceSettings, device: str) -> WorkerConfig:
         batch_rows=settings.batch_rows,
         channel=settings.worker_channel,
         persist_dir=str(settings.persist_dir.resolve()) if settings.persist_dir else None,
+        tracing=tracing_enabled(),  # the front end's OTEL_* variables (service.tracing)
     )
 
 

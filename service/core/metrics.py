@@ -32,6 +32,9 @@ BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 #: Where the stages of the request this task serves go as intervals: set per request by the tracing
 #: middleware (``service.tracing``), only when tracing is on; None otherwise.
 RECORDING: ContextVar[list[tuple[str, float, float]] | None] = ContextVar("splitkey_stage_spans", default=None)
+#: The W3C ``traceparent`` of the request's server span while tracing (service.tracing), for the workers'
+#: calls to carry (``workers.tasks.ShardQuery.trace``); None: not traced.
+TRACEPARENT: ContextVar[str | None] = ContextVar("splitkey_traceparent", default=None)
 
 
 @dataclass

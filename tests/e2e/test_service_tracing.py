@@ -1,5 +1,6 @@
 """A real ``splitkey serve`` with an OTLP endpoint set (service.tracing): the spans of an attention
-request reach an OTLP/HTTP collector (here, a receiver in the test) in the caller's trace."""
+request reach an OTLP/HTTP collector (here, a receiver in the test) in the caller's trace, the front
+end's and the worker's, each from its own process."""
 
 from __future__ import annotations
 
@@ -17,14 +18,20 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 
 class Collector(http.server.BaseHTTPRequestHandler):
-    """OTLP/HTTP's traces endpoint: each POST's spans, by name, into ``spans``."""
+    """OTLP/HTTP's traces endpoint: each POST's spans into ``spans``, and the attributes of the resource that
+    sent each span (by span id) into ``senders``."""
 
     spans: list = []
+    senders: dict = {}
 
     def do_POST(self) -> None:
         body = self.rfile.read(int(self.headers["content-length"]))
         request = ExportTraceServiceRequest.FromString(body)
-        Collector.spans += [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
+        for rs in request.resource_spans:
+            attributes = {a.key: a.value.string_value for a in rs.resource.attributes}
+            for ss in rs.scope_spans:
+                Collector.spans += list(ss.spans)
+                Collector.senders.update({s.span_id: attributes for s in ss.spans})
         self.send_response(200)
         self.send_header("content-type", "application/x-protobuf")
         self.send_header("content-length", "0")
@@ -49,7 +56,8 @@ def test_an_attention_request_reaches_the_collector_as_stage_spans_in_the_caller
                        headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
         assert r.status_code == 200, r.text
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not any(s.name == "POST /v1/attention" for s in Collector.spans):
+        while time.monotonic() < deadline and not {"POST /v1/attention", "worker pass"} <= {s.name for s in
+                                                                                         Collector.spans}:
             time.sleep(0.1)
     finally:
         srv.stop()
@@ -63,3 +71,11 @@ def test_an_attention_request_reaches_the_collector_as_stage_spans_in_the_caller
     assert stages["compute"].end_time_unix_nano <= stages["merge"].start_time_unix_nano + 1_000_000
     assert all(server.start_time_unix_nano <= s.start_time_unix_nano <= s.end_time_unix_nano
                <= server.end_time_unix_nano for s in stages.values())
+    # The worker's own span, exported from the worker's process (its environment is the front end's here).
+    [worker] = [s for s in spans if s.name == "worker pass"]
+    assert worker.parent_span_id == server.span_id
+    assert Collector.senders[worker.span_id]["splitkey.process"] == "worker"
+    assert Collector.senders[server.span_id]["splitkey.process"] == "frontend"
+    # Its clock is the same machine's here: the pass lies within the worker stage's call.
+    assert stages["compute"].start_time_unix_nano <= worker.start_time_unix_nano <= worker.end_time_unix_nano \
+        <= stages["compute"].end_time_unix_nano

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from service.app import create_app
-from service.core.metrics import Timings
+from service.core.metrics import TRACEPARENT, Timings
 from service.core.settings import ServiceSettings
 from service.tracing import TracingMiddleware, from_env
 
@@ -46,7 +46,7 @@ def traced_app():
             with timings.measure(stage):
                 await asyncio.sleep(0.001)
         timings.add("total", 0.02)
-        return {"ok": True}
+        return {"ok": True, "traceparent": TRACEPARENT.get()}
 
     app.add_api_route("/v1/attention/staged", staged, methods=["POST"])
     app.add_middleware(TracingMiddleware, tracer=provider.get_tracer("test"),
@@ -127,3 +127,58 @@ def test_with_an_otlp_endpoint_the_app_is_traced_over_otlp():
     tracer = from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_PROTOCOL":
                        "http/protobuf", "OTEL_SERVICE_NAME": "splitkey-test"})
     assert tracer is not None and tracer.resource.attributes["service.name"] == "splitkey-test"
+
+
+def test_the_workers_are_sent_the_requests_server_span_as_their_parent():
+    app, exporter = traced_app()
+    r = request(app, "POST", "/v1/attention/staged")
+    server = next(s for s in exporter.get_finished_spans() if s.name == "POST /v1/attention/staged")
+    version, trace_id, span_id, _ = r.json()["traceparent"].split("-")
+    assert (version, trace_id, span_id) == ("00", f"{server.context.trace_id:032x}", f"{server.context.span_id:016x}")
+    assert TRACEPARENT.get() is None  # only while the request runs
+
+
+def test_a_traced_query_draws_each_workers_pass_under_its_request(rng):
+    """A request over inline keys on two in-process workers (real ShardWorker objects behind the seam): each
+    worker that ran a pass for it exports a span of it under the request's span."""
+    import numpy as np
+    from faulty_pool import started
+
+    from service.attention import AttentionService
+    from service.cluster.orchestrator import Orchestrator
+    from service.wire.request import AttentionRequest, InlineKV
+    from workers.options import AttentionOptions
+    from workers.problem import KVDims
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+
+    async def main():
+        pool, _, contexts = await started(2, min_shard_keys=16, tracer=tracer)
+        try:
+            settings = contexts.settings
+            service = AttentionService(settings, pool, Orchestrator(pool, fanin=settings.merge_fanin,
+                                                                    remote_merge_bytes=settings.remote_merge_bytes),
+                                       contexts)
+            k, v = (rng.standard_normal((256, 2, 8)).astype(np.float32) for _ in range(2))
+            q = rng.standard_normal((1, 4, 8)).astype(np.float32)
+            req = AttentionRequest(q=q, q_pos=None, kv=InlineKV(k, v, None, KVDims(256, 2, 8, 8)),
+                                   options=AttentionOptions(), contexts=(), n_q=1, h_q=4, d=8)
+            span = tracer.start_span("POST /v1/attention")
+            token = TRACEPARENT.set(f"00-{span.context.trace_id:032x}-{span.context.span_id:016x}-01")
+            try:
+                await service.attention(req, Timings())
+            finally:
+                TRACEPARENT.reset(token)
+                span.end()
+            return span
+        finally:
+            pool.shutdown()
+
+    request_span = asyncio.run(main())
+    passes = [s for s in exporter.get_finished_spans() if s.name == "worker pass"]
+    assert sorted(s.attributes["splitkey.worker"] for s in passes) == ["splitkey-worker-0", "splitkey-worker-1"]
+    assert all(s.parent.span_id == request_span.context.span_id and s.context.trace_id == request_span.context.trace_id
+               for s in passes)

@@ -72,10 +72,28 @@ def test_the_query_frame_carries_every_attention_option():
 def test_with_budget_keeps_every_other_field_of_the_query():
     # ShardQuery.with_budget builds the copy field by field, and the frames carry each field: a new
     # field must be added to both.
-    assert [f.name for f in dataclasses.fields(ShardQuery)] == ["q_pos", "options", "budget_s"]
-    query = ShardQuery(np.array([3]), AttentionOptions(causal=True), 1.0)
+    assert [f.name for f in dataclasses.fields(ShardQuery)] == ["q_pos", "options", "budget_s", "trace"]
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    query = ShardQuery(np.array([3]), AttentionOptions(causal=True), 1.0, trace)
     got = query.with_budget(0.5)
-    assert (got.q_pos, got.options, got.budget_s, query.budget_s) == (query.q_pos, query.options, 0.5, 1.0)
+    assert (got.q_pos, got.options, got.budget_s, got.trace, query.budget_s) == \
+        (query.q_pos, query.options, 0.5, trace, 1.0)
+
+
+@pytest.mark.parametrize("trace", [None, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"])
+def test_the_query_frame_carries_the_requests_traceparent(trace):
+    q = np.zeros((1, 2, 4), np.float32)
+    query = ShardQuery(np.array([3], np.int64), AttentionOptions(), 2.0, trace)
+    header, arrays = roundtrip(frames.query_frame(1, q, query, (), 2))
+    assert frames.parse_query(header, arrays)[1].trace == trace
+
+
+@pytest.mark.parametrize("trace", [7, "x" * 200])
+def test_a_query_frame_with_a_trace_that_is_no_traceparent_is_refused(trace):
+    q = np.zeros((1, 2, 4), np.float32)
+    header, arrays = roundtrip(frames.query_frame(1, q, ShardQuery(np.array([3], np.int64), AttentionOptions()), (), 2))
+    with pytest.raises(frames.FrameError, match="trace must be"):
+        frames.parse_query({**header, "trace": trace}, arrays)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
