@@ -197,3 +197,103 @@ def test_a_pass_past_its_deadline_raises_a_backend_error_caused_by_the_timeout(s
         with pytest.raises(BackendError, match="layer 0") as caught:
             model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
         assert isinstance(caught.value.__cause__, TimeoutError)
+
+
+class Relay:
+    """A TCP relay on loopback to ``target`` (``host:port``) that can be cut: :meth:`cut` closes its listener and
+    every connection through it, as a network that drops the client's connections would."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        import threading
+
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.sockets: list = []
+        self._lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def restore(self) -> None:
+        """Listen again on the same port (the network is back)."""
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                inner, _ = self.listener.accept()
+            except OSError:  # cut
+                return
+            outer = socket.create_connection(self.target)
+            with self._lock:
+                self.sockets += [inner, outer]
+            for a, b in ((inner, outer), (outer, inner)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        import socket
+
+        try:  # wakes the accept() blocked on it (a close alone would leave it listening until then)
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+        with self._lock:
+            for s in self.sockets:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                    s.close()
+                except OSError:
+                    pass
+
+
+def test_a_connection_dropped_mid_generation_raises_a_backend_error_and_ends_the_cache(server):
+    """The network drops the engine's connection between two passes: the next pass raises a BackendError naming
+    its layer, caused by the transport's error (never a token from a pass that did not run), and the cache
+    serves nothing after it."""
+    model = build("llama")
+    model.set_attn_implementation(ATTENTION)
+    ids, mask = prompts(2)
+    relay = Relay(server.url.removeprefix("http://"))
+    with Client(server.url) as admin, Client(relay.url) as client:
+        cache = SplitkeyCache(client, model.config)
+        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        relay.cut()
+        with pytest.raises(BackendError, match="layer 0") as caught:
+            model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, mask[:, -1:]], 1),
+                  cache=cache, use_cache=True)
+        assert isinstance(caught.value.__cause__, OSError), repr(caught.value.__cause__)
+        with pytest.raises(BackendError, match="an earlier pass failed"):
+            model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        with pytest.raises(OSError):
+            cache.close()  # the service cannot be reached: raised, and every context stays listed
+        relay.restore()
+        made = {i for layer in cache.context_ids for i in layer}
+        for layer in cache.context_ids:
+            for s, ctx in enumerate(layer):  # the pass that failed appended nothing
+                assert admin.get_context(ctx)["length"] == PROMPT_LENGTHS[s]
+        cache.close()  # called again once the service is back: every context deleted
+        assert len(made) == 2 * 2 and not made & {c["id"] for c in admin.list_contexts()}

@@ -105,6 +105,53 @@ def test_capacity_error_is_507_and_leaves_nothing_behind(tight):
         assert c.cluster()["bytes_held"] < held and c.list_contexts() == []
 
 
+def fill(c: Client, h_kv: int, d: int) -> list[str]:
+    """Contexts of ``[h_kv, d]`` float32 keys created until no worker has room for one of a single key
+    (each size in turn until a 507: a create goes to the worker holding least, so a 507 means none fits)."""
+    made = []
+    for n in (1024, 64, 1):
+        k = np.zeros((n, h_kv, d), np.float32)
+        while True:
+            try:
+                made.append(c.create_context(k, k)["id"])
+            except SplitkeyError as exc:
+                assert exc.status == 507, exc
+                break
+    return made
+
+
+def test_a_507_mid_generation_raises_a_backend_error_naming_its_cause(tight):
+    """The workers fill up while a model generates over splitkey: the pass whose keys no longer fit raises a
+    BackendError caused by the 507 (the step can be sent again once there is room), never a token."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from service.hf import ATTENTION, BackendError, SplitkeyCache
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=128, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(ATTENTION)
+    ids = torch.randint(3, 64, (1, 14), generator=torch.Generator().manual_seed(1))
+    with Client(tight.url, api_key=KEY) as c, SplitkeyCache(c, model.config) as cache:
+        out = model(input_ids=ids, cache=cache, use_cache=True)
+        fillers = fill(c, h_kv=2, d=8)
+        try:
+            with pytest.raises(BackendError, match=r"layer \d") as caught:
+                for _ in range(2 * 16):  # a new page or shard well before then
+                    out = model(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+            cause = caught.value.__cause__
+            assert cause.status == 507 and cause.code == "insufficient_capacity", cause
+            with pytest.raises(BackendError, match="an earlier pass failed"):
+                model(input_ids=ids[:, :1], cache=cache, use_cache=True)
+        finally:
+            for ctx in fillers:
+                c.delete_context(ctx)
+    with Client(tight.url, api_key=KEY) as c:
+        assert c.list_contexts() == []
+
+
 def metric(srv, series: str) -> float:
     """The value of one series of the server's /metrics (0 when it has none yet)."""
     text = httpx.get(srv.url + "/metrics", headers=auth()).text
