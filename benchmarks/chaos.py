@@ -93,6 +93,7 @@ class Options:
     readers: int = 2
     persist_mib: int = 256
     recover_s: float = 120.0
+    check_only: bool = False  #: check the history in ``out`` instead of running a soak
 
     def __post_init__(self) -> None:
         if not self.duration_s > 0:
@@ -624,17 +625,25 @@ def parse(argv: Sequence[str] | None = None) -> Options:
     ap.add_argument("--out", type=Path, default=None, help="folder for history.jsonl, summary.json, logs")
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--gap", default="6,12", help="seconds between faults: LOW,HIGH (default 6,12)")
+    ap.add_argument("--check", action="store_true",
+                    help="no soak: check the history.jsonl already in --out (with the same --seed) and write its "
+                         "summary.json (a run whose checker was cut short; the recovery time is not in a history)")
     a = ap.parse_args(argv)
     low, high = (float(x) for x in a.gap.split(","))
     out = a.out if a.out is not None else Path(tempfile.mkdtemp(prefix="chaos-"))
     return Options(duration_s=a.duration, seed=a.seed, out=out, faults=tuple(re.split(r"\s*,\s*", a.faults)),
-                   gap_s=(low, high))
+                   gap_s=(low, high), check_only=a.check)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     common.raise_on_sigterm()
     opts = parse(argv)
-    summary = soak(opts)
+    if opts.check_only:
+        ops = read_history(opts.out / "history.jsonl")
+        kinds = sorted({op["kind"] for op in ops if op["op"] == "fault"})
+        summary = summarize(opts, ops, kinds, mounted=True, recovery=None)
+    else:
+        summary = soak(opts)
     print(json.dumps({k: v for k, v in summary.items() if k != "per_fault"}, indent=2))
     print(table(summary))
     print(f"history: {opts.out / 'history.jsonl'}")

@@ -357,9 +357,9 @@ class ShardWorker:
             for i, j in enumerate(resident):
                 for r in j.reads:
                     readers.setdefault(r, []).append(i)
+            views = {r: self.store.view(r.context_id, r.index, r.length) for r in readers}  # ShardMissing first
             for r in readers:  # a cached record this worker cannot vouch for: the front end reads it again
                 self.store.check_read(r)
-            views = {r: self.store.view(r.context_id, r.index, r.length) for r in readers}  # ShardMissing first
             state_of: dict[tuple[int, ShardRead], State] = {}
             for r, idx in readers.items():
                 for i, st in zip(idx, partial_attention_resident_many([queries[i] for i in idx], views[r],

@@ -34,6 +34,7 @@ def keys(rng, dtype=np.float32):
 def worker(rng):
     w = ShardWorker(WorkerConfig(memory_budget_bytes=2**24), "w-test")
     w.create_shard(ShardWrite("ctx", 0, "float32", N_K, np.arange(N_K)), *keys(rng), {"version": 1})
+    w.note_context("ctx", {"version": 1})  # committed: reads of version 1 are vouched for
     yield w
     w.listener.close()
 
@@ -155,6 +156,7 @@ def pool_call(ray_cluster, rng, channel: bool, act) -> None:
         try:
             h = pool.slots[0].handle
             await h.create_shard.remote(ShardWrite("ctx", 0, "float32", N_K, np.arange(N_K)), k, v, {"version": 1})
+            await h.note_context.remote("ctx", {"version": 1})
             _, want = await h.partial_resident.remote(q, query, work.reads, work.fanin)
             await act(pool, q, query, work, want)
         finally:

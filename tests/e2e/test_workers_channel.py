@@ -65,7 +65,7 @@ def closed_without_answer(s: socket.socket) -> bool:
 
 def query(rng, n_q: int = 1) -> tuple[np.ndarray, ShardQuery, tuple[ShardRead, ...]]:
     q = rng.standard_normal((n_q, H_Q, D)).astype(np.float32)
-    return q, ShardQuery(np.full(n_q, N_K), AttentionOptions(causal=True)), (ShardRead("ctx", 0, N_K, 1),)
+    return q, ShardQuery(np.full(n_q, N_K), AttentionOptions(causal=True)), (ShardRead("ctx", 0, N_K, 1, fresh=True),)  # as read from the directory
 
 
 def assert_serves(worker: ShardWorker, rng) -> None:
