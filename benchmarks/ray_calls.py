@@ -82,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         k = rng.standard_normal((n_k, H_KV, D), dtype=np.float32)
         v = rng.standard_normal((n_k, H_KV, D), dtype=np.float32)
         ray.get(h.create_shard.remote(ShardWrite("c", 0, "float32", n_k, np.arange(n_k)), k, v, {"version": 1}))
+        ray.get(h.note_context.remote("c", {"version": 1}))  # committed, as the service notes a create
         q = rng.standard_normal((1, H_Q, D), dtype=np.float32)
         query = ShardQuery(q_pos=np.array([n_k]), options=AttentionOptions())
         reads = (ShardRead("c", 0, n_k, 1),)
