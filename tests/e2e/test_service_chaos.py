@@ -6,8 +6,9 @@ from benchloader import benchmark_module
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
 
-#: Seconds of faults: with the cluster's start and the recovery, 53-68 s in all on the shared 2-core machine.
-DURATION_S = 35.0
+#: Seconds of faults (issue 50: a bounded 2-minute version of the soak in CI): with the cluster's start and the
+#: recovery, 108 s in all on the 2-core machine.
+DURATION_S = 90.0
 
 
 def test_a_short_fault_soak_loses_no_acknowledged_write_and_answers_nothing_wrong(tmp_path):
