@@ -67,7 +67,7 @@ def _tile(q: Any, q0: int, q1: int, q2: int, q3: int, k: Any, o0: int, o1: int,
     return vsum8(a0, a1, a2, a3, a4, a5, a6, a7)
 
 
-@numba.njit(fastmath=_FM, nogil=True)
+@numba.njit(fastmath=_FM, nogil=True, cache=True)
 def scores_rows_f32(q: Any, d: int, k: Any, base: int, sk0: int, sk1: int, s: Any, nb: int, lanes: Any,
                     v: Any, vbase: int, sv0: int) -> None:  # pragma: no cover - compiled
     """``s[h, r, j] = q[h, r] . k[base + j*sk0 + h*sk1 :][:d]`` for ``j < nb``, every kv head ``h`` and

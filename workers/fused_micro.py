@@ -162,7 +162,7 @@ def _row(src: Any, si: int, w: Any, o: int, step: int, n: int, a: Any, ai: int,
     vstore(a, ai + 8, a1)
 
 
-@numba.njit(fastmath=_FM, nogil=True)
+@numba.njit(fastmath=_FM, nogil=True, cache=True)
 def scores_dmajor_f32(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any,
                       nb: int) -> None:  # pragma: no cover - compiled
     """``s[r, :nb] = sum_t q[r, t] k_t`` for every row (float32 ``q [R, d]``, ``s [R, B]``), over
@@ -230,7 +230,7 @@ def _pv_tile4(s: Any, r: int, j0: int, j1: int, v: Any, base: int, step: int, ac
         _store4(acc, i0, d_v, t)
 
 
-@numba.njit(fastmath=_FM, nogil=True)
+@numba.njit(fastmath=_FM, nogil=True, cache=True)
 def pv_f32(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any,
            d_v: int) -> None:  # pragma: no cover - compiled
     """``acc[r, :d_v] += sum_j s[r, j] v_j`` for every row with ``kind[r] != 0`` (float32 ``s [R, B]``,

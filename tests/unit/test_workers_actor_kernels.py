@@ -18,6 +18,9 @@ from workers.tasks import ShardQuery, ShardRead, ShardWrite
 def test_an_auto_worker_serves_on_numpy_at_once_then_switches_to_fused_and_says_since_when(rng, monkeypatch):
     pytest.importorskip("numba")
     monkeypatch.setitem(fused._state, "ready_at", None)
+    # The child that compiles runs at nice 19 so that a worker's calls go first; here the other
+    # pytest worker's tests would go first and the wait would grow from 1 s to 12.
+    monkeypatch.setattr(fused, "COMPILE_NICE", 0)
     w = ShardWorker(WorkerConfig(kernel=KernelOptions(cpu_kernels="auto"), channel=False), "w0")
     k = rng.standard_normal((3000, 2, 32)).astype(np.float32)
     v = rng.standard_normal((3000, 2, 16)).astype(np.float32)
