@@ -9,9 +9,11 @@ that copy the slowest stage of an upload (benchmarks/results/2026-12-01/NOTES.md
   (:func:`as_bits`) the same bytes take NumPy's own strided loops.
 * The keys' transpose: NumPy walks ``kt`` row by row and reads ``k`` with a stride
   of ``h_kv * d`` elements (0.85 GB/s here for float16). A loop that numba compiles
-  reads ``k`` in order and writes each key's ``d`` elements down a column (about
-  2.3 GB/s for float16, 3.7 for float32); NumPy in steps of
-  :data:`TRANSPOSE_KEYS` keys is the fallback where numba is missing.
+  goes tile by tile (:data:`TILE_KEYS` keys by :data:`TILE_DIMS` dimensions): the tile's
+  keys are read in order and each of its dimensions is written as one run of keys, so
+  every cache line written is filled before it is left (1.9 GB/s for 16-bit keys into a
+  128K-key shard, against 0.5 for a loop writing each key down its column); NumPy in
+  steps of :data:`TRANSPOSE_KEYS` keys is the fallback where numba is missing.
 
 The values keep their row order (``[n, d_v]`` runs per head) and copy at memory
 speed as they are.
@@ -40,6 +42,9 @@ from merge import array_module
 
 #: Keys per step of the NumPy fallback of :func:`copy_keys_dmajor`.
 TRANSPOSE_KEYS = 128
+#: The compiled transpose's tile: keys (a 32-byte run of a key dimension's row at 16 bits) by
+#: dimensions. Chosen by measurement (benchmarks/results/2026-12-07/NOTES.md, "Key transpose").
+TILE_KEYS, TILE_DIMS = 16, 64
 #: Unsigned integers of each itemsize: copies move the bits as these (:func:`as_bits`).
 BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -139,12 +144,25 @@ def compiled_transpose() -> Callable[[np.ndarray, np.ndarray], None] | None:
     except ImportError:  # pragma: no cover - exercised where numba has no wheel
         return None
 
+    tj, te = TILE_KEYS, TILE_DIMS  # compile-time constants: LLVM unrolls the tile's loops
+
     # cache: compiled once per machine into __pycache__, not once per worker process
     @numba.njit(nogil=True, boundscheck=False, cache=True)
     def transpose(dst: Any, k: Any) -> None:  # pragma: no cover - compiled
         n, h_kv, d = k.shape
+        n_full = n - n % tj  # keys in whole tiles
+        d_full = d - d % te  # dims in whole tiles
         for h in range(h_kv):
-            for j in range(n):  # k read in order; each key's d elements go down column j
+            for j0 in range(0, n_full, tj):
+                # tile [tj keys, te dims]: read as tj runs of k's rows, written as te runs of tj keys
+                for e0 in range(0, d_full, te):
+                    for e in range(te):
+                        for j in range(tj):
+                            dst[h, e0 + e, j0 + j] = k[j0 + j, h, e0 + e]
+                for e in range(d_full, d):  # the last dims, fewer than te
+                    for j in range(tj):
+                        dst[h, e, j0 + j] = k[j0 + j, h, e]
+            for j in range(n_full, n):  # the last keys, fewer than tj
                 for e in range(d):
                     dst[h, e, j] = k[j, h, e]
 

@@ -24,11 +24,12 @@ def path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
-@pytest.mark.parametrize("n", [0, 1, 127, 129, 700])
-def test_keys_land_d_major_bit_for_bit_in_a_strided_destination(rng, path, dtype, n):
-    k = rng.standard_normal((n, 3, 5)).astype(dtype)
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 127, 129, 700])
+@pytest.mark.parametrize("d", [5, copies.TILE_DIMS, copies.TILE_DIMS * 2 + 3])  # tiles whole, none, and a tail
+def test_keys_land_d_major_bit_for_bit_in_a_strided_destination(rng, path, dtype, n, d):
+    k = rng.standard_normal((n, 3, d)).astype(dtype)
     k[: n // 3] = np.array(np.nan, dtype=dtype)  # NaNs keep their bits: nothing is computed
-    kt = np.zeros((3, 5, n + 40), dtype=dtype)  # a capacity past n: rows are strided
+    kt = np.zeros((3, d, n + 40), dtype=dtype)  # a capacity past n: rows are strided
     copy_keys_dmajor(kt[:, :, 10:10 + n], k)
     assert as_bits(kt[:, :, 10:10 + n]).tobytes() == as_bits(k.transpose(1, 2, 0).copy()).tobytes()
     assert not as_bits(kt[:, :, :10]).any() and not as_bits(kt[:, :, 10 + n:]).any()  # nothing else written
