@@ -1176,13 +1176,19 @@ def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     """Whether a Kubernetes label selector (matchLabels, matchExpressions In/NotIn/Exists) selects ``labels``."""
     if not selector.get("matchLabels", {}).items() <= labels.items():
         return False
-    for e in selector.get("matchExpressions", []):
-        ok = {"In": lambda: labels.get(e["key"]) in e["values"],
-              "NotIn": lambda: labels.get(e["key"]) not in e["values"],
-              "Exists": lambda: e["key"] in labels}[e["operator"]]()
-        if not ok:
-            return False
-    return True
+    return all(_matches(e, labels) for e in selector.get("matchExpressions", []))
+
+
+def _matches(expression: dict[str, Any], labels: dict[str, str]) -> bool:
+    """One matchExpression (In, NotIn, Exists) against ``labels``."""
+    key, operator = expression["key"], expression["operator"]
+    if operator == "In":
+        return labels.get(key) in expression["values"]
+    if operator == "NotIn":
+        return labels.get(key) not in expression["values"]
+    if operator == "Exists":
+        return key in labels
+    raise ValueError(f"operator must be In, NotIn or Exists, got {operator!r}")
 
 
 def reachable(policies: list[dict[str, Any]], labels: dict[str, str], ports: set[int]) -> dict[str, set[int]]:
