@@ -527,13 +527,14 @@ def instruction_sets() -> str:
     vector features LLVM may use there, and the width of the kernel's own vectors."""
     import llvmlite.binding as llvm
 
-    from workers.fused_simd import LANES
+    from workers.fused_simd import LANES, WIDE
 
     features = llvm.get_host_cpu_features()
     wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bf16", "avx512fp16", "amx-bf16")
     used = " ".join(f for f in wanted if features.get(f, False)) or "none of " + " ".join(wanted)
     return (f"- fused kernel: numba for `{llvm.get_host_cpu_name()}` (LLVM may use: {used}); its register "
-            f"tiles are {LANES} float32 lanes ({32 * LANES}-bit vectors), 16-bit keys widened to float32")
+            f"tiles are {WIDE} float32 lanes ({32 * WIDE}-bit vectors) in the resident scores and in p @ v, "
+            f"{LANES} in the inline scores; 16-bit keys widened to float32")
 
 
 def table_row(head: list[str], row: Row, limit: float) -> str:

@@ -9,9 +9,10 @@ them):
 * ``acc[r, e] += sum_j p[r, j] v[j, e]`` over values whose keys are ``step`` apart.
 
 Both hold a tile of :data:`TILE_ROWS` rows x :data:`TILE_KEYS` lanes (two
-``f32x8``) of accumulators in registers across a stretch of their reduction, so
+``workers.fused_simd.f32xw``: 16 keys with AVX2, 32 with AVX-512) of accumulators
+in registers across a stretch of their reduction, so
 that each key (value) vector loaded serves four rows, widened once for all four
-when it is 16-bit. The scores tile holds its 16 keys in the key array's tile
+when it is 16-bit. The scores tile holds its keys in the key array's tile
 order (``workers.fused_simd.split_order``): in order, or for bfloat16 the even
 keys and the odd ones, which widen from one load with half the instructions; the
 partial sums keep that order in ``s`` from panel to panel, and after the last
@@ -26,7 +27,7 @@ its values in order: there the accumulators go back to ``acc`` every
   the partial sums go back to ``s`` between panels (after a panel, ``s[r, j]``
   holds the sum over the dims seen so far).
 * **p @ v** takes :data:`PV_KEYS` keys at a time (their value rows read side by
-  side) and, per 16 columns, keeps the four rows' accumulators in registers over
+  side) and, per :data:`TILE_KEYS` columns, keeps the four rows' accumulators in registers over
   those keys, prefetching the tile :data:`PREFETCH_VALUES` keys ahead in address
   order.
 
@@ -37,9 +38,10 @@ hardware prefetchers do not follow (benchmarks/results/2026-12-02/NOTES.md, "Reg
 **Order of arithmetic.** Every lane of a tile computes its ``s[r, j]`` (its
 ``acc[r, e]``) as one chain of fused multiply-adds in dim order (key order),
 whatever rows share the tile: a row gives bitwise the same result in a group of
-four or alone (:func:`_row`), in a batch or not. Keys
-past the last whole tile of a block (``nb % 16``) and value columns past the
-last whole tile (``d_v % 16``) take a scalar loop, chosen by position alone.
+four or alone (:func:`_row`), in a batch or not, and at either vector width. Keys
+past the last whole tile of a block (``nb % TILE_KEYS``) and value columns past the
+last whole tile (``d_v % TILE_KEYS``) take a scalar loop, chosen by position alone:
+the same chain of fused multiply-adds (contraction), so the same bits.
 """
 
 from __future__ import annotations
@@ -49,24 +51,26 @@ from typing import Any
 import numba
 
 import workers.fused_simd as fused_simd
-from workers.fused_simd import split_order, widen
+from workers.fused_simd import narrow, split_order, widen
 
-# The eight-lane intrinsics, typed as their calls in compiled code read (numba supplies
-# the typing context that their Python signatures start with).
+# The wide intrinsics (workers.fused_simd.WIDE lanes), typed as their calls in compiled code
+# read (numba supplies the typing context that their Python signatures start with).
 prefetch: Any = fused_simd.prefetch
 vfma: Any = fused_simd.vfma
-vload: Any = fused_simd.vload
-vload16: Any = fused_simd.vload16
+vload: Any = fused_simd.wload
+vload_pair: Any = fused_simd.wload_pair
 vweave: Any = fused_simd.vweave
-vsplat_at: Any = fused_simd.vsplat_at
+vsplat_at: Any = fused_simd.wsplat_at
 vstore: Any = fused_simd.vstore
-vzero: Any = fused_simd.vzero
+vzero: Any = fused_simd.wzero
 
+#: Lanes of one vector: 16 where the compile target has AVX-512F, else 8.
+LANES = fused_simd.WIDE
 #: Query rows per register tile (their accumulators: 4 x 2 vectors, with the key
-#: vectors and a broadcast 11 of the 16 AVX2 registers).
+#: vectors and a broadcast 11 of the 16 AVX2 or 32 AVX-512 registers).
 TILE_ROWS = 4
-#: Keys (value columns) per register tile: two eight-lane vectors.
-TILE_KEYS = 16
+#: Keys (value columns) per register tile: two vectors.
+TILE_KEYS = 2 * LANES
 #: Dims per scores panel: as many runs of keys read side by side.
 PANEL_DIMS = 8
 #: How far ahead (keys) the scores prefetch along each run they read: past the block's
@@ -86,9 +90,10 @@ _FM = {"contract"}  # scalar tails: contraction only (a fixed, compile-time choi
 
 @numba.njit(inline="always", nogil=True)
 def _load4(a: Any, i: int, row: int) -> Any:  # pragma: no cover - compiled
-    """A tile's accumulators from flat ``a``: 16 lanes at ``i``, ``i + row``, ``i + 2 row``, ``i + 3 row``."""
-    return (vload(a, i), vload(a, i + 8), vload(a, i + row), vload(a, i + row + 8),
-            vload(a, i + 2 * row), vload(a, i + 2 * row + 8), vload(a, i + 3 * row), vload(a, i + 3 * row + 8))
+    """A tile's accumulators from flat ``a``: TILE_KEYS lanes at ``i``, ``i + row``, ``i + 2 row``, ``i + 3 row``."""
+    return (vload(a, i), vload(a, i + LANES), vload(a, i + row), vload(a, i + row + LANES),
+            vload(a, i + 2 * row), vload(a, i + 2 * row + LANES), vload(a, i + 3 * row),
+            vload(a, i + 3 * row + LANES))
 
 
 @numba.njit(inline="always", nogil=True)
@@ -96,7 +101,7 @@ def _store4(a: Any, i: int, row: int, t: Any) -> None:  # pragma: no cover - com
     """:func:`_load4`'s places, written back."""
     for n in numba.literal_unroll((0, 1, 2, 3)):
         vstore(a, i + n * row, t[2 * n])
-        vstore(a, i + n * row + 8, t[2 * n + 1])
+        vstore(a, i + n * row + LANES, t[2 * n + 1])
 
 
 @numba.njit(inline="always", nogil=True)
@@ -121,10 +126,10 @@ def _fma4(src: Any, i: int, row: int, w0: Any, w1: Any, t: Any) -> Any:  # pragm
 @numba.njit(inline="always", fastmath=_FM, nogil=True)
 def _scores_tile4(q: Any, r: int, t0: int, n_t: int, k: Any, base: int, step: int, j0: int, s: Any,
                   sb: int, first: bool) -> None:  # pragma: no cover - compiled
-    """Rows ``r..r+3``, keys ``j0..j0+15``, dims ``[t0, t0 + n_t)`` added onto ``s`` (or into it when ``first``).
+    """Rows ``r..r+3``, keys ``j0 .. j0 + TILE_KEYS - 1``, dims ``[t0, t0 + n_t)`` added onto ``s`` (or into it when ``first``).
 
     ``q [R, d]`` and ``s [R, sb]`` indexed flat; ``n_t`` is a compile-time constant
-    (a whole panel, unrolled) or the last panel's width. The 16 keys go to ``s`` in
+    (a whole panel, unrolled) or the last panel's width. The keys go to ``s`` in
     ``k``'s tile order (:func:`scores_dmajor_f32` puts them in order after the last panel).
     """
     d = q.shape[1]
@@ -137,7 +142,7 @@ def _scores_tile4(q: Any, r: int, t0: int, n_t: int, k: Any, base: int, step: in
     o = base + t0 * step + j0  # key j0 of dim t
     qi = r * d + t0  # flat q[r, t]
     for _ in range(n_t):
-        k0, k1 = vload16(k, o)  # keys j0..j0+15 of dim t, in tile order
+        k0, k1 = vload_pair(k, o)  # the tile's keys of dim t, in tile order
         t = _fma4(q, qi, d, k0, k1, t)
         o += step
         qi += 1
@@ -147,19 +152,19 @@ def _scores_tile4(q: Any, r: int, t0: int, n_t: int, k: Any, base: int, step: in
 @numba.njit(inline="always", nogil=True)
 def _row(src: Any, si: int, w: Any, o: int, step: int, n: int, a: Any, ai: int,
          first: bool) -> None:  # pragma: no cover - compiled
-    """One row alone: ``a[ai : ai+16] (or 0 when first) + sum_{m<n} src[si + m] * w[o + m step : +16]``,
+    """One row alone: ``a[ai : ai+TILE_KEYS] (or 0 when first) + sum_{m<n} src[si + m] * w[o + m step :][:TILE_KEYS]``,
     the chain a lane of :func:`_fma4` computes for its row, in the same order."""
     if first:
         a0, a1 = vzero(), vzero()
     else:
-        a0, a1 = vload(a, ai), vload(a, ai + 8)
+        a0, a1 = vload(a, ai), vload(a, ai + LANES)
     for _ in range(n):
         x = vsplat_at(src, si)
-        a0, a1 = vfma(x, vload(w, o), a0), vfma(x, vload(w, o + 8), a1)
+        a0, a1 = vfma(x, vload(w, o), a0), vfma(x, vload(w, o + LANES), a1)
         o += step
         si += 1
     vstore(a, ai, a0)
-    vstore(a, ai + 8, a1)
+    vstore(a, ai + LANES, a1)
 
 
 @numba.njit(fastmath=_FM, nogil=True, cache=True)
@@ -171,14 +176,16 @@ def scores_dmajor_f32(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s
     """
     n_rows, sb = s.shape
     full = nb - nb % TILE_KEYS
-    line_keys = CACHE_LINE_BYTES // k.itemsize  # keys per cache line of each run
+    line_keys = CACHE_LINE_BYTES // (2 if narrow(k) else 4)  # keys per cache line of each run (a constant)
     for t0 in range(0, d, PANEL_DIMS):
         t1 = min(t0 + PANEL_DIMS, d)
         first = t0 == 0
         for j0 in range(0, full, TILE_KEYS):
-            if j0 % line_keys == 0:  # once per line of each run, whatever the rows
+            # Once per line of each run, whatever the rows: the lines that start in this tile
+            # (a tile spans two lines of float32 at 16 lanes, half a line of 16-bit keys at 8).
+            for jl in range(j0 + (-j0) % line_keys, j0 + TILE_KEYS, line_keys):
                 for t in range(t0, t1):
-                    prefetch(k, base + t * step + j0 + PREFETCH_KEYS)  # the same run, further along
+                    prefetch(k, base + t * step + jl + PREFETCH_KEYS)  # the same run, further along
             r = 0
             while r + TILE_ROWS <= n_rows:
                 if t1 - t0 == PANEL_DIMS:  # a whole panel: a constant count, the loop unrolled
@@ -189,7 +196,7 @@ def scores_dmajor_f32(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s
             while r < n_rows:  # rows past the last group of four, alone
                 _row(q, r * d + t0, k, base + t0 * step + j0, step, t1 - t0, s, r * sb + j0, first)
                 r += 1
-        for r in range(n_rows):  # the block's last nb % 16 keys: one scalar chain each, in dim order
+        for r in range(n_rows):  # the block's last nb % TILE_KEYS keys: one scalar chain each, in dim order
             for j in range(full, nb):
                 x = s[r, j] if not first else numba.float32(0)
                 for t in range(t0, t1):
@@ -209,10 +216,11 @@ def _pv_tile4(s: Any, r: int, j0: int, j1: int, v: Any, base: int, step: int, ac
               full: int) -> None:  # pragma: no cover - compiled
     """Rows ``r..r+3``: ``acc[:, :full] += p[:, j0:j1] @ v[j0:j1, :full]`` (at most PV_KEYS keys).
 
-    For each 16 columns, the tile's accumulators stay in registers over the keys;
+    For each TILE_KEYS columns, the tile's accumulators stay in registers over the keys;
     the keys' value rows are read side by side (PV_KEYS streams of ``d_v`` values).
     """
     sb = s.shape[1]
+    line = CACHE_LINE_BYTES // (2 if narrow(v) else 4)  # values per cache line (a constant: the loop unrolls)
     for e0 in range(0, full, TILE_KEYS):
         i0 = r * d_v + e0  # flat acc[r, e0]
         t = _load4(acc, i0, d_v)
@@ -221,8 +229,9 @@ def _pv_tile4(s: Any, r: int, j0: int, j1: int, v: Any, base: int, step: int, ac
         pf = base + (j0 + PREFETCH_VALUES) * step + e0 * (j1 - j0)
         pi = r * sb + j0  # flat p[r, j]
         for _ in range(j1 - j0):
-            w0, w1 = vload(v, o), vload(v, o + 8)
-            prefetch(v, pf)
+            w0, w1 = vload(v, o), vload(v, o + LANES)
+            for el in range(0, TILE_KEYS, line):  # every line of the tile's share
+                prefetch(v, pf + el)
             t = _fma4(s, pi, sb, w0, w1, t)
             pf += TILE_KEYS
             o += step
@@ -257,7 +266,7 @@ def pv_f32(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any,
                 for e0 in range(0, full, TILE_KEYS):
                     _row(s, r * s.shape[1] + j0, v, base + j0 * step + e0, step, j1 - j0, acc, r * d_v + e0, False)
             r += 1
-        for r in range(n_rows):  # the last d_v % 16 columns: one scalar chain each, in key order
+        for r in range(n_rows):  # the last d_v % TILE_KEYS columns: one scalar chain each, in key order
             if kind[r] == 0:
                 continue
             for e in range(full, d_v):

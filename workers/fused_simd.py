@@ -1,4 +1,4 @@
-"""numba building blocks of the fused CPU kernels: element formats and eight float32 lanes.
+"""numba building blocks of the fused CPU kernels: element formats and vectors of float32 lanes.
 
 **Element formats.** The kernels read 16-bit keys and values as their bits
 (``workers.fused._flat``): bfloat16 as uint16, float16 as int16, so
@@ -7,28 +7,37 @@ float32 in-register (bfloat16: the bits shifted up 16; float16: ``fpext``, one
 F16C instruction); :func:`narrow` says at compile time whether an array holds
 16-bit elements.
 
-**Eight lanes.** numba's auto-vectoriser turns a loop over an array into SIMD
+**Vectors.** numba's auto-vectoriser turns a loop over an array into SIMD
 code but keeps an accumulator that lives in an array (a row of scores, of
 ``acc``) in memory, loading and storing it around every multiply-add. The
-micro-kernels of ``workers.fused_micro`` instead hold a tile of accumulators in
-registers across a whole reduction, with the one type that needs: :data:`f32x8`,
-an LLVM ``<8 x float>`` (one AVX2 register; LLVM legalises it elsewhere), and a
-few operations on it, each one LLVM instruction or intrinsic:
+micro-kernels of ``workers.fused_micro`` and ``workers.fused_dots`` instead hold
+a tile of accumulators in registers across a whole reduction, with the one type
+that needs: ``f32xN``, an LLVM ``<N x float>``, in two widths:
 
-* :func:`vload` eight consecutive elements of a contiguous array from a flat
-  index, widened to float32 as :func:`widen` does, for all eight at once;
-* :func:`vload16` sixteen elements as two vectors in the array's **tile order**
-  (:func:`split_order`): elements ``0..7`` and ``8..15`` for float32 and float16,
-  but for bfloat16 the even elements and the odd ones, which one 256-bit load, a
-  shift and a mask widen (two ``vload`` calls take two loads, two zero-extending
-  shuffles and two shifts);
+* :data:`f32x8`, eight lanes (one AVX2 register; LLVM legalises it elsewhere);
+* :data:`f32xw`, :data:`WIDE` lanes: 16 (one AVX-512 register) where the target
+  numba compiles for has AVX-512F, else 8 (:func:`wide_lanes`). It is the same
+  arithmetic on twice the lanes, so a kernel written on it gives bitwise the same
+  lanes at either width (benchmarks/results/2026-12-07/NOTES.md, "Sixteen lanes").
+
+and a few operations, each one LLVM instruction or intrinsic. Loads make a
+vector of one width from an array, ``v*`` eight lanes and ``w*`` the wide ones;
+the rest take vectors of either width:
+
+* :func:`vload` (:func:`wload`) consecutive elements of a contiguous array from a
+  flat index, widened to float32 as :func:`widen` does, all lanes at once;
+* :func:`vload_pair` (:func:`wload_pair`) twice a vector's elements as two
+  vectors in the array's **tile order** (:func:`split_order`): the first and the
+  second half for float32 and float16, but for bfloat16 the even elements and the
+  odd ones, which one load, a shift and a mask widen (two ``vload`` calls take
+  two loads, two zero-extending shuffles and two shifts);
   :func:`vweave` puts a pair of even and odd elements in order;
-* :func:`vstore`, :func:`vzero`, and :func:`vsplat_at` one element broadcast to
-  every lane;
+* :func:`vsplat_at` (:func:`wsplat_at`) one element broadcast to every lane,
+  :func:`vzero` (:func:`wzero`), :func:`vstore`;
 * :func:`vfma` ``a * b + c`` rounded once (``llvm.fma``): a lane's result
   depends on that lane's inputs alone, so a row computes bitwise the same
-  whichever rows share its tile;
-* :func:`vsum8` the lane sums of eight vectors as one vector (lane ``i``: the
+  whichever rows share its tile, and whatever the vector's width;
+* :func:`vsum8` the lane sums of eight ``f32x8`` as one (lane ``i``: the
   sum of vector ``i``'s lanes, the same fixed tree for every lane);
 * :func:`prefetch` a hint to bring a cache line in (``llvm.prefetch``).
 
@@ -114,8 +123,8 @@ def _narrow_impl(a: Any) -> Any:  # pragma: no cover - compiled
 
 
 def split_order(a: Any) -> Any:
-    """Whether :func:`vload16` gives array ``a``'s sixteen elements even/odd (bfloat16 bits) rather
-    than in order, as a compile-time constant (numba only)."""
+    """Whether :func:`vload_pair` (:func:`wload_pair`) gives array ``a``'s elements even/odd (bfloat16
+    bits) rather than in order, as a compile-time constant (numba only)."""
     raise NotImplementedError  # pragma: no cover
 
 
@@ -128,25 +137,51 @@ def _split_order_impl(a: Any) -> Any:  # pragma: no cover - compiled
     return impl
 
 
+def wide_lanes() -> int:
+    """Lanes of :data:`f32xw` for the target numba compiles for: 16 with AVX-512F, else 8.
+
+    The target's features are numba's own (``NUMBA_CPU_FEATURES`` where set, else
+    the host's), the same string its disk cache keys machine code by, so a cached
+    kernel was always built for the width this returns.
+    """
+    from numba.core import config
+    from numba.core.codegen import get_host_cpu_features
+
+    chosen = getattr(config, "CPU_FEATURES", None)  # numba sets it from the environment; the stubs lack it
+    features = chosen if chosen is not None else get_host_cpu_features()
+    return 16 if "+avx512f" in str(features).split(",") else 8
+
+
+class F32xN(types.Type):
+    """numba type of ``lanes`` float32 lanes (an LLVM ``<lanes x float>``)."""
+
+    def __init__(self, lanes: int) -> None:
+        self.lanes = lanes
+        super().__init__(name=f"f32x{lanes}")
+
+
 #: Lanes of :data:`f32x8`.
 LANES = 8
+#: Lanes of :data:`f32xw` (:func:`wide_lanes`).
+WIDE = wide_lanes()
+f32x8 = F32xN(LANES)
+f32xw = F32xN(WIDE)
+_I32 = ir.IntType(32)
 
 
-class F32x8(types.Type):
-    """numba type of eight float32 lanes."""
-
-    def __init__(self) -> None:
-        super().__init__(name="f32x8")
-
-
-f32x8 = F32x8()
-_VEC = ir.VectorType(ir.FloatType(), LANES)
-
-
-@register_model(F32x8)
-class _F32x8Model(models.PrimitiveModel):
+@register_model(F32xN)
+class _F32xNModel(models.PrimitiveModel):
     def __init__(self, dmm: Any, fe_type: Any) -> None:
-        super().__init__(dmm, fe_type, _VEC)
+        super().__init__(dmm, fe_type, ir.VectorType(ir.FloatType(), fe_type.lanes))
+
+
+def _vector(ty: Any) -> bool:
+    return isinstance(ty, F32xN)
+
+
+def _llvm(ty: Any) -> Any:
+    """The LLVM vector type of an ``f32xN``."""
+    return ir.VectorType(ir.FloatType(), ty.lanes)
 
 
 def _contiguous(a: Any) -> bool:
@@ -165,136 +200,146 @@ def _loadable(a: Any, index: Any) -> bool:
             and a.dtype in (types.float32, types.uint16, types.int16))
 
 
-@intrinsic
-def vload(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
-    """Elements ``a[index : index + 8]`` (flat) as float32 lanes."""
-    if not _loadable(a, index):
-        return None
-    dt = a.dtype
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return _load8(builder, _element_ptr(context, builder, signature.args[0], args[0], args[1]), dt)
-
-    return f32x8(a, index), codegen
-
-
-def _load8(builder: Any, ptr: Any, dt: Any) -> Any:
-    """Eight elements of type ``dt`` from ``ptr``, widened to float32 lanes."""
+def _load(builder: Any, ptr: Any, dt: Any, n: int) -> Any:
+    """``n`` elements of type ``dt`` from ``ptr``, widened to float32 lanes."""
+    vec = ir.VectorType(ir.FloatType(), n)
     if dt == types.float32:
-        return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
-    bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), LANES).as_pointer()), align=2)
+        return builder.load(builder.bitcast(ptr, vec.as_pointer()), align=4)
+    bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), n).as_pointer()), align=2)
     if dt == types.uint16:  # bfloat16: the float32 with these bits on top
-        wide = builder.zext(bits, ir.VectorType(ir.IntType(32), LANES))
-        wide = builder.shl(wide, ir.Constant(ir.VectorType(ir.IntType(32), LANES), [16] * LANES))
-        return builder.bitcast(wide, _VEC)
-    half = builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES))  # float16
-    return builder.fpext(half, _VEC)
+        wide = builder.zext(bits, ir.VectorType(_I32, n))
+        wide = builder.shl(wide, ir.Constant(ir.VectorType(_I32, n), [16] * n))
+        return builder.bitcast(wide, vec)
+    half = builder.bitcast(bits, ir.VectorType(ir.HalfType(), n))  # float16
+    return builder.fpext(half, vec)
 
 
-#: The lanes of a pair in order, picked from (even, odd) (lanes 8..15 are the odd vector's).
-_WEAVE = ([0, 8, 1, 9, 2, 10, 3, 11], [4, 12, 5, 13, 6, 14, 7, 15])
-_PAIR = types.UniTuple(f32x8, 2)
+def _load_pair(builder: Any, ptr: Any, dt: Any, n: int) -> tuple[Any, Any]:
+    """``2 n`` elements from ``ptr`` as two ``n``-lane vectors in tile order (:func:`vload_pair`)."""
+    if dt == types.uint16:
+        i32s = ir.VectorType(_I32, n)
+        both = builder.load(builder.bitcast(ptr, i32s.as_pointer()), align=2)  # [n] (odd << 16 | even)
+        even = builder.shl(both, ir.Constant(i32s, [16] * n))
+        odd = builder.and_(both, ir.Constant(i32s, [0xFFFF0000] * n))
+        vec = ir.VectorType(ir.FloatType(), n)
+        return builder.bitcast(even, vec), builder.bitcast(odd, vec)
+    second = builder.gep(ptr, [ir.Constant(ir.IntType(64), n)])
+    return _load(builder, ptr, dt, n), _load(builder, second, dt, n)
 
 
-@intrinsic
-def vload16(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
-    """Elements ``a[index : index + 16]`` (flat) as float32 lanes, two vectors in tile order
-    (:func:`split_order`): ``(a[i : i+8], a[i+8 : i+16])``, or for bfloat16 bits (uint16)
-    ``(a[i : i+16 : 2], a[i+1 : i+16 : 2])``.
+def _loads(n: int) -> tuple[Any, Any, Any, Any]:
+    """The four intrinsics that make an ``n``-lane vector: load, load_pair, splat_at, zero (see the module docstring)."""
+    vty = F32xN(n)
+    vec = ir.VectorType(ir.FloatType(), n)
+    pair = types.UniTuple(vty, 2)
 
-    A bfloat16 is the top half of a float32, so the 16 elements read as eight 32-bit
-    lanes hold element ``2l + 1`` on top of element ``2l``: the lane with its low half
-    cleared is the odd element, the lane shifted up 16 the even one (both exact).
-    """
-    if not _loadable(a, index):
-        return None
-    dt = a.dtype
+    @intrinsic
+    def load(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
+        if not _loadable(a, index):
+            return None
+        dt = a.dtype
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1])
-        if dt == types.uint16:
-            i32x8 = ir.VectorType(ir.IntType(32), LANES)
-            both = builder.load(builder.bitcast(ptr, i32x8.as_pointer()), align=2)  # [8] (odd << 16 | even)
-            even = builder.shl(both, ir.Constant(i32x8, [16] * LANES))
-            odd = builder.and_(both, ir.Constant(i32x8, [0xFFFF0000] * LANES))
-            pair = (builder.bitcast(even, _VEC), builder.bitcast(odd, _VEC))
-        else:
-            second = builder.gep(ptr, [ir.Constant(ir.IntType(64), LANES)])
-            pair = tuple(_load8(builder, p, dt) for p in (ptr, second))
-        return context.make_tuple(builder, signature.return_type, pair)
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return _load(builder, _element_ptr(context, builder, signature.args[0], args[0], args[1]), dt, n)
 
-    return _PAIR(a, index), codegen
+        return vty(a, index), codegen
+
+    @intrinsic
+    def load_pair(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
+        if not _loadable(a, index):
+            return None
+        dt = a.dtype
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1])
+            return context.make_tuple(builder, signature.return_type, _load_pair(builder, ptr, dt, n))
+
+        return pair(a, index), codegen
+
+    @intrinsic
+    def splat_at(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
+        if not _contiguous(a) or a.dtype != types.float32 or not isinstance(index, types.Integer):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            x = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1]))
+            one = builder.insert_element(ir.Constant(vec, ir.Undefined), x, ir.Constant(_I32, 0))
+            return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined),
+                                          ir.Constant(ir.VectorType(_I32, n), [0] * n))
+
+        return vty(a, index), codegen
+
+    @intrinsic
+    def zero(typingctx: Any) -> Any:  # pragma: no cover - compiled
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            return ir.Constant(vec, [0.0] * n)
+
+        return vty(), codegen
+
+    load.__doc__ = f"Elements ``a[index : index + {n}]`` (flat) as float32 lanes."
+    load_pair.__doc__ = (f"Elements ``a[index : index + {2 * n}]`` (flat) as float32 lanes, two vectors in tile order "
+                         f"(:func:`split_order`): ``(a[i : i+{n}], a[i+{n} : i+{2 * n}])``, or for bfloat16 bits "
+                         f"(uint16) ``(a[i : i+{2 * n} : 2], a[i+1 : i+{2 * n} : 2])``.\n\n"
+                         "A bfloat16 is the top half of a float32, so the elements read as 32-bit lanes hold "
+                         "element ``2l + 1`` on top of element ``2l``: the lane with its low half cleared is the "
+                         "odd element, the lane shifted up 16 the even one (both exact).")
+    splat_at.__doc__ = "Element ``a[index]`` (flat; ``a`` float32) in every lane: one broadcast load, no index checks."
+    zero.__doc__ = f"{n} zeros."
+    return load, load_pair, splat_at, zero
+
+
+vload, vload_pair, vsplat_at, vzero = _loads(LANES)
+wload, wload_pair, wsplat_at, wzero = _loads(WIDE)
 
 
 @intrinsic
 def vweave(typingctx: Any, even: Any, odd: Any) -> Any:  # pragma: no cover - compiled
-    """The pair in order from its even and odd elements: ``(e0 o0 e1 o1 .. e3 o3, e4 o4 .. e7 o7)``."""
-    if not (even == odd == f32x8):
+    """The pair in order from its even and odd elements: ``(e0 o0 e1 o1 .. , .. e(n-1) o(n-1))`` (``n`` lanes each)."""
+    if not (_vector(even) and even == odd):
         return None
+    n = even.lanes
+    half = n // 2
+    masks = ([m for lane in range(half) for m in (lane, n + lane)],  # e0 o0 .. e(n/2-1) o(n/2-1)
+             [m for lane in range(half, n) for m in (lane, n + lane)])
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        i32 = ir.IntType(32)
-        out = [builder.shuffle_vector(args[0], args[1], ir.Constant(ir.VectorType(i32, LANES), m)) for m in _WEAVE]
+        out = [builder.shuffle_vector(args[0], args[1], ir.Constant(ir.VectorType(_I32, n), m)) for m in masks]
         return context.make_tuple(builder, signature.return_type, out)
 
-    return _PAIR(even, odd), codegen
+    return types.UniTuple(even, 2)(even, odd), codegen
 
 
 @intrinsic
 def vstore(typingctx: Any, a: Any, index: Any, x: Any) -> Any:  # pragma: no cover - compiled
-    """``a[index : index + 8] = x`` (flat; ``a`` float32)."""
-    if not _contiguous(a) or a.dtype != types.float32 or not isinstance(index, types.Integer) or x != f32x8:
+    """``a[index : index + n] = x`` (flat; ``a`` float32, ``x`` of ``n`` lanes)."""
+    if not _contiguous(a) or a.dtype != types.float32 or not isinstance(index, types.Integer) or not _vector(x):
         return None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         ptr = _element_ptr(context, builder, signature.args[0], args[0], args[1])
-        builder.store(args[2], builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+        builder.store(args[2], builder.bitcast(ptr, _llvm(x).as_pointer()), align=4)
         return context.get_dummy_value()
 
     return types.none(a, index, x), codegen
 
 
 @intrinsic
-def vsplat_at(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
-    """Element ``a[index]`` (flat; ``a`` float32) in every lane: one broadcast load, no index checks."""
-    if not _contiguous(a) or a.dtype != types.float32 or not isinstance(index, types.Integer):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        x = builder.load(_element_ptr(context, builder, signature.args[0], args[0], args[1]))
-        one = builder.insert_element(ir.Constant(_VEC, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
-        return builder.shuffle_vector(one, ir.Constant(_VEC, ir.Undefined),
-                                      ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES))
-
-    return f32x8(a, index), codegen
-
-
-@intrinsic
-def vzero(typingctx: Any) -> Any:  # pragma: no cover - compiled
-    """Eight zeros."""
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return ir.Constant(_VEC, [0.0] * LANES)
-
-    return f32x8(), codegen
-
-
-@intrinsic
 def vfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:  # pragma: no cover - compiled
     """``a * b + c`` per lane, rounded once."""
-    if not (a == b == c == f32x8):
+    if not (_vector(a) and a == b == c):
         return None
+    vec = _llvm(a)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), "llvm.fma.v8f32")
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec] * 3), f"llvm.fma.v{a.lanes}f32")
         return builder.call(fn, list(args))
 
-    return f32x8(a, b, c), codegen
+    return a(a, b, c), codegen
 
 
 def _lane_pairs(builder: Any, a: Any, b: Any, lo: list[int], hi: list[int]) -> Any:
     """``shuffle(a, b, lo) + shuffle(a, b, hi)``: one level of :func:`vsum8`'s tree (no fast-math flags)."""
-    i32 = ir.IntType(32)
-    pick = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, LANES), m)) for m in (lo, hi)]
+    pick = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, LANES), m)) for m in (lo, hi)]
     return builder.fadd(pick[0], pick[1])
 
 

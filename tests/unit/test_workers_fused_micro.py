@@ -1,6 +1,6 @@
 """Register-tile micro-kernels (workers/fused_micro.py): within the one-shot error bound of a
 float32 dot product against float64 on ragged shapes and every key dtype, and a row gives
-bitwise the same result alone as in a tile of four."""
+bitwise the same result alone as in a tile of four, and at sixteen lanes as at eight."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ pytest.importorskip("numba")
 
 from kernel_bits import DTYPES, EPS32, bits  # noqa: E402
 from workers import BFLOAT16  # noqa: E402
-from workers.fused_micro import PANEL_DIMS, PV_KEYS, TILE_KEYS, TILE_ROWS, pv_f32, scores_dmajor_f32  # noqa: E402
+from workers.fused_micro import LANES, PANEL_DIMS, PV_KEYS, TILE_KEYS, TILE_ROWS, pv_f32, scores_dmajor_f32  # noqa: E402
 
 
 def dmajor(rng, d: int, n: int, dtype, pad: int) -> tuple[np.ndarray, int, int, np.ndarray]:
@@ -88,3 +88,58 @@ def test_pv_of_a_row_alone_is_bitwise_its_result_in_a_tile(rng):
         alone = acc0[r:r + 1].copy()
         pv_f32(np.ascontiguousarray(p[r:r + 1]), np.ones(1, np.int64), nb, flat, base, step, alone, d_v)
         np.testing.assert_array_equal(alone[0].view(np.uint32), acc[r].view(np.uint32))
+
+
+#: A child that runs both micro-kernels on the arrays of ``in.npz`` and saves what they wrote to ``out.npz``.
+_CHILD = """
+import sys
+import numpy as np
+import workers.fused_micro as fm
+d = dict(np.load(sys.argv[1]))
+out = {}
+for name in ("float32", "bfloat16", "float16"):
+    k, q, v, p, acc = (d[f"{x}_{name}"] for x in ("k", "q", "v", "p", "acc"))
+    nb, step = int(d["nb"]), int(d["step"])
+    s = np.zeros((q.shape[0], nb), np.float32)
+    fm.scores_dmajor_f32(q, np.ones(q.shape[0], np.int64), q.shape[1], k, 0, step, s, nb)
+    fm.pv_f32(p, np.ones(p.shape[0], np.int64), p.shape[1], v, 0, acc.shape[1], acc, acc.shape[1])
+    out[f"s_{name}"], out[f"acc_{name}"], out["lanes"] = s, acc, np.int64(fm.LANES)
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.skipif(LANES == 8, reason="the compile target has no AVX-512F: the kernels run eight lanes already")
+def test_sixteen_lanes_give_bitwise_the_results_of_eight(rng, tmp_path):
+    # The same arithmetic on twice the lanes: every score and every acc lane is the same chain of
+    # fused multiply-adds, and the tails past the last whole tile (wider at 16 lanes) the same chain
+    # as a scalar loop. A child compiled for the host without AVX-512 runs eight lanes.
+    import os
+    import subprocess
+    import sys
+
+    from numba.core.codegen import get_host_cpu_features
+
+    rows, d, nb, d_v = TILE_ROWS * 2 + 1, 128, 3 * TILE_KEYS + 5, 56  # tail keys; 56 columns: 48 + 8, or 32 + 24
+    arrays: dict[str, np.ndarray] = {"nb": np.int64(nb), "step": np.int64(nb + 3)}
+    for name, dtype in DTYPES.items():
+        arrays[f"k_{name}"] = bits(rng.standard_normal(d * (nb + 3)).astype(np.float32).astype(dtype))
+        arrays[f"q_{name}"] = rng.standard_normal((rows, d)).astype(np.float32)
+        arrays[f"v_{name}"] = bits(rng.standard_normal(2 * PV_KEYS * d_v + 7 * d_v).astype(np.float32).astype(dtype))
+        arrays[f"p_{name}"] = rng.uniform(0, 1, (rows, 2 * PV_KEYS + 7)).astype(np.float32)
+        arrays[f"acc_{name}"] = rng.standard_normal((rows, d_v)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", **arrays)
+    features = ",".join(("-" + f[1:]) if f.startswith("+avx512") else f
+                        for f in str(get_host_cpu_features()).split(","))
+    env = {**os.environ, "NUMBA_CPU_FEATURES": features, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "in.npz"), str(tmp_path / "eight.npz")],
+                   env=env, check=True, timeout=300)
+    eight = np.load(tmp_path / "eight.npz")
+    assert int(eight["lanes"]) == 8
+    for name in DTYPES:
+        q, k, p, v = (arrays[f"{x}_{name}"] for x in ("q", "k", "p", "v"))
+        s = np.zeros((rows, nb), np.float32)
+        scores_dmajor_f32(q, np.ones(rows, np.int64), d, k, 0, nb + 3, s, nb)
+        acc = arrays[f"acc_{name}"].copy()
+        pv_f32(p, np.ones(rows, np.int64), p.shape[1], v, 0, d_v, acc, d_v)
+        np.testing.assert_array_equal(s.view(np.uint32), eight[f"s_{name}"].view(np.uint32), err_msg=name)
+        np.testing.assert_array_equal(acc.view(np.uint32), eight[f"acc_{name}"].view(np.uint32), err_msg=name)

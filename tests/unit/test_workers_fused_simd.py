@@ -1,7 +1,7 @@
-"""Eight-lane building blocks of the fused kernels (workers/fused_simd.py): every 16-bit element
-widens exactly, loads work at any offset, a fused multiply-add rounds once, a prefetch never faults,
-the lane sums of eight vectors come in one fixed tree, sixteen elements load in their dtype's tile order
-and weave back in order."""
+"""Vector building blocks of the fused kernels (workers/fused_simd.py), at eight lanes and at the
+target's wide width: every 16-bit element widens exactly, loads work at any offset, a fused multiply-add
+rounds once, a prefetch never faults, the lane sums of eight vectors come in one fixed tree, a pair of
+vectors loads in its dtype's tile order and weaves back in order."""
 
 from __future__ import annotations
 
@@ -13,17 +13,26 @@ numba = pytest.importorskip("numba")
 from kernel_bits import DTYPES, bits  # noqa: E402
 from workers.fused_simd import (  # noqa: E402
     LANES,
+    WIDE,
     prefetch,
     split_order,
     vfma,
     vload,
-    vload16,
+    vload_pair,
     vsplat_at,
     vstore,
     vsum8,
     vweave,
     vzero,
+    wide_lanes,
+    wload,
+    wload_pair,
+    wsplat_at,
+    wzero,
 )
+
+#: The two sets of loads, by width: (load, load_pair, splat_at, zero, lanes).
+KITS = {"eight": (vload, vload_pair, vsplat_at, vzero, LANES), "wide": (wload, wload_pair, wsplat_at, wzero, WIDE)}
 
 
 @numba.njit
@@ -122,21 +131,26 @@ def test_vsum8_puts_each_vectors_lane_sum_in_its_lane_by_a_fixed_tree():
     np.testing.assert_array_equal(out.view(np.uint32), tree.view(np.uint32))
 
 
-@numba.njit
-def _load16_at(a, i, out):
-    x, y = vload16(a, i)
-    vstore(out, 0, x)
-    vstore(out, LANES, y)
+def _pair_kernels(kit: str):
+    """(load a pair at i, load pairs over a whole array and weave them in order) for one width."""
+    _, load_pair, _, _, n = KITS[kit]
 
+    @numba.njit
+    def pair_at(a, i, out):
+        x, y = load_pair(a, i)
+        vstore(out, 0, x)
+        vstore(out, n, y)
 
-@numba.njit
-def _load16_woven(a, out):
-    for i in range(0, a.size, 2 * LANES):
-        x, y = vload16(a, i)
-        if split_order(a):
-            x, y = vweave(x, y)
-        vstore(out, i, x)
-        vstore(out, i + LANES, y)
+    @numba.njit
+    def woven(a, out):
+        for i in range(0, a.size, 2 * n):
+            x, y = load_pair(a, i)
+            if split_order(a):
+                x, y = vweave(x, y)
+            vstore(out, i, x)
+            vstore(out, i + n, y)
+
+    return pair_at, woven
 
 
 @numba.njit
@@ -144,13 +158,15 @@ def _split(a):
     return split_order(a)
 
 
+@pytest.mark.parametrize("kit", list(KITS))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("offset", [0, 1, 3, 8])
-def test_vload16_gives_sixteen_elements_in_tile_order_from_any_offset(rng, dtype, offset):
-    a = rng.standard_normal(40).astype(np.float32).astype(DTYPES[dtype])
-    out = np.empty(2 * LANES, np.float32)
-    _load16_at(bits(a), offset, out)
-    x = a[offset:offset + 2 * LANES].astype(np.float32)  # exact: every element widens exactly
+def test_load_pair_gives_twice_the_lanes_in_tile_order_from_any_offset(rng, kit, dtype, offset):
+    n = KITS[kit][-1]
+    a = rng.standard_normal(2 * n + 9).astype(np.float32).astype(DTYPES[dtype])
+    out = np.empty(2 * n, np.float32)
+    _pair_kernels(kit)[0](bits(a), offset, out)
+    x = a[offset:offset + 2 * n].astype(np.float32)  # exact: every element widens exactly
     expected = np.concatenate([x[0::2], x[1::2]]) if dtype == "bfloat16" else x
     np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
 
@@ -160,9 +176,35 @@ def test_split_order_is_bfloat16s_alone(dtype):
     assert _split(bits(np.zeros(4, DTYPES[dtype]))) == (dtype == "bfloat16")
 
 
-def test_vload16_then_vweave_widens_every_bfloat16_bit_pattern_in_order():
+@pytest.mark.parametrize("kit", list(KITS))
+def test_load_pair_then_vweave_widens_every_bfloat16_bit_pattern_in_order(kit):
     patterns = np.arange(1 << 16, dtype=np.uint16)
     out = np.empty(patterns.size, np.float32)
-    _load16_woven(patterns, out)
+    _pair_kernels(kit)[1](patterns, out)
     expected = (patterns.astype(np.uint32) << 16).view(np.float32)
     np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_wide_loads_splat_and_fma_at_the_wide_width(rng, dtype):
+    @numba.njit
+    def run(a, i, p, out):  # out = p[0] * a[i : i + WIDE] + 0, then one lane of p splat onto the next WIDE
+        vstore(out, 0, vfma(wsplat_at(p, 0), wload(a, i), wzero()))
+        vstore(out, WIDE, vfma(wsplat_at(p, 1), wload(a, i + 1), wzero()))
+
+    a = rng.standard_normal(3 * WIDE).astype(np.float32).astype(DTYPES[dtype])
+    p = np.array([2.0, -0.5], np.float32)
+    out = np.empty(2 * WIDE, np.float32)
+    run(bits(a), 3, p, out)
+    x = a.astype(np.float32)
+    np.testing.assert_array_equal(out, np.concatenate([2 * x[3:3 + WIDE], -0.5 * x[4:4 + WIDE]]))
+
+
+def test_wide_lanes_follow_the_compile_targets_avx512f(monkeypatch):
+    from numba.core import config
+
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+fma,-avx512f")
+    assert wide_lanes() == 8
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+fma,+avx512f,+avx512bw")
+    assert wide_lanes() == 16
+    assert WIDE in (8, 16)
