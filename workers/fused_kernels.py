@@ -49,7 +49,15 @@ from numba.extending import overload
 from workers.fused_dots import TILE_ROWS as DOT_ROWS
 from workers.fused_dots import scores_rows_f32
 from workers.fused_micro import pv_f32, scores_dmajor_f32
-from workers.fused_simd import _bits_to_f32, narrow, widen
+from workers.fused_simd import WIDE, _bits_to_f32, narrow, widen
+from workers.fused_simd import vmax as _vmax
+from workers.fused_simd import vmax_lanes as _vmax_lanes
+from workers.fused_simd import wload as _wload
+
+# The vector intrinsics, typed as their calls in compiled code read (numba supplies the typing context).
+vmax: Any = _vmax
+vmax_lanes: Any = _vmax_lanes
+wload: Any = _wload
 
 #: Reassociation and contraction for vectorised reductions; no ``nnan``/``ninf``:
 #: masked scores are -inf and must stay so.
@@ -63,7 +71,7 @@ _U = np.uint64
 #: cache (``cache=True``) checks only this file's stamp, so a change to those files must change
 #: this one too, or a worker would load machine code built from the old micro-kernels;
 #: tests/unit/test_workers_fused.py recomputes the digest.
-COMPILED_IN_DIGEST = "53a9c8bcc62ccb5e"
+COMPILED_IN_DIGEST = "34386229759b8a02"
 
 
 def expo(x: Any) -> Any:
@@ -137,9 +145,7 @@ def _row_kind(r: int, kmin: int, kmax: int, masked: bool, lo: Any, hi: Any, has_
 def _softmax(s: Any, r: int, nb: int, m: Any, l: Any, acc: Any, d_v: int, zero: Any) -> None:
     """Scores of row ``r`` to probabilities (in place); m, l grown and acc rescaled (module invariant)."""
     srow = s[r]  # [B]
-    mb = m[r]
-    for jj in range(nb):
-        mb = max(mb, srow[jj])
+    mb = row_max(srow, nb, m[r])
     # Guard: a row that has seen no visible key has mb = -inf; measure it against 0
     # so exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
     m_ref = mb if mb != -np.inf else zero
@@ -155,6 +161,38 @@ def _softmax(s: Any, r: int, nb: int, m: Any, l: Any, acc: Any, d_v: int, zero: 
         for e in range(d_v):
             arow[e] *= alpha
     m[r] = mb
+
+
+def row_max(row: Any, nb: int, start: Any) -> Any:
+    """``max(start, row[0], ..., row[nb - 1])`` (numba only; see the overload)."""
+    raise NotImplementedError  # pragma: no cover
+
+
+@overload(row_max, inline="always")
+def _row_max_impl(row: Any, nb: Any, start: Any) -> Any:  # pragma: no cover - compiled
+    # A maximum is exact in any order, so float32 rows take it WIDE lanes at a time: one scalar
+    # chain of nb compares was 70% of the softmax (benchmarks/results/2026-12-07/NOTES.md, "Sixteen lanes").
+    if row.dtype == types.float32 and row.layout == "C":
+        def lanes(row: Any, nb: Any, start: Any) -> Any:
+            mb, j = start, 0
+            if nb >= WIDE:
+                top = wload(row, 0)
+                j = WIDE
+                while j + WIDE <= nb:
+                    top = vmax(top, wload(row, j))
+                    j += WIDE
+                mb = max(mb, vmax_lanes(top))
+            for jj in range(j, nb):
+                mb = max(mb, row[jj])
+            return mb
+        return lanes
+
+    def chain(row: Any, nb: Any, start: Any) -> Any:
+        mb = start
+        for jj in range(nb):
+            mb = max(mb, row[jj])
+        return mb
+    return chain
 
 
 @numba.njit(inline="always", nogil=True)

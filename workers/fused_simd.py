@@ -37,6 +37,7 @@ the rest take vectors of either width:
 * :func:`vfma` ``a * b + c`` rounded once (``llvm.fma``): a lane's result
   depends on that lane's inputs alone, so a row computes bitwise the same
   whichever rows share its tile, and whatever the vector's width;
+* :func:`vmax` the larger per lane, :func:`vmax_lanes` the largest lane;
 * :func:`vsum8` the lane sums of eight ``f32x8`` as one (lane ``i``: the
   sum of vector ``i``'s lanes, the same fixed tree for every lane);
 * :func:`prefetch` a hint to bring a cache line in (``llvm.prefetch``).
@@ -335,6 +336,39 @@ def vfma(typingctx: Any, a: Any, b: Any, c: Any) -> Any:  # pragma: no cover - c
         return builder.call(fn, list(args))
 
     return a(a, b, c), codegen
+
+
+@intrinsic
+def vmax(typingctx: Any, a: Any, b: Any) -> Any:  # pragma: no cover - compiled
+    """The larger of ``a`` and ``b`` per lane: ``a if a > b else b``, the scalar ``max``'s choice for
+    every pair that is not NaN (a maximum is exact: any order of the lanes gives the same value)."""
+    if not (_vector(a) and a == b):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+
+    return a(a, b), codegen
+
+
+@intrinsic
+def vmax_lanes(typingctx: Any, a: Any) -> Any:  # pragma: no cover - compiled
+    """The largest lane of ``a`` as a float32: halves folded with :func:`vmax` down to one lane."""
+    if not _vector(a):
+        return None
+    n = a.lanes
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        x, width = args[0], n
+        while width > 1:
+            width //= 2
+            # Lanes [width, 2 width) onto [0, width); the upper lanes become don't-cares.
+            high = builder.shuffle_vector(x, x, ir.Constant(ir.VectorType(_I32, n),
+                                                            [width + i if i < width else i for i in range(n)]))
+            x = builder.select(builder.fcmp_ordered(">", x, high), x, high)
+        return builder.extract_element(x, ir.Constant(_I32, 0))
+
+    return types.float32(a), codegen
 
 
 def _lane_pairs(builder: Any, a: Any, b: Any, lo: list[int], hi: list[int]) -> Any:

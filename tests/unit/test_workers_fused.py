@@ -506,3 +506,23 @@ def test_positions_at_the_ends_of_their_range_mask_and_bias_exactly(layout, kern
     out, lse = run(layout, q, k, v, np.array(k_pos), np.array(q_pos), AttentionOptions(scale=1.0, **opts), chosen)
     np.testing.assert_allclose(out[:, 0, 0], want_out, rtol=1e-12)
     np.testing.assert_allclose(lse[:, 0], want_lse, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_max_is_the_largest_score_for_every_length(rng, dtype):
+    # float32 rows take the maximum WIDE lanes at a time, float64 one chain: both exact.
+    numba = pytest.importorskip("numba")
+    mod = fused.kernels()
+
+    @numba.njit
+    def row_max(row, nb, start):
+        return mod.row_max(row, nb, start)
+
+    wide = mod.WIDE
+    for nb in (0, 1, wide - 1, wide, wide + 1, 3 * wide + 5, 1024):
+        row = rng.standard_normal(nb + 3).astype(dtype)
+        row[nb:] = 100.0  # past nb: never read
+        row[: nb // 2] = -np.inf  # masked keys
+        for start in (dtype(-np.inf), dtype(0.25), dtype(50.0)):
+            want = max([start, *row[:nb]])
+            assert row_max(row, nb, start) == want, (nb, start)

@@ -19,6 +19,8 @@ from workers.fused_simd import (  # noqa: E402
     vfma,
     vload,
     vload_pair,
+    vmax,
+    vmax_lanes,
     vsplat_at,
     vstore,
     vsum8,
@@ -208,3 +210,31 @@ def test_wide_lanes_follow_the_compile_targets_avx512f(monkeypatch):
     monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+fma,+avx512f,+avx512bw")
     assert wide_lanes() == 16
     assert WIDE in (8, 16)
+
+
+@numba.njit
+def _max_of_pairs(a, b, out):
+    vstore(out, 0, vmax(wload(a, 0), wload(b, 0)))
+
+
+@numba.njit
+def _largest_lane(a):
+    return vmax_lanes(wload(a, 0))
+
+
+def test_vmax_takes_the_larger_of_each_lane_pair(rng):
+    a = rng.standard_normal(WIDE).astype(np.float32)
+    b = rng.standard_normal(WIDE).astype(np.float32)
+    a[0], b[0] = -np.inf, 1.0  # a masked score against a visible one
+    out = np.empty(WIDE, np.float32)
+    _max_of_pairs(a, b, out)
+    np.testing.assert_array_equal(out, np.maximum(a, b))
+
+
+@pytest.mark.parametrize("where", range(WIDE))
+def test_vmax_lanes_finds_the_largest_lane_wherever_it_sits(rng, where):
+    a = -np.abs(rng.standard_normal(WIDE)).astype(np.float32) - 1
+    a[where] = 0.5
+    a[(where + 3) % WIDE] = -np.inf
+    assert _largest_lane(a) == np.float32(0.5)
+    assert _largest_lane(np.full(WIDE, -np.inf, np.float32)) == -np.inf  # a fully masked row
