@@ -40,7 +40,8 @@ the rest take vectors of either width:
 * :func:`vmax` the larger per lane, :func:`vmax_lanes` the largest lane;
 * :func:`vsum8` the lane sums of eight ``f32x8`` as one (lane ``i``: the
   sum of vector ``i``'s lanes, the same fixed tree for every lane);
-* :func:`prefetch` a hint to bring a cache line in (``llvm.prefetch``).
+* :func:`prefetch` a hint to bring a cache line into L2 (``llvm.prefetch``, locality
+  :data:`PREFETCH_LOCALITY`).
 
 Flat indexes are element offsets from the array's first element; the typing
 accepts C-contiguous arrays only, so that a flat index names the element it would
@@ -401,9 +402,17 @@ def vsum8(typingctx: Any, a0: Any, a1: Any, a2: Any, a3: Any, a4: Any, a5: Any, 
     return f32x8(a0, a1, a2, a3, a4, a5, a6, a7), codegen
 
 
+#: ``llvm.prefetch`` locality of :func:`prefetch`: 2, into L2 and not L1 (``prefetcht1`` on x86). A
+#: prefetch into L1 holds one of its few fill buffers until the line arrives, and decode streams
+#: 8 key runs at once: into L2, resident bfloat16 decode read 3-11% more (benchmarks/results/2026-12-07/NOTES.md,
+#: "Sixteen lanes"); locality 0 (non-temporal) read 40% less.
+PREFETCH_LOCALITY = 2
+
+
 @intrinsic
 def prefetch(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - compiled
-    """Hint: element ``a[index]`` (flat) will be read soon; never faults, even past the end."""
+    """Hint: element ``a[index]`` (flat) will be read soon, bring its line into L2; never faults,
+    even past the end."""
     if not _contiguous(a) or not isinstance(index, types.Integer):
         return None
 
@@ -413,7 +422,7 @@ def prefetch(typingctx: Any, a: Any, index: Any) -> Any:  # pragma: no cover - c
         i32 = ir.IntType(32)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
                                             "llvm.prefetch.p0i8")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, PREFETCH_LOCALITY), ir.Constant(i32, 1)])
         return context.get_dummy_value()
 
     return types.none(a, index), codegen
