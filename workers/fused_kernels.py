@@ -357,8 +357,9 @@ def _dense_choice(rows: Any, out: Any, keys: Any) -> bool:
     cache, and the whole float32 decode 1.09x faster at one thread and 1.05-1.20x at two with
     the scores on them too (benchmarks/results/2026-12-05/NOTES.md, "A Zen 1 host" and "Scores prefetch along their
     own runs"). The inline layout's value rows are a whole key apart (``h_kv d_v`` elements, 4 KiB
-    for float32 at h_kv = 8, d_v = 128): 32 of them side by side fall in the same L1 sets, so
-    float32 stays on the loops there.
+    for float32 at h_kv = 8, d_v = 128): 32 of them side by side fall in the same L1 sets, and on
+    eight lanes float32 ``p @ v`` stays on the loop there; on sixteen lanes, prefetching into L2,
+    the tiles read the inline float32 decode 1.2x faster (:func:`_pv_choice`).
     """
     return _micro(rows, out, keys) or (all(a.layout == "C" for a in (rows, out, keys))
                                        and rows.dtype == out.dtype == keys.dtype == types.float32)
@@ -408,7 +409,7 @@ def _scores_rows_impl(q: Any, kind: Any, d: int, k: Any, base: int, sk0: int, sk
 
 def pv(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
     """``acc += p @ v`` over a block of the inline layout (numba only): the micro-kernel where
-    :func:`_micro` says, else the loop."""
+    :func:`_pv_choice` says, else the loop."""
     raise NotImplementedError  # pragma: no cover
 
 
@@ -419,8 +420,11 @@ def pv_dense(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any,
 
 
 def _pv_choice(s: Any, acc: Any, v: Any, dense: bool) -> Any:  # pragma: no cover - compiled
-    """The implementation :func:`pv` (``dense`` False) or :func:`pv_dense` compiles in."""
-    if _dense_choice(s, acc, v) if dense else _micro(s, acc, v):
+    """The implementation :func:`pv` (``dense`` False) or :func:`pv_dense` compiles in: the tiles as
+    :func:`_dense_choice` says for the resident layout, and for the inline one at sixteen lanes
+    (256K keys, 2 threads: 19.0-19.6 GB/s against 16.0-16.2 on the loop,
+    benchmarks/results/2026-12-07/NOTES.md, "Sixteen lanes"); at eight, as :func:`_micro` says."""
+    if _dense_choice(s, acc, v) if dense or WIDE == 16 else _micro(s, acc, v):
         def micro(s: Any, kind: Any, nb: int, v: Any, base: int, step: int, acc: Any, d_v: int, vw: Any) -> None:
             pv_f32(s, kind, nb, v, base, step, acc, d_v)
         return micro
