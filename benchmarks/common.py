@@ -285,11 +285,17 @@ def stage_cells(stages: dict[str, float]) -> list[str]:
 
 
 def blas_threads(n: int) -> contextlib.AbstractContextManager:
-    """Limit BLAS to ``n`` threads (threadpoolctl); a no-op where it is not installed."""
+    """Limit BLAS to ``n`` threads (threadpoolctl, in the ``bench`` and ``test`` extras).
+
+    Without threadpoolctl BLAS would keep its default thread count (every core) while the
+    report says ``n``: a "one-thread" sgemm measured twice its rate on 2 cores
+    (benchmarks/results/2026-12-07/NOTES.md, "Sixteen lanes"). So it refuses instead.
+    """
     try:
-        from threadpoolctl import threadpool_limits  # optional: the [bench] extra
-    except ImportError:
-        return contextlib.nullcontext()
+        from threadpoolctl import threadpool_limits
+    except ImportError as exc:
+        raise RuntimeError("benchmarks set BLAS thread counts with threadpoolctl, which is not installed: "
+                           "pip install -e '.[bench]'") from exc
     return threadpool_limits(limits=n, user_api="blas")
 
 

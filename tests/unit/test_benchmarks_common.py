@@ -1,4 +1,6 @@
-"""benchmarks/common.py: the machine line every report starts with."""
+"""benchmarks/common.py: the machine line every report starts with, and BLAS thread limits that hold."""
+
+import sys
 
 import pytest
 from benchloader import benchmark_module
@@ -35,3 +37,22 @@ def test_describe_cpu_without_family_or_flags_is_the_model_name_alone(common):
 
 def test_describe_cpu_of_an_empty_text_says_unknown(common):
     assert common.describe_cpu("") == "unknown"
+
+
+def test_blas_threads_limits_blas_inside_and_restores_it_after(common):
+    from threadpoolctl import threadpool_info
+
+    def blas() -> list[int]:
+        return [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+
+    before = blas()
+    with common.blas_threads(1):
+        assert blas() and all(n == 1 for n in blas())
+    assert blas() == before
+
+
+def test_blas_threads_refuses_without_threadpoolctl(common, monkeypatch):
+    # A benchmark must not report "one BLAS thread" while BLAS runs on every core.
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import raises ImportError
+    with pytest.raises(RuntimeError, match=r"threadpoolctl.*pip install -e '\.\[bench\]'"):
+        common.blas_threads(1)
