@@ -7,12 +7,13 @@ and keeps m, l, acc in L1 streams closer to the memory bandwidth
 (docs/BENCHMARKS.md, "CPU kernels (issues 2 and 16)").
 
 * **Selection** (:func:`choose`): ``KernelOptions.cpu_kernels`` says which kernel
-  is wanted; the fused one runs decode and, on the resident layout, prefill
-  (its register tiles outrun BLAS's small-``d`` products there: docs/BENCHMARKS.md,
-  "Prefill"), for key arrays whose innermost axis is contiguous, K and V of one
+  is wanted; the fused one runs decode and, on the resident layout, prefill of up to
+  :data:`PREFILL_ROWS` rows per kv head (a longer one runs BLAS's products, faster at
+  one thread each), for key arrays whose innermost axis is contiguous, K and V of one
   dtype accumulated as that dtype implies (the kernels :func:`warm` compiles), and
   when numba loaded. Everything else runs on the NumPy kernel, which stays the
-  reference. A prefill-shaped call runs its rows in tiles of :data:`ROW_TILE`.
+  reference. A call of many rows (a large batch of decode queries) runs them in tiles
+  of :data:`ROW_TILE`.
 * **Fallback**: when numba cannot be imported or a kernel fails to compile, one
   log line says so and the NumPy kernel answers; a failed call never leaves a
   partial result behind (outputs are fresh arrays).
@@ -144,6 +145,15 @@ def _flat(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
     return as_strided(a.view(kd), shape=(span,), strides=(item,)), strides
 
 
+#: Above this many query rows per kv head (``n_q * group``), prefill over the resident layout runs
+#: on the NumPy kernel, whose products are BLAS calls at one thread each: 32K keys, 2
+#: threads, AVX-512 host, NumPy against fused: float32 1.28x at n_q 64 (256 rows), 1.15-1.34x at
+#: 256, 1.32x at 2048; bfloat16 1.19x, 1.33x, 1.29x. At 128 rows the fused tiles still win
+#: bfloat16 by 1.26x and lose float32 by 12%; below, they win both
+#: (benchmarks/results/2026-12-07/NOTES.md, "Prefill on BLAS").
+PREFILL_ROWS = 128
+
+
 def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPath:
     """The kernel that serves these problems (one batch over the same keys) on the CPU."""
     if kopts.cpu_kernels is CpuKernels.NUMPY or (kopts.cpu_kernels is CpuKernels.AUTO and ready_at() is None):
@@ -156,6 +166,8 @@ def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPat
             return CpuPath.NUMPY  # prefill over the contract layout: its dot loop is no faster than BLAS
         arrays = (kv.k, kv.v)
     elif isinstance(kv, StreamingView):
+        if p0.n_q * p0.group > PREFILL_ROWS:
+            return CpuPath.NUMPY  # prefill: BLAS's products outrun the tiles (PREFILL_ROWS)
         arrays = (kv.kt, kv.v)
     else:
         return CpuPath.NUMPY

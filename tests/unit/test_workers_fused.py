@@ -232,7 +232,7 @@ def problem_and_kv(rng, n_q=1, layout="inline"):
     return q, p, kv
 
 
-def test_choose_runs_fused_only_where_asked_and_decode_shaped(rng):
+def test_choose_runs_fused_only_where_asked_and_short_of_prefill(rng):
     _, p, kv = problem_and_kv(rng)
     assert fused.choose([p], kv, KernelOptions()) is fused.CpuPath.NUMPY  # the default
     assert fused.choose([p], kv, fused_opts()) is fused.CpuPath.FUSED
@@ -244,6 +244,10 @@ def test_choose_runs_fused_only_where_asked_and_decode_shaped(rng):
     assert fused.choose([p], kv, fused_opts()) is fused.CpuPath.NUMPY
     _, p, view = problem_and_kv(rng, n_q=9, layout="resident")  # over the resident layout: the register tiles
     assert fused.choose([p], view, fused_opts()) is fused.CpuPath.FUSED
+    _, p, view = problem_and_kv(rng, n_q=fused.PREFILL_ROWS // 4, layout="resident")  # 128 rows: still the tiles
+    assert fused.choose([p], view, fused_opts()) is fused.CpuPath.FUSED
+    _, p, view = problem_and_kv(rng, n_q=fused.PREFILL_ROWS // 4 + 1, layout="resident")  # 132: BLAS's products
+    assert fused.choose([p], view, fused_opts()) is fused.CpuPath.NUMPY
 
 
 def test_auto_picks_numpy_until_this_process_has_warmed_the_kernels_then_fused(rng, monkeypatch):
