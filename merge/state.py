@@ -133,7 +133,7 @@ def finalize(state: State) -> tuple[Any, Any]:
     0 and -inf, a row whose scores overflowed (``l = 0`` with a finite ``m``, or NaN) NaN and NaN."""
     if not isinstance(state, State):
         raise ValueError(f"state must be a State, got {type(state).__name__}")
-    xp = state.xp
+    xp = array_module(state.m)
     # l == 0, not "not l > 0": a row whose state overflowed (l NaN) stays NaN, never reads as empty.
     seen = state.l != 0
     # l == 0 with m finite is no row that saw no key: every key it saw scored below the dtype's range

@@ -49,24 +49,6 @@ def union_positions(req: AttentionRequest, next_pos: int | None) -> tuple[Any, A
         return check_positions(q_name, q_pos, req.n_q), k_pos
 
 
-def request_dtypes(req: AttentionRequest, resolved: Resolved | None) -> list[Any]:
-    """The dtypes that set a request's accumulation dtype: ``q``, the inline ``k`` and ``v``, and each
-    context's stored dtype (docs/API.md section 2, "Precision")."""
-    dtypes: list[Any] = [req.q.dtype] + ([req.kv.k.dtype, req.kv.v.dtype] if req.kv is not None else [])
-    return dtypes + list(resolved.dtypes if resolved is not None else ())
-
-
-def widened_q(q: Any, acc_dtype: Any) -> Any:
-    """``q`` as float64 when the request accumulates in float64 (exact: every float is a float64);
-    else ``q`` as sent.
-
-    Each shard's kernel accumulates in float64 only when ``q`` or its own keys are float64; a
-    float32 shard beside a float64 one would give a float32 state the merge refuses. With ``q``
-    in float64 every shard computes in it, as section 2 says.
-    """
-    return q.astype(acc_dtype) if acc_dtype == np.float64 and q.dtype != np.float64 else q
-
-
 def checked_answer(out: Any, lse: Any) -> tuple[Any, Any]:
     """``(out, lse)``, or 422 when they hold NaN or ``out`` an infinity: the computation overflowed the
     accumulation dtype.
@@ -83,11 +65,6 @@ def checked_answer(out: Any, lse: Any) -> tuple[Any, Any]:
                             f"(scale / softcap x q.k), or values v so large that their weighted sum passed it; use a "
                             f"smaller scale, a softcap of 0 or not tiny, smaller q, k or v, or float64 tensors")
     return out, lse
-
-
-def answer_elements(req: AttentionRequest, d_v: int) -> int:
-    """Elements of the request's answer ``out [n_q, h_q, d_v]``."""
-    return req.n_q * req.h_q * d_v
 
 
 @dataclass(frozen=True)
@@ -116,7 +93,7 @@ def check_answer_size(req: AttentionRequest, d_v: int, max_elements: int,
     checked before any of them is allocated (docs/API.md section 8). A JSON answer is ~20 bytes of
     text a number and takes ~1 us each to write: a 35 KB request could otherwise ask for gigabytes.
     """
-    count = answer_elements(req, d_v)
+    count = req.n_q * req.h_q * d_v
     if count > max_elements:
         raise BodyTooLarge(f"q [n_q, h_q, d] = {[req.n_q, req.h_q, req.d]} over keys with d_v = {d_v} must give an "
                            f"answer out [n_q, h_q, d_v] of at most {max_elements} elements, got {count}")
@@ -213,8 +190,14 @@ class AttentionService:
             n_k = kv.dims.n_k
             bounds = shard_bounds(n_k, inline_shard_count(n_k, self.pool.size, self.settings.shards,
                                                           self.settings.min_shard_keys))
-        acc_dtype = accumulation_dtype(*request_dtypes(req, resolved))
-        q = widened_q(req.q, acc_dtype)
+        # The accumulation dtype is set by q, the inline k and v, and each context's stored dtype
+        # (docs/API.md section 2, "Precision"). Each shard's kernel accumulates in float64 only when
+        # q or its own keys are float64: a float32 shard beside a float64 one would give a float32
+        # state the merge refuses. With q in float64 (exact: every float is a float64) every shard
+        # computes in it, as section 2 says.
+        dtypes: list[Any] = [req.q.dtype] + ([kv.k.dtype, kv.v.dtype] if kv is not None else [])
+        acc_dtype = accumulation_dtype(*dtypes, *(resolved.dtypes if resolved is not None else ()))
+        q = req.q.astype(acc_dtype) if acc_dtype == np.float64 and req.q.dtype != np.float64 else req.q
         parts = [a for lo, hi in bounds for a in (kv.k[lo:hi], kv.v[lo:hi])] if kv is not None else []
         sent, *refs = await self.pool.put(q, *parts)
         jobs: list[Job] = resolved.jobs(self.pool, self.settings.merge_fanin) if resolved is not None else []

@@ -42,7 +42,8 @@ from service.core.errors import (
     internals,
 )
 from service.core.metrics import Timings
-from service.routes.common import off_loop, with_deadline
+from service.core.deadline import within
+from service.routes.common import off_loop
 from service.routes.ops import can_serve
 from service.runtime import AppState
 from service.wire.kserve import MODEL_NAME, MODEL_VERSION, PLATFORM, decode_infer_request, model_metadata
@@ -134,13 +135,13 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             for limit in (parsed.timeout_s, context.time_remaining()):
                 if limit is not None:
                     deadline = min(deadline, max(limit, 1e-3))
-            out, lse = await with_deadline(rt.attention.attention(req, timings), deadline)
+            out, lse = await within(rt.attention.attention(req, timings), deadline)
             t1 = time.perf_counter()
             response = await off_loop(out.nbytes + lse.nbytes, infer_response, service_pb2.ModelInferResponse,
                                       parsed.id, {"out": out, "lse": lse}, parsed.outputs)
             timings.add("encode", time.perf_counter() - t1)
             timings.add("total", time.perf_counter() - t0)
-            state.metrics.observe_stages(ROUTE, timings)
+            state.metrics.stage_seconds.observe(ROUTE, timings.stages)
             context.set_trailing_metadata((("x-request-id", rid), ("server-timing", timings.header())))
             return response
         except ServiceError as err:

@@ -39,7 +39,14 @@ class HotRoutes:
         self.handlers = dict(handlers)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        endpoint = self.routes.get((scope.get("method", ""), _route_path(scope))) if scope["type"] == "http" else None
+        endpoint = None
+        if scope["type"] == "http":
+            # The path the app's routes match: without the ``root_path`` a mount or proxy put before it.
+            path: str = scope["path"]
+            root: str = scope.get("root_path", "")
+            if root and path.startswith(root) and path[len(root):len(root) + 1] == "/":
+                path = path[len(root):]
+            endpoint = self.routes.get((scope.get("method", ""), path))
         if endpoint is None:
             await self.app(scope, receive, send)
             return
@@ -47,23 +54,9 @@ class HotRoutes:
         try:
             response = await endpoint(request)
         except Exception as exc:
-            handler = self._handler(exc)
+            # The most specific registered class, as Starlette looks it up.
+            handler = next((self.handlers[cls] for cls in type(exc).__mro__ if cls in self.handlers), None)
             if handler is None:
                 raise  # ServiceMiddleware logs it and answers 500, as for any route
             response = await handler(request, exc)
         await response(scope, receive, send)
-
-    def _handler(self, exc: Exception) -> Handler | None:
-        for cls in type(exc).__mro__:  # the most specific registered class, as Starlette looks it up
-            if cls in self.handlers:
-                return self.handlers[cls]
-        return None
-
-
-def _route_path(scope: dict) -> str:
-    """The path the app's routes match: ``path`` without the ``root_path`` a mount or proxy put before it."""
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "")
-    if root and path.startswith(root) and path[len(root):len(root) + 1] == "/":
-        return path[len(root):]
-    return path

@@ -78,12 +78,14 @@ def route_label(path: str, paths: frozenset[str]) -> str:
 
 @dataclass(slots=True)
 class Seen:
-    """What the access log says of one request, as it passes: the status sent (0: none), the body bytes
-    read, the ``Server-Timing`` header of the answer."""
+    """One request as it passes: the status sent (0: none yet), the body bytes read and written, the
+    ``Server-Timing`` header of the answer, and whether its status is counted already (``_error``)."""
 
     status: int = 0
     bytes_in: int = 0
+    bytes_out: int = 0
     timing: bytes = b""
+    counted: bool = False
 
 
 class ServiceMiddleware:
@@ -105,22 +107,18 @@ class ServiceMiddleware:
         path = scope["path"]
         route = route_label(path, self.paths)
         rid = request_id.assign(scope.get("headers", []))
-        status = {"code": 500}
-        sent = {"bytes": 0}
-        started = {"response": False}
         seen = Seen()
 
         async def send_wrapper(message: dict) -> None:
             if message["type"] == "http.response.start":
-                status["code"] = seen.status = message["status"]
-                started["response"] = True
+                seen.status = message["status"]
                 frontend = (FRONTEND_HEADER, FRONTEND.encode())
                 extra = [frontend, (request_id.HEADER, rid.encode())] if self.request_id_header else [frontend]
                 headers = message.get("headers", [])
                 seen.timing = next((v for k, v in headers if k.lower() == b"server-timing"), b"")
                 message = {**message, "headers": [*headers, *extra]}
             elif message["type"] == "http.response.body":
-                sent["bytes"] += len(message.get("body", b""))
+                seen.bytes_out += len(message.get("body", b""))
             await send(message)
 
         async def receive_wrapper() -> dict:
@@ -129,56 +127,51 @@ class ServiceMiddleware:
                 seen.bytes_in += len(message.get("body", b""))
             return message
 
+        ticket = task = None
         try:
-            await self._handle(scope, receive_wrapper, send_wrapper, path, route, rid, status, sent, started)
-        finally:
-            logs.access(scope["method"], route, seen.status or CLOSED, seen.bytes_in, sent["bytes"],
-                        time.perf_counter() - t0, rid, logs.server_timing(seen.timing) if seen.timing else {})
-
-    async def _handle(self, scope: dict, receive: Any, send_wrapper: Any, path: str, route: str, rid: str,
-                      status: dict, sent: dict, started: dict) -> None:
-        if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
-            await self._error(send_wrapper, path, route, Unauthorized(), early=True)
-            return
-        work = route != UNMATCHED and path.startswith(WORK_PREFIXES)  # a made-up path is a 404, not work
-        if work and self.drain.draining:
-            await self._error(send_wrapper, path, route, ShuttingDown(
-                "the service must be running to take work, got a request while it drains before it stops"), early=True)
-            return
-        ticket = None
-        if work:
-            ticket = scope[TICKET] = self.admission.ticket()
-            if scope["method"] in BODILESS:
-                try:
-                    ticket.admit()
-                except ServiceError as err:
-                    await self._error(send_wrapper, path, route, err, early=True)
-                    return
-        task = self.drain.track() if work else None
-        try:
-            await self.app(scope, receive, send_wrapper)
-        except asyncio.CancelledError:
-            if not (self.drain.cutting and not started["response"]):
-                raise
-            # Cut by the end of the grace period (service.core.drain): answered, not dropped.
-            await self._error(send_wrapper, path, route, ShuttingDown(
-                f"the request must finish within the {self.drain.grace_s:g} s shutdown grace period, got cut"))
-            status["code"] = 0  # counted by _error
-        except Exception:
-            log.exception("request %s: %s %s failed inside the service", rid, scope["method"], path)
-            if started["response"]:
-                raise
-            await self._error(send_wrapper, path, route, Internal(
-                f"the service failed on this request; the server log has the details under request id {rid}"))
-            status["code"] = 0
+            if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+                await self._error(send_wrapper, path, route, Unauthorized(), seen)
+                return
+            work = route != UNMATCHED and path.startswith(WORK_PREFIXES)  # a made-up path is a 404, not work
+            if work and self.drain.draining:
+                await self._error(send_wrapper, path, route, ShuttingDown(
+                    "the service must be running to take work, got a request while it drains before it stops"), seen)
+                return
+            if work:
+                ticket = scope[TICKET] = self.admission.ticket()
+                if scope["method"] in BODILESS:
+                    try:
+                        ticket.admit()
+                    except ServiceError as err:
+                        await self._error(send_wrapper, path, route, err, seen)
+                        return
+                task = self.drain.track()
+            try:
+                await self.app(scope, receive_wrapper, send_wrapper)
+            except asyncio.CancelledError:
+                if not (self.drain.cutting and not seen.status):
+                    raise
+                # Cut by the end of the grace period (service.core.drain): answered, not dropped.
+                await self._error(send_wrapper, path, route, ShuttingDown(
+                    f"the request must finish within the {self.drain.grace_s:g} s shutdown grace period, got cut"),
+                    seen)
+            except Exception:
+                log.exception("request %s: %s %s failed inside the service", rid, scope["method"], path)
+                if seen.status:
+                    raise
+                await self._error(send_wrapper, path, route, Internal(
+                    f"the service failed on this request; the server log has the details under request id {rid}"),
+                    seen)
         finally:
             if ticket is not None:
                 ticket.release()
             if task is not None:
                 self.drain.done(task)
-            if status["code"]:
-                self.metrics.count_request(route, status["code"])
-            self.metrics.count_bytes_out(route, sent["bytes"])
+            # An exception that escapes with no answer sent is counted 500 (uvicorn answers it so).
+            code = 0 if seen.counted else seen.status or 500
+            self.metrics.count_request(route, code, seen.bytes_in, seen.bytes_out)
+            logs.access(scope["method"], route, seen.status or CLOSED, seen.bytes_in, seen.bytes_out,
+                        time.perf_counter() - t0, rid, logs.server_timing(seen.timing) if seen.timing else {})
 
     def _authorized(self, scope: dict) -> bool:
         for name, value in scope.get("headers", []):
@@ -187,14 +180,13 @@ class ServiceMiddleware:
                 return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
         return False
 
-    async def _error(self, send: Any, path: str, route: str, err: ServiceError, *, early: bool = False) -> None:
-        """Answer ``err`` (through ``send``, which adds the request id header); ``early``: before the
-        request's accounting began, so its bytes are counted here."""
+    async def _error(self, send: Any, path: str, route: str, err: ServiceError, seen: Seen) -> None:
+        """Answer ``err`` (through ``send``, which adds the request id header and counts the bytes) and
+        count its status at once: the request's own accounting then counts only its bytes."""
         status, body, extra = render(err, path)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         self.metrics.count_request(route, status)
-        if early:  # answered before the request's own accounting began (its ``finally`` counts the rest)
-            self.metrics.count_bytes_out(route, len(body))
+        seen.counted = True

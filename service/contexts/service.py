@@ -153,15 +153,12 @@ class ContextService:
     @staticmethod
     def resolved(found: Sequence[ContextRecord], *, cached: bool) -> Resolved:
         """The :class:`Resolved` of records found for a query's ids (in its order); 422 if their shapes differ."""
-        def dims_of(r: ContextRecord) -> list[int]:
-            return [r["h_kv"], r["d"], r["d_v"]]
-
-        first = found[0]
-        for other in found[1:]:
-            if dims_of(other) != dims_of(first):  # named in the query's order: the first, the first that differs
-                raise InvalidOption(f"contexts must share [h_kv, d, d_v], got {dims_of(first)} for {first['id']} and "
-                                    f"{dims_of(other)} for {other['id']}")
-        h_kv, d, d_v = dims_of(first)
+        dims = [[r["h_kv"], r["d"], r["d_v"]] for r in found]
+        for other, other_dims in zip(found[1:], dims[1:]):
+            if other_dims != dims[0]:  # named in the query's order: the first, the first that differs
+                raise InvalidOption(f"contexts must share [h_kv, d, d_v], got {dims[0]} for {found[0]['id']} and "
+                                    f"{other_dims} for {other['id']}")
+        h_kv, d, d_v = dims[0]
         return Resolved(records=tuple(found),
                         dims=KVDims(n_k=sum(s["length"] for r in found for s in r["shards"]), h_kv=h_kv, d=d, d_v=d_v),
                         next_pos=max(r["next_pos"] for r in found), dtypes=tuple(dtype_of(r["dtype"]) for r in found),

@@ -2,7 +2,7 @@
 
 * A request on a work route holds one of ``max_inflight`` slots while it works, and only
   then: one with a body takes its slot once the whole body has arrived
-  (``service.routes.common.read_body``), one without a body at once. A connection still
+  (``service.routes.common.Exchange.body``), one without a body at once. A connection still
   sending holds no slot, so slow clients cannot starve the others (docs/SECURITY.md).
 * Body bytes are charged to one budget of ``max_inflight_bytes`` as they arrive (a body's
   buffer only takes memory as it fills, ``service.wire.body``) and given back when the

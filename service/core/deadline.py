@@ -1,6 +1,6 @@
 """The deadline of the request this task serves, for the work it sends to the workers (docs/SERVICE.md, "Deadlines").
 
-``service.routes.common.with_deadline`` starts it where the request's 504 timer starts;
+:func:`within` starts it where the request's 504 timer starts;
 ``service.cluster.pool`` sends each call to a worker the seconds left of it
 (:func:`budget`), and the worker does not start work whose seconds ran out while it
 waited (``workers.batch``). A relative budget, not a time: no two nodes' clocks are ever
@@ -10,13 +10,36 @@ and threads it hands work to (``asyncio.to_thread``) copy its context, so they s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from contextvars import ContextVar
+from typing import TypeVar
+
+from service.core.errors import DeadlineExceeded
+
+T = TypeVar("T")
 
 #: ``time.monotonic()`` at which the current request's deadline passes; None outside one (internal work).
 _at: ContextVar[float | None] = ContextVar("splitkey_deadline", default=None)
+
+
+async def within(work: Awaitable[T], seconds: float) -> T:
+    """Run a read (a query) within the request deadline of ``seconds`` (504 past it).
+
+    In the request's own task (``asyncio.timeout``), not a task of its own as ``asyncio.wait_for``
+    makes on Python 3.11: one task and one turn of the event loop less per query. While it runs,
+    the calls it sends the workers carry the seconds left of the same deadline (:func:`budget`), so
+    a worker does not start work this request has given up on; ``work`` is a coroutine, run in this
+    task's context.
+    """
+    try:
+        with running(seconds):
+            async with asyncio.timeout(seconds):
+                return await work
+    except TimeoutError:
+        raise DeadlineExceeded(f"the request must finish within {seconds} s, got longer") from None
 
 
 @contextlib.contextmanager
@@ -35,4 +58,4 @@ def budget() -> float | None:
     if at is None:
         return None
     left = at - time.monotonic()
-    return left if left > 0.0 else 0.0
+    return max(0.0, left)

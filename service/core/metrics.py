@@ -202,23 +202,20 @@ class Metrics:
             child = self._children[key] = metric.labels(*values)
         return child
 
-    def observe_stages(self, route: str, timings: Timings) -> None:
-        self.stage_seconds.observe(route, timings.stages)
-
-    def count_request(self, route: str, code: int) -> None:
-        """One answered request of ``route`` with status ``code``."""
-        self._child(self.requests, route, str(code)).inc()
+    def count_request(self, route: str, code: int, bytes_in: int = 0, bytes_out: int = 0) -> None:
+        """One request of ``route`` at its end: answered with status ``code`` (0: its answer is counted
+        elsewhere), ``bytes_in`` body bytes read and ``bytes_out`` written."""
+        if code:
+            self._child(self.requests, route, str(code)).inc()
+        if bytes_in:
+            self._child(self.bytes_in, route).inc(bytes_in)
+        if bytes_out:
+            self._child(self.bytes_out, route).inc(bytes_out)
 
     def count_batch_items(self, codes: Iterable[int]) -> None:
         """The items of one answered batch, each by its own status code."""
         for code, n in collections.Counter(codes).items():
             self._child(self.batch_items, str(code)).inc(n)
-
-    def count_bytes_in(self, route: str, nbytes: int) -> None:
-        self._child(self.bytes_in, route).inc(nbytes)
-
-    def count_bytes_out(self, route: str, nbytes: int) -> None:
-        self._child(self.bytes_out, route).inc(nbytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,21 +7,7 @@ import time
 from fastapi import APIRouter, Request, Response
 
 from service.core.errors import error_responses
-from service.core.metrics import Timings
-from service.routes.common import (
-    app_state,
-    body_limit,
-    client_timeout,
-    client_waits,
-    decode_body,
-    answer_limit,
-    encode_result,
-    off_loop,
-    query_deadline,
-    read_body,
-    runtime,
-    with_deadline,
-)
+from service.routes.common import Exchange, answer_limit, decode_body, encode_result, off_loop
 from service.wire.json_codec import AttentionRequestModel, AttentionResult
 from service.wire.negotiation import Format, request_format, response_format
 from service.wire.request import AttentionRequest, attention_request
@@ -62,21 +48,12 @@ def _decode(fmt: Format, body: memoryview, query: object, limits: Limits) -> Att
     openapi_extra=BODY_DOC,
 )
 async def attention(request: Request) -> Response:
-    state, rt = app_state(request), runtime(request)
-    t0 = time.perf_counter()
-    timings = Timings()
+    ex = Exchange.begin(request)
     fmt = request_format(request.headers.get("content-type"))
     resp_fmt = response_format(request.headers.get("accept"), fmt)
-    client = client_timeout(request)
-    body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
-    req = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
-    timings.add("parse", time.perf_counter() - t0)
-    seconds = query_deadline(state.settings.request_timeout_s, client, t0)
-    await client_waits(request)
-    out, lse = await with_deadline(rt.attention.attention(req, timings, answer_limit(state.limits, resp_fmt)), seconds)
-    await client_waits(request)
-    response = await encode_result(resp_fmt, out, lse, timings)
-    timings.add("total", time.perf_counter() - t0)
-    response.headers["Server-Timing"] = timings.header()
-    state.metrics.observe_stages(ROUTE, timings)
-    return response
+    body = await ex.body(fmt)
+    req = await off_loop(len(body), _decode, fmt, body, request.query_params, ex.state.limits)
+    ex.timings.add("parse", time.perf_counter() - ex.t0)
+    json_limit = answer_limit(ex.state.limits, resp_fmt)
+    out, lse = await ex.within(lambda: ex.rt.attention.attention(req, ex.timings, json_limit))
+    return ex.finish(ROUTE, await encode_result(resp_fmt, out, lse, ex.timings))

@@ -11,20 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.cluster.channel import staged_writes
 from service.core.errors import error_responses
-from service.core.metrics import Timings
-from service.routes.common import (
-    answer_limit,
-    app_state,
-    body_limit,
-    client_timeout,
-    client_waits,
-    off_loop,
-    query_deadline,
-    read_body,
-    runtime,
-    to_completion,
-    with_deadline,
-)
+from service.routes.common import Exchange, answer_limit, off_loop, to_completion
 from service.wire.batch import (
     AppendThenQuery,
     Item,
@@ -94,24 +81,20 @@ def _decode(fmt: Format, body: memoryview, query: Mapping[str, str], limits: Lim
     openapi_extra=BODY_DOC,
 )
 async def attention_batch(request: Request) -> Response:
-    state, rt = app_state(request), runtime(request)
-    t0 = time.perf_counter()
-    timings = Timings()
+    ex = Exchange.begin(request)
+    state, rt, timings = ex.state, ex.rt, ex.timings
     fmt = request_format(request.headers.get("content-type"))
     resp_fmt = response_format(request.headers.get("accept"), fmt)
-    client = client_timeout(request)
-    body = await read_body(request, body_limit(state.limits, fmt), ROUTE)
+    body = await ex.body(fmt)
     items = await off_loop(len(body), _decode, fmt, body, request.query_params, state.limits)
-    timings.add("parse", time.perf_counter() - t0)
+    timings.add("parse", time.perf_counter() - ex.t0)
     if any(isinstance(it, AppendThenQuery) for it in items):
         with staged_writes():  # context writes, never cut by the deadline (to_completion)
             queries = await to_completion(rt.batch.append(items, timings))
     else:
         queries = [it for it in items if not isinstance(it, AppendThenQuery)]  # all of them
-    seconds = query_deadline(state.settings.request_timeout_s, client, t0)
-    await client_waits(request)
-    answers = await with_deadline(rt.batch.run(queries, timings, answer_limit(state.limits, resp_fmt)), seconds)
-    await client_waits(request)
+    json_limit = answer_limit(state.limits, resp_fmt)
+    answers = await ex.within(lambda: rt.batch.run(queries, timings, json_limit))
     t1 = time.perf_counter()
     if resp_fmt == "json":  # on the loop in pieces (service.wire.json_text), as a single answer
         content = await write_json(json_batch(answers))
@@ -119,7 +102,5 @@ async def attention_batch(request: Request) -> Response:
         nbytes = sum(a.nbytes for answer in answers if not isinstance(answer, ItemError) for a in answer)
         content = await off_loop(nbytes, lambda: to_bytes(encode_binary_batch(answers)))
     timings.add("encode", time.perf_counter() - t1)
-    timings.add("total", time.perf_counter() - t0)
-    state.metrics.observe_stages(ROUTE, timings)
     state.metrics.count_batch_items(a.status if isinstance(a, ItemError) else 200 for a in answers)
-    return Response(content=content, media_type=content_type(resp_fmt), headers={"Server-Timing": timings.header()})
+    return ex.finish(ROUTE, Response(content=content, media_type=content_type(resp_fmt)))

@@ -1,11 +1,12 @@
-"""What every route shares: the app's state, body reading, decoding off the event loop,
-encoding, deadlines."""
+"""What every route shares: the app's state, one request's exchange (its body, deadline and
+timings: :class:`Exchange`), decoding off the event loop, encoding."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
@@ -13,8 +14,8 @@ from fastapi import Request, Response
 from starlette.requests import ClientDisconnect
 
 from service.attention import V1_BINARY, JsonAnswerLimit
-from service.core import deadline
 from service.core.admission import TICKET, Ticket
+from service.core.deadline import within
 from service.core.errors import DeadlineExceeded, RequestTimeout, UnsupportedMediaType, WorkersUnavailable
 from service.core.metrics import Timings
 from service.runtime import AppState, Runtime
@@ -27,6 +28,7 @@ from service.wire.rules import TIMEOUT_HEADER, BodyKind, Limits, refuse_query, t
 from service.wire.safetensors import decode_binary_request, encode_safetensors, to_bytes
 
 T = TypeVar("T")
+R = TypeVar("R", bound=Response)
 P = ParamSpec("P")
 
 #: Bodies larger than this are decoded (and their values checked) in a thread, not on the
@@ -39,53 +41,125 @@ def app_state(request: Request) -> AppState:
     return state
 
 
+#: What a work route answers before the workers have started (503).
+NO_WORKERS = "workers must be started before requests are served, got none yet"
+
+
 def runtime(request: Request) -> Runtime:
     rt = app_state(request).runtime
     if rt is None:
-        raise WorkersUnavailable("workers must be started before requests are served, got none yet")
+        raise WorkersUnavailable(NO_WORKERS)
     return rt
 
 
-def body_limit(limits: Limits, fmt: Format) -> int:
-    return limits.max_json_body_bytes if fmt == "json" else limits.max_body_bytes
+@dataclass(slots=True)
+class Exchange:
+    r"""One work request as a route serves it: the app's state and runtime, when it began, its stages
+    (``Server-Timing``) and the seconds its client's ``X-Request-Timeout`` gives it (None: none).
 
-
-async def read_body(request: Request, limit: int, route: str,
-                    before_read: Callable[[int], None] | None = None) -> memoryview:
-    """The whole body, within ``limit`` bytes (checked from Content-Length before reading), at the
-    settings' pace (408 when slower), charged to the in-flight body budget as it arrives; then
-    the request takes its admission slot (429 if none is free): service.core.admission.
-
-    ``before_read`` sees the declared length first, to refuse a body by its headers alone.
+    A route :meth:`begin`\ s it (503 before the workers start; 422 for a bad timeout header, before
+    the body is read), reads the :meth:`body`, runs its query :meth:`within` the deadline, and
+    :meth:`finish`\ es the response.
     """
-    state = app_state(request)
-    ticket: Ticket = request.scope[TICKET]
-    encoding = request.headers.get("content-encoding")
-    if encoding is not None and encoding.strip().lower() != "identity":  # nothing here decompresses
-        raise UnsupportedMediaType(f"Content-Encoding must be identity (send the body uncompressed), got {encoding!r}")
-    # The HTTP parser takes the body's framing from a final "chunked" and leaves any coding before it
-    # (gzip, chunked) undone: such a body would reach the decoders still coded. RFC 9112 answers an
-    # unknown transfer coding with 501, but a client's mistake is a 4xx here: 415, as a Content-Encoding.
-    coding = request.headers.get("transfer-encoding")
-    if coding is not None and [c.strip().lower() for c in coding.split(",")] != ["chunked"]:
-        raise UnsupportedMediaType(f"Transfer-Encoding must be chunked or absent (send the body uncompressed), "
-                                   f"got {coding!r}")
-    lim = state.limits
-    what = ("a JSON request body (the JSON limit; safetensors bodies may be larger)"
-            if limit == lim.max_json_body_bytes < lim.max_body_bytes else "request body")
-    length = declared_length(request.headers.get("content-length"), limit, what)
-    if length is not None:
-        if before_read is not None:
-            before_read(length)
-        ticket.expect(length)
-    try:
-        body = await read_into_buffer(paced(request.receive, state.pace), length, limit, ticket.charge, what)
-    except RequestTimeout:
-        state.metrics.rejected.labels(reason="slow_body").inc()
-        raise
-    state.metrics.count_bytes_in(route, len(body))
-    ticket.admit()
-    return body
+
+    request: Request
+    state: AppState
+    rt: Runtime
+    t0: float
+    timings: Timings
+    client: float | None
+
+    @classmethod
+    def begin(cls, request: Request, *, read: bool = True) -> Exchange:
+        """``read``: the request runs a query within a deadline, and its ``X-Request-Timeout`` is read
+        now; a context write runs to completion (``to_completion``) and has none."""
+        state: AppState = request.app.state.splitkey
+        if state.runtime is None:
+            raise WorkersUnavailable(NO_WORKERS)
+        client = timeout_header(request.headers.get(TIMEOUT_HEADER)) if read else None
+        return cls(request, state, state.runtime, time.perf_counter(), Timings(), client)
+
+    async def body(self, fmt: Format | None = None, *, limit: int | None = None,
+                   before_read: Callable[[int], None] | None = None) -> memoryview:
+        """The whole body, within ``limit`` bytes (by default the limit of a ``fmt`` body; checked from
+        Content-Length before reading), at the settings' pace (408 when slower), charged to the
+        in-flight body budget as it arrives; then the request takes its admission slot (429 if none is
+        free): service.core.admission.
+
+        ``before_read`` sees the declared length first, to refuse a body by its headers alone.
+        """
+        request, state = self.request, self.state
+        lim = state.limits
+        if limit is None:
+            limit = lim.max_json_body_bytes if fmt == "json" else lim.max_body_bytes
+        ticket: Ticket = request.scope[TICKET]
+        encoding = request.headers.get("content-encoding")
+        if encoding is not None and encoding.strip().lower() != "identity":  # nothing here decompresses
+            raise UnsupportedMediaType(f"Content-Encoding must be identity (send the body uncompressed), got {encoding!r}")
+        # The HTTP parser takes the body's framing from a final "chunked" and leaves any coding before it
+        # (gzip, chunked) undone: such a body would reach the decoders still coded. RFC 9112 answers an
+        # unknown transfer coding with 501, but a client's mistake is a 4xx here: 415, as a Content-Encoding.
+        coding = request.headers.get("transfer-encoding")
+        if coding is not None and [c.strip().lower() for c in coding.split(",")] != ["chunked"]:
+            raise UnsupportedMediaType(f"Transfer-Encoding must be chunked or absent (send the body uncompressed), "
+                                       f"got {coding!r}")
+        what = ("a JSON request body (the JSON limit; safetensors bodies may be larger)"
+                if limit == lim.max_json_body_bytes < lim.max_body_bytes else "request body")
+        length = declared_length(request.headers.get("content-length"), limit, what)
+        if length is not None:
+            if before_read is not None:
+                before_read(length)
+            ticket.expect(length)
+        try:
+            body = await read_into_buffer(paced(request.receive, state.pace), length, limit, ticket.charge, what)
+        except RequestTimeout:
+            state.metrics.rejected.labels(reason="slow_body").inc()
+            raise
+        ticket.admit()
+        return body
+
+    async def within(self, work: Callable[[], Awaitable[T]], limit_s: float | None = None) -> T:
+        """``work()``, a read, run within the request's deadline (504 past it): ``--request-timeout``,
+        shortened, never lengthened, by the client's ``X-Request-Timeout``, which counts from
+        :attr:`t0` (the client's clock ran while its body arrived), and by ``limit_s`` (a deadline
+        the body gave). A client whose time ran out before the work begins gets 504 at once.
+
+        A client that closed its connection after sending its whole body is not served: the query is
+        then not sent to the workers (checked before) or its answer not encoded (checked after), and
+        the request is counted 499 as a body cut short is (``service.app``). A look at the
+        connection, not a wait: Starlette's ``is_disconnected`` takes a message only if one is there.
+        """
+        seconds = query_deadline(self.state.settings.request_timeout_s, self.client, self.t0)
+        if limit_s is not None:
+            seconds = min(seconds, limit_s)
+        if await self.request.is_disconnected():
+            raise ClientDisconnect()
+        result = await within(work(), seconds)
+        if await self.request.is_disconnected():
+            raise ClientDisconnect()
+        return result
+
+    def finish(self, route: str, response: R) -> R:
+        """``response`` with its ``Server-Timing`` (docs/SERVICE.md), the stages into the metrics."""
+        timings = self.timings
+        timings.add("total", time.perf_counter() - self.t0)
+        response.headers["Server-Timing"] = timings.header()
+        self.state.metrics.stage_seconds.observe(route, timings.stages)
+        return response
+
+
+def query_deadline(limit: float, client: float | None, started: float) -> float:
+    """Seconds from now the query may still run: ``limit`` (``--request-timeout``), shortened, never
+    lengthened, by the client's ``X-Request-Timeout`` (``client``), which counts from ``started``
+    (``time.perf_counter()`` when the route began: the client's clock ran while its body arrived).
+    A client whose time ran out before the work begins gets 504 at once."""
+    if client is None:
+        return limit
+    left = client - (time.perf_counter() - started)
+    if left <= 0:
+        raise DeadlineExceeded(f"the request must finish within its {TIMEOUT_HEADER} of {client:g} s, "
+                               "got longer before its work began")
+    return min(limit, left)
 
 
 def decode_body(fmt: Format, body: memoryview, query: Any, kind: BodyKind, limits: Limits) -> Decoded:
@@ -124,51 +198,6 @@ async def encode_result(resp_fmt: Format, out: np.ndarray, lse: np.ndarray, timi
         content = await off_loop(out.nbytes + lse.nbytes, lambda: to_bytes(encode_safetensors({"out": out, "lse": lse})))
     timings.add("encode", time.perf_counter() - t0)
     return Response(content=content, media_type=content_type(resp_fmt))  # the caller adds Server-Timing, with total
-
-
-def client_timeout(request: Request) -> float | None:
-    """The seconds the client's ``X-Request-Timeout`` header gives its query (None: none), checked
-    before the body is read (422 naming the header)."""
-    return timeout_header(request.headers.get(TIMEOUT_HEADER))
-
-
-def query_deadline(limit: float, client: float | None, started: float) -> float:
-    """Seconds from now the query may still run: ``limit`` (``--request-timeout``), shortened, never
-    lengthened, by the client's ``X-Request-Timeout`` (``client``), which counts from ``started``
-    (``time.perf_counter()`` when the route began: the client's clock ran while its body arrived).
-    A client whose time ran out before the work begins gets 504 at once."""
-    if client is None:
-        return limit
-    left = client - (time.perf_counter() - started)
-    if left <= 0:
-        raise DeadlineExceeded(f"the request must finish within its {TIMEOUT_HEADER} of {client:g} s, "
-                               "got longer before its work began")
-    return min(limit, left)
-
-
-async def client_waits(request: Request) -> None:
-    """Raise ``ClientDisconnect`` when the client has closed its connection after sending its whole body:
-    the query is then not sent to the workers (checked after parsing) or its answer not encoded (checked
-    after the compute), and the request is counted 499 as a body cut short is (``service.app``). A look
-    at the connection, not a wait: Starlette's ``is_disconnected`` takes a message only if one is there."""
-    if await request.is_disconnected():
-        raise ClientDisconnect()
-
-
-async def with_deadline(work: Awaitable[T], seconds: float) -> T:
-    """Run a read (a query) within the request deadline (504 past it).
-
-    In the request's own task (``asyncio.timeout``), not a task of its own as ``asyncio.wait_for``
-    makes on Python 3.11: one task and one turn of the event loop less per query. The calls it
-    sends the workers carry the seconds left of the same deadline (``service.core.deadline``), so a
-    worker does not start work this request has given up on; ``work`` is a coroutine, run in this
-    task's context."""
-    try:
-        with deadline.running(seconds):
-            async with asyncio.timeout(seconds):
-                return await work
-    except TimeoutError:
-        raise DeadlineExceeded(f"the request must finish within {seconds} s, got longer") from None
 
 
 async def to_completion(work: Awaitable[T]) -> T:

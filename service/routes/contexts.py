@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from service.cluster.channel import staged_writes
 from service.core.errors import ContextNotFound, InvalidOption, error_responses
-from service.core.metrics import Timings
-from service.routes.common import app_state, body_limit, decode_body, off_loop, read_body, runtime, to_completion
+from service.routes.common import Exchange, app_state, decode_body, off_loop, runtime, to_completion
 from service.runtime import AppState
 from service.wire.json_codec import ContextAppendRequestModel, ContextCreateRequestModel, ContextWriteModel
 from service.wire.negotiation import Format, request_format
@@ -41,21 +38,11 @@ def _check_id(state: AppState, ctx_id: str) -> str:
     return ctx_id
 
 
-async def _write(request: Request, kind: BodyKind, timings: Timings) -> ContextWrite:
-    state = app_state(request)
-    with timings.measure("parse"):
-        fmt = request_format(request.headers.get("content-type"))
-        route = ROUTE if kind == CONTEXT_CREATE else APPEND_ROUTE  # the route label the metrics use
-        body = await read_body(request, body_limit(state.limits, fmt), route)
-        return await off_loop(len(body), _decode, fmt, body, request.query_params, kind, state.limits)
-
-
-def _timed(request: Request, route: str, timings: Timings, t0: float, response: JSONResponse) -> JSONResponse:
-    """The response with its ``Server-Timing`` (docs/SERVICE.md), the stages into the metrics."""
-    timings.add("total", time.perf_counter() - t0)
-    response.headers["Server-Timing"] = timings.header()
-    app_state(request).metrics.observe_stages(route, timings)
-    return response
+async def _write(ex: Exchange, kind: BodyKind) -> ContextWrite:
+    with ex.timings.measure("parse"):
+        fmt = request_format(ex.request.headers.get("content-type"))
+        body = await ex.body(fmt)
+        return await off_loop(len(body), _decode, fmt, body, ex.request.query_params, kind, ex.state.limits)
 
 
 def _decode(fmt: Format, body: memoryview, query: object, kind: BodyKind, limits: Limits) -> ContextWrite:
@@ -66,24 +53,23 @@ def _decode(fmt: Format, body: memoryview, query: object, kind: BodyKind, limits
              responses=error_responses(400, 401, 413, 415, 422, 429, 503, 507),
              openapi_extra=_body_doc(ContextCreateRequestModel))
 async def create_context(request: Request) -> JSONResponse:
-    rt, t0, timings = runtime(request), time.perf_counter(), Timings()
-    write = await _write(request, CONTEXT_CREATE, timings)
+    ex = Exchange.begin(request, read=False)
+    write = await _write(ex, CONTEXT_CREATE)
     with staged_writes():  # the keys go to the workers over their write channels (service.cluster.pool.Staged)
-        desc = await to_completion(rt.contexts.create(write, timings))
-    return _timed(request, ROUTE, timings, t0,
-                  JSONResponse(desc, status_code=201, headers={"Location": f"{ROUTE}/{desc['id']}"}))
+        desc = await to_completion(ex.rt.contexts.create(write, ex.timings))
+    return ex.finish(ROUTE, JSONResponse(desc, status_code=201, headers={"Location": f"{ROUTE}/{desc['id']}"}))
 
 
 @router.post(ROUTE + "/{ctx_id}/append", summary="Append k, v to a context",
              responses=error_responses(400, 401, 404, 409, 413, 415, 422, 429, 503, 507),
              openapi_extra=_body_doc(ContextAppendRequestModel))
 async def append_context(ctx_id: str, request: Request) -> JSONResponse:
-    rt, t0, timings = runtime(request), time.perf_counter(), Timings()
-    _check_id(app_state(request), ctx_id)
-    write = await _write(request, CONTEXT_APPEND, timings)
+    ex = Exchange.begin(request, read=False)
+    _check_id(ex.state, ctx_id)
+    write = await _write(ex, CONTEXT_APPEND)
     with staged_writes():
-        desc = await to_completion(rt.contexts.append(ctx_id, write, timings))
-    return _timed(request, APPEND_ROUTE, timings, t0, JSONResponse(desc))
+        desc = await to_completion(ex.rt.contexts.append(ctx_id, write, ex.timings))
+    return ex.finish(APPEND_ROUTE, JSONResponse(desc))
 
 
 @router.get(ROUTE, summary="List contexts", responses=error_responses(401))

@@ -15,16 +15,7 @@ from fastapi.responses import JSONResponse
 
 from service.attention import KSERVE_BINARY, JsonAnswerLimit
 from service.core.errors import error_responses
-from service.core.metrics import Timings
-from service.routes.common import (
-    app_state,
-    client_timeout,
-    off_loop,
-    query_deadline,
-    read_body,
-    runtime,
-    with_deadline,
-)
+from service.routes.common import Exchange, off_loop
 from service.routes.ops import can_serve, workers_ready
 from service.wire.json_text import write_json
 from service.wire.kserve import (
@@ -104,34 +95,27 @@ async def metadata() -> JSONResponse:
 )
 @router.post(VERSIONED_INFER, include_in_schema=False)
 async def infer(request: Request) -> Response:
-    state, rt = app_state(request), runtime(request)
-    t0 = time.perf_counter()
-    timings = Timings()
+    ex = Exchange.begin(request)
+    state, timings = ex.state, ex.timings
     declared_header = request.headers.get(HEADER)
     limit = state.limits.max_json_body_bytes if declared_header is None else state.limits.max_body_bytes
 
     def check_header(body_len: int) -> None:  # refuse a bad header before reading the body
         header_length(declared_header, body_len)
 
-    client = client_timeout(request)
-    body = await read_body(request, limit, ROUTE, before_read=check_header)
+    body = await ex.body(limit=limit, before_read=check_header)
     parsed, req = await off_loop(len(body), _decode, body, header_length(declared_header, len(body)), state.limits)
-    timings.add("parse", time.perf_counter() - t0)
-    deadline = query_deadline(state.settings.request_timeout_s, client, t0)
-    if parsed.timeout_s is not None:
-        deadline = min(deadline, parsed.timeout_s)
+    timings.add("parse", time.perf_counter() - ex.t0)
     out_json = any(o.name == "out" and not o.binary for o in parsed.outputs)
     json_limit = JsonAnswerLimit(state.limits.max_json_answer_elements, KSERVE_BINARY) if out_json else None
-    out, lse = await with_deadline(rt.attention.attention(req, timings, json_limit), deadline)
+    out, lse = await ex.within(lambda: ex.rt.attention.attention(req, timings, json_limit), parsed.timeout_s)
     t1 = time.perf_counter()
     doc, raw = infer_response(parsed.id, {"out": out, "lse": lse}, parsed.outputs)
     content, json_len = response_body(await write_json(doc), raw)  # JSON outputs on the loop in pieces
     timings.add("encode", time.perf_counter() - t1)
-    timings.add("total", time.perf_counter() - t0)
-    headers = {"Server-Timing": timings.header()}
+    headers = {}
     media = "application/json"
     if json_len is not None:
         headers[HEADER] = str(json_len)
         media = "application/octet-stream"
-    state.metrics.observe_stages(ROUTE, timings)
-    return Response(content=content, media_type=media, headers=headers)
+    return ex.finish(ROUTE, Response(content=content, media_type=media, headers=headers))

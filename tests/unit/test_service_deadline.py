@@ -14,11 +14,11 @@ import pytest
 from service.core import deadline
 from service.client.retry import timeout_text
 from service.core.errors import DeadlineExceeded, InvalidOption
-from service.routes.common import query_deadline, with_deadline
+from service.routes.common import query_deadline
 from service.wire.rules import timeout_header
 
 
-def test_with_deadline_gives_its_work_and_the_tasks_and_threads_it_starts_the_seconds_left():
+def test_within_gives_its_work_and_the_tasks_and_threads_it_starts_the_seconds_left():
     async def main() -> tuple:
         async def left() -> float | None:
             return deadline.budget()
@@ -27,7 +27,7 @@ def test_with_deadline_gives_its_work_and_the_tasks_and_threads_it_starts_the_se
             return deadline.budget(), await asyncio.gather(left(), left()), await asyncio.to_thread(deadline.budget)
 
         assert deadline.budget() is None  # outside a request: internal work has no deadline
-        got = await with_deadline(work(), 30.0)
+        got = await deadline.within(work(), 30.0)
         assert deadline.budget() is None
         return got
 

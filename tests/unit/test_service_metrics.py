@@ -42,7 +42,7 @@ def test_stage_timings_feed_the_histogram_of_their_route():
     m = Metrics()
     t = Timings()
     t.add("compute", 0.25)
-    m.observe_stages("/v1/attention", t)
+    m.stage_seconds.observe("/v1/attention", t.stages)
     text = m.render().decode()
     assert 'splitkey_request_stage_seconds_count{route="/v1/attention",stage="compute"} 1.0' in text
     assert 'splitkey_request_stage_seconds_sum{route="/v1/attention",stage="compute"} 0.25' in text
@@ -60,7 +60,7 @@ def test_stage_histograms_render_as_prometheus_clients_histogram_would(rng):
         route, stage = ("/v1/attention", "compute") if i % 3 else ("/v1/contexts", "store")
         t = Timings()
         t.add(stage, float(sec))
-        m.observe_stages(route, t)
+        m.stage_seconds.observe(route, t.stages)
         ref.labels(route, stage).observe(float(sec))
 
     def lines(text: bytes) -> list[str]:
@@ -78,7 +78,7 @@ def test_stage_histograms_lose_no_observation_across_threads():
 
     def observe() -> None:
         for _ in range(2000):
-            m.observe_stages("/v1/attention", t)
+            m.stage_seconds.observe("/v1/attention", t.stages)
     threads = [threading.Thread(target=observe) for _ in range(4)]
     for th in threads:
         th.start()
@@ -94,11 +94,9 @@ def every_family_with_a_sample() -> Metrics:
     m = Metrics()
     t = Timings()
     t.add("compute", 0.01)
-    m.observe_stages("/v1/attention", t)
-    m.count_request("/v1/attention", 200)
+    m.stage_seconds.observe("/v1/attention", t.stages)
+    m.count_request("/v1/attention", 200, bytes_in=10, bytes_out=20)
     m.count_batch_items([200, 404])
-    m.count_bytes_in("/v1/attention", 10)
-    m.count_bytes_out("/v1/attention", 20)
     m.inflight.set(1)
     m.inflight_body_bytes.set(5)
     m.rejected.labels(reason="inflight").inc()
