@@ -196,7 +196,8 @@ def summarize(root: str, front: list[tuple[str, str]], workers: dict[int, list[t
         all_files |= files
         all_functions |= functions
         report["processes"][name] = {"calls": len(calls), "files": len(files), "functions": len(functions),
-                                     "by_file": dict(collections.Counter(f for f, _ in sorted(functions)))}
+                                     "by_file": dict(collections.Counter(f for f, _ in sorted(functions))),
+                                     "function_names": sorted(f"{f}:{q}" for f, q in functions)}
     report["files"] = len(all_files)
     report["functions"] = len(all_functions)
     report["function_names"] = sorted(f"{f}:{q}" for f, q in all_functions)

@@ -171,7 +171,7 @@ class ServiceMiddleware:
             code = 0 if seen.counted else seen.status or 500
             self.metrics.count_request(route, code, seen.bytes_in, seen.bytes_out)
             logs.access(scope["method"], route, seen.status or CLOSED, seen.bytes_in, seen.bytes_out,
-                        time.perf_counter() - t0, rid, logs.server_timing(seen.timing) if seen.timing else {})
+                        time.perf_counter() - t0, rid, seen.timing)
 
     def _authorized(self, scope: dict) -> bool:
         for name, value in scope.get("headers", []):

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from merge import State
+from service.cluster.surface import domain, failed
 from workers import frames
 from workers.channel import read_frame
 from workers.frames import RemoteError
@@ -101,12 +102,15 @@ class WorkerChannel:
         """``ShardWorker.partial_resident(q, query, reads, fanin)`` over the channel.
 
         Raises what the worker raised when it is one of the domain errors the front end
-        handles (``ShardMissing``, ``RecordStale``), :class:`frames.RemoteError` for any
-        other, and :class:`ChannelClosed` when the connection went before the answer.
+        handles (``ShardMissing``, ``RecordStale``, ``Expired``: ``surface.DOMAIN_ERRORS``), by its own
+        class as a Ray call does; any other as the 500 of :func:`surface.failed`; and
+        :class:`ChannelClosed` when the connection went before the answer.
         """
         header, arrays = await self._call(lambda i: frames.query_frame(i, q, query, reads, fanin))
         if header.get("op") == "error":
-            raise frames.parse_error(header)
+            err = frames.parse_error(header)
+            known = domain(err)
+            raise failed(self.name, err.kind, err.message) if known is err else known
         return frames.parse_state(header, arrays)
 
     async def many(self, items: Sequence[ResidentQuery]) -> list[tuple[ComputeStatus, list[State]] | RemoteError]:

@@ -438,12 +438,17 @@ class WorkerPool(Roster[Slot]):
         left = deadline.budget()
         if left is not None:
             query = query.with_budget(left)
-        if isinstance(work, ResidentWork) and not keep_state and self._channel_fits(q, query, state_nbytes):
-            reads, fanin = work.reads, work.fanin
-            answer = await self._via_channel(
-                index, "query", lambda ch: self._resident_over(index, ch, q, query, reads, fanin))
-            if answer is not None:
-                return answer
+        # Over the channel when its frames hold what goes (q, its positions, the ALiBi slopes) and what
+        # comes back (the state); not for a q large enough to have gone into the object store.
+        if isinstance(work, ResidentWork) and not keep_state and self.settings.worker_channel \
+                and isinstance(q, (np.ndarray, Carried)):
+            alibi = query.options.alibi_slopes
+            sent = _nbytes(q) + 8 * len(query.q_pos) + (np.asarray(alibi).nbytes if alibi is not None else 0)
+            if max(sent, state_nbytes) <= MAX_CALL_BYTES:
+                reads, fanin = work.reads, work.fanin
+                answer = await self._via_channel(index, "query", lambda ch: ch.resident(q, query, reads, fanin))
+                if answer is not None:
+                    return answer
 
         def method(h: Any) -> Any:  # two return refs only when the state stays on the worker
             m = h.partial if isinstance(work, InlineWork) else h.partial_resident
@@ -485,14 +490,6 @@ class WorkerPool(Roster[Slot]):
             raise answer
         status, states = answer
         return status, list(states)
-
-    def _channel_fits(self, q: Any, query: ShardQuery, state_nbytes: int) -> bool:
-        if not self.settings.worker_channel or not isinstance(q, (np.ndarray, Carried)):
-            return False  # an ObjectRef: q was large enough for the object store
-        alibi = query.options.alibi_slopes
-        sent = _nbytes(q) + 8 * len(query.q_pos) + \
-            (np.asarray(alibi).nbytes if alibi is not None else 0)
-        return max(sent, state_nbytes) <= MAX_CALL_BYTES
 
     async def _channel(self, index: int) -> WorkerChannel | None:
         """The worker's open channel, opened now if need be; None when it has none or it just failed to open."""
@@ -539,16 +536,6 @@ class WorkerPool(Roster[Slot]):
             return None
         finally:
             slot.outstanding -= 1
-
-    async def _resident_over(self, index: int, channel: WorkerChannel, q: Any, query: ShardQuery,
-                             reads: tuple[ShardRead, ...], fanin: int) -> tuple[ComputeStatus, State]:
-        try:
-            return await channel.resident(q, query, reads, fanin)
-        except RemoteError as exc:
-            err = _domain(exc)
-            if err is exc:
-                raise failed(self.slots[index].name, exc.kind, exc.message) from None
-            raise err from None
 
     def merge_states(self, index: int, *states: Any) -> tuple[Any, Callable[[], None]]:
         """Submit one node of the merge tree on a worker: ``(ref, done)``; call ``done`` once it is awaited."""

@@ -140,18 +140,16 @@ class Roster(Generic[S]):
         return [s for s in self.slots if s.alive]
 
     def indexes(self, names: Sequence[str], *, alive: bool = False) -> list[int]:
-        """Indexes of the named workers this pool has (and, with ``alive``, that answer), in order."""
-        by_name = self._by_name()
-        return [by_name[n] for n in names if n in by_name and (not alive or self.slots[by_name[n]].alive)]
+        """Indexes of the named workers this pool has (and, with ``alive``, that answer), in order.
 
-    def _by_name(self) -> dict[str, int]:
-        """Each worker's index by its name, built once per list of slots: a query's plan asks it for every
-        shard, and a slot keeps its name for good (a replacement takes the dead worker's)."""
+        The index by name is built once per list of slots: a query's plan asks it for every shard, and
+        a slot keeps its name for good (a replacement takes the dead worker's)."""
         cached: tuple[list[S], int, dict[str, int]] | None = getattr(self, "_names", None)
         if cached is None or cached[0] is not self.slots or cached[1] != len(self.slots):
             cached = (self.slots, len(self.slots), {s.name: s.index for s in self.slots})
             self._names = cached
-        return cached[2]
+        by_name = cached[2]
+        return [by_name[n] for n in names if n in by_name and (not alive or self.slots[by_name[n]].alive)]
 
     def names(self, indexes: Sequence[int]) -> list[str]:
         return [self.slots[i].name for i in indexes]

@@ -52,23 +52,13 @@ def configure(log_format: LogFormat, level: LogLevel) -> None:
 
 
 def access(method: str, route: str, status: int, bytes_in: int, bytes_out: int, seconds: float, request_id: str,
-           stages: Mapping[str, float]) -> None:
-    """The access-log line of one answered request (stages in milliseconds, as ``Server-Timing``)."""
+           timing: bytes) -> None:
+    """The access-log line of one answered request: its stages in milliseconds, read from its ``Server-Timing``
+    header (``timing``: ``parse;dur=1.234, total;dur=2``; empty: none) only when the line is written."""
     if not ACCESS.isEnabledFor(logging.INFO):
         return
-    ms = round(seconds * 1000, 3)
-    text_stages = ",".join(f"{k}={v:g}" for k, v in stages.items())
-    ACCESS.info("%s %s %d in=%d out=%d %.3fms id=%s%s", method, route, status, bytes_in, bytes_out, ms, request_id,
-                f" stages={text_stages}" if stages else "",
-                extra={"fields": {"method": method, "route": route, "status": status, "bytes_in": bytes_in,
-                                  "bytes_out": bytes_out, "duration_ms": ms, "request_id": request_id,
-                                  "stages_ms": dict(stages)}})
-
-
-def server_timing(value: bytes) -> dict[str, float]:
-    """``parse;dur=1.234, total;dur=2`` (a ``Server-Timing`` header) -> ``{"parse": 1.234, "total": 2.0}`` (ms)."""
     stages: dict[str, float] = {}
-    for part in value.decode("latin-1").split(","):
+    for part in timing.decode("latin-1").split(",") if timing else ():
         name, _, params = part.strip().partition(";")
         for param in params.split(";"):
             key, _, number = param.strip().partition("=")
@@ -77,4 +67,10 @@ def server_timing(value: bytes) -> dict[str, float]:
                     stages[name] = float(number)
                 except ValueError:
                     pass
-    return stages
+    ms = round(seconds * 1000, 3)
+    text_stages = ",".join(f"{k}={v:g}" for k, v in stages.items())
+    ACCESS.info("%s %s %d in=%d out=%d %.3fms id=%s%s", method, route, status, bytes_in, bytes_out, ms, request_id,
+                f" stages={text_stages}" if stages else "",
+                extra={"fields": {"method": method, "route": route, "status": status, "bytes_in": bytes_in,
+                                  "bytes_out": bytes_out, "duration_ms": ms, "request_id": request_id,
+                                  "stages_ms": dict(stages)}})

@@ -106,9 +106,12 @@ def test_configure_sets_the_format_and_level_of_the_root_logger(capsys):
             root.addHandler(handler)
 
 
-def test_server_timing_is_read_as_milliseconds_per_stage():
-    assert logs.server_timing(b"parse;dur=1.234, total;dur=2") == {"parse": 1.234, "total": 2.0}
-    assert logs.server_timing(b"cache;desc=hit, x;dur=oops, ;dur=3") == {}
+def test_the_access_line_reads_server_timing_as_milliseconds_per_stage(caplog):
+    with caplog.at_level("INFO", logger="splitkey.access"):
+        for timing in (b"parse;dur=1.234, total;dur=2", b"cache;desc=hit, x;dur=oops, ;dur=3", b""):
+            logs.access("POST", "/v1/attention", 200, 1, 2, 0.5, "rid", timing)
+    stages = [line.fields["stages_ms"] for line in access_records(caplog)]  # type: ignore[attr-defined]
+    assert stages == [{"parse": 1.234, "total": 2.0}, {}, {}]
 
 
 def test_rays_own_lines_go_through_the_service_handler_at_warning_unless_debug_asks_for_them(caplog):
