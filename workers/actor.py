@@ -27,7 +27,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,13 +54,6 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
 log = logging.getLogger(__name__)
-
-
-def _host_state(st: State) -> State:
-    """A State with numpy arrays (copies device arrays back to the host)."""
-    if isinstance(st.m, np.ndarray):
-        return st
-    return State(m=st.m.get(), l=st.l.get(), acc=st.acc.get())
 
 
 #: Scheduling priority of context writes: below queries (nice 0), so a long upload leaves them the CPU.
@@ -110,10 +103,6 @@ class ResidentJob:
     query: ShardQuery
     reads: tuple[ShardRead, ...]
     fanin: int | None
-
-    def key(self) -> Hashable:
-        """Jobs with equal keys have queries that may share a pass over a shard (workers.plan.batchable)."""
-        return tuple(self.q.shape), np.dtype(self.q.dtype).str
 
 
 def _share_a_shard(first: ResidentJob, other: ResidentJob) -> bool:
@@ -238,9 +227,11 @@ class ShardWorker:
         the query arrives: its budget's clock starts here."""
         deadline = _deadline(query.budget_s)
         job = ResidentJob(q, query, tuple(reads), fanin)
+        # Jobs of equal keys have queries that may share a pass over a shard (workers.plan.batchable).
+        key = (tuple(q.shape), np.dtype(q.dtype).str)
         rows = int(q.shape[0]) * int(q.shape[1])
-        done = self.compute.run_here(job, key=job.key(), rows=rows, deadline=deadline) if here else None
-        return done if done is not None else self.compute.submit(job, key=job.key(), rows=rows, deadline=deadline)
+        done = self.compute.run_here(job, key=key, rows=rows, deadline=deadline) if here else None
+        return done if done is not None else self.compute.submit(job, key=key, rows=rows, deadline=deadline)
 
     def _channel_submit(self, header: dict, arrays: list[Any], alone: bool = False) -> Future:
         """A request from the direct channel, queued as the Ray method queues it; the future of its reply.
@@ -365,7 +356,7 @@ class ShardWorker:
                 for i, st in zip(idx, partial_attention_resident_many([queries[i] for i in idx], views[r],
                                                                       kernel=kernel)):
                     state_of[(i, r)] = st
-            states = [[_host_state(state_of[(i, r)]) for r in j.reads] if j.fanin is None
+            states = [[state_of[(i, r)] for r in j.reads] if j.fanin is None
                       else merge_all([state_of[(i, r)] for r in j.reads], fanin=j.fanin) for i, j in enumerate(resident)]
         seconds = time.perf_counter() - t0
         if self.tracer is not None:
@@ -373,11 +364,12 @@ class ShardWorker:
                        {"splitkey.worker": self.name, "splitkey.batch": len(jobs)})
         out: list[tuple[ComputeStatus, Any]] = []
         for st in states:
-            if isinstance(st, list):  # unmerged, one per read (partial_resident_many)
-                out.append((ComputeStatus(self.name, seconds, sum(s.nbytes for s in st), batch=len(jobs)), st))
-                continue
-            st = _host_state(st)
-            out.append((ComputeStatus(self.name, seconds, st.nbytes, batch=len(jobs)), st))
+            parts = st if isinstance(st, list) else [st]  # a list: a State per read, unmerged (fanin None)
+            # Device arrays back to the host: every method returns numpy arrays.
+            parts = [s if isinstance(s.m, np.ndarray) else State(m=s.m.get(), l=s.l.get(), acc=s.acc.get())
+                     for s in parts]
+            status = ComputeStatus(self.name, seconds, sum(s.nbytes for s in parts), batch=len(jobs))
+            out.append((status, parts if isinstance(st, list) else parts[0]))
         return out
 
     def merge_states(self, *states: State) -> State:

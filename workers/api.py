@@ -108,7 +108,7 @@ def partial_attention_resident_many(queries: Sequence[tuple[Any, Any, AttentionO
     query's states in key order.
     """
     if isinstance(view, ShardView):
-        pieces = [p for p in view.parts if p.n_k] or list(view.parts[:1])
+        pieces = [p for p in view.parts if p.dims.n_k] or list(view.parts[:1])
         if len(pieces) == 1:
             return partial_attention_resident_many(queries, pieces[0], kernel=kernel)
         per_part = [partial_attention_resident_many(queries, p, kernel=kernel) for p in pieces]

@@ -190,9 +190,10 @@ class Batcher:
                              f"start: not computed")
 
     def _finish(self, batch: list[Pending]) -> None:
+        # Stopped at the kernel's next block of keys once no job of it waits any more (workers.cutoff).
+        token = cutoff.DEADLINE.set(max(job.deadline for job in batch))
         try:
-            with cutoff.until(max(job.deadline for job in batch)):  # stopped once no job of it waits any more
-                results = self._run([job.payload for job in batch])
+            results = self._run([job.payload for job in batch])
         except cutoff.Cut as cut:
             with self._ready:
                 self.expired += len(batch)
@@ -207,6 +208,8 @@ class Batcher:
                 return
             batch[0].future.set_exception(exc)
             return
+        finally:
+            cutoff.DEADLINE.reset(token)
         for job, result in zip(batch, results):
             job.future.set_result(result)
 

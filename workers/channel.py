@@ -148,16 +148,12 @@ class Listener:
         future.add_done_callback(functools.partial(self._done, replies, call_id))
 
     def _done(self, replies: _Replies, call_id: int, future: Future) -> None:
-        replies.send(self._answer(call_id, future))
-
-    def _answer(self, call_id: int, future: Future) -> list[bytes | memoryview]:
-        """The reply to request ``call_id``: its future's buffers, or the error it raised (or its encoding did)."""
+        """Send the reply to request ``call_id``: its future's buffers, or the error it raised (or its encoding did)."""
         try:
             buffers: list[bytes | memoryview] = future.result()
-            return buffers
         except Exception as exc:  # noqa: BLE001 - the request's own answer
-            return frames.error_frame(call_id, exc)
-
+            buffers = frames.error_frame(call_id, exc)
+        replies.send(buffers)
 
 
 def then(future: Future, fn: Callable[[Any], Any]) -> Future:

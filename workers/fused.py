@@ -156,7 +156,9 @@ PREFILL_ROWS = 128
 
 def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPath:
     """The kernel that serves these problems (one batch over the same keys) on the CPU."""
-    if kopts.cpu_kernels is CpuKernels.NUMPY or (kopts.cpu_kernels is CpuKernels.AUTO and ready_at() is None):
+    mode = kopts.cpu_kernels
+    # Never once the compiled path broke; for AUTO, only once warm() has made every dtype ready (ready_at()).
+    if mode is CpuKernels.NUMPY or _state["broken"] or (mode is CpuKernels.AUTO and _state["ready_at"] is None):
         return CpuPath.NUMPY
     p0 = problems[0]
     if p0.n_q == 0 or p0.n_k == 0:
@@ -173,18 +175,14 @@ def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPat
         return CpuPath.NUMPY
     if any(not isinstance(a, np.ndarray) or _flat(a) is None for a in arrays):
         return CpuPath.NUMPY
-    if not _warmed(np.dtype(arrays[0].dtype), np.dtype(arrays[1].dtype), p0.acc_dtype):
+    # Only the kernels warm() compiles: K and V of one dtype of WARM_DTYPES, accumulated in the dtype they
+    # imply (float64 for float64 keys, float32 otherwise). Any other mix (a float64 query over 16-bit or
+    # float32 keys; K and V of different dtypes) would be a kernel of its own, compiled on the request that
+    # first asks for it (half a minute on 2 cores); those run on the NumPy kernel instead, which is as exact.
+    k_dtype = arrays[0].dtype
+    if k_dtype != arrays[1].dtype or k_dtype.name not in WARM_DTYPES or p0.acc_dtype != accumulation_dtype(k_dtype):
         return CpuPath.NUMPY
-    return CpuPath.FUSED if available() else CpuPath.NUMPY
-
-
-def _warmed(k_dtype: np.dtype, v_dtype: np.dtype, acc_dtype: np.dtype) -> bool:
-    """Whether :func:`warm` compiles the kernels for these keys, values and accumulation: K and V of one
-    dtype of :data:`WARM_DTYPES`, accumulated in the dtype they imply (float64 for float64 keys, float32
-    otherwise). Any other mix (a float64 query over 16-bit or float32 keys; K and V of different dtypes)
-    would be a kernel of its own, compiled on the request that first asks for it (half a minute on 2
-    cores); those run on the NumPy kernel instead, which is as exact."""
-    return (k_dtype == v_dtype and k_dtype.name in WARM_DTYPES and acc_dtype == accumulation_dtype(k_dtype))
+    return CpuPath.FUSED if kernels() is not None else CpuPath.NUMPY  # numba loaded (available())
 
 
 def _chunks(n_k: int, block: int, units_per_chunk: int, threads: int) -> np.ndarray:
@@ -257,7 +255,9 @@ def run_fused(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingVie
     l_out = np.zeros((n_chunks, h_kv, n_rows), dtype=acc_dt)
     acc_out = np.zeros((n_chunks, h_kv, n_rows, d_v), dtype=acc_dt)
     fn = mod.resident_kernel if resident else mod.inline_kernel
-    _set_threads(kopts.threads)
+    import numba  # loaded: kernels() imported it
+
+    numba.set_num_threads(max(1, min(kopts.threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
     if n_rows <= ROW_TILE:
         fn(q_all, k_flat, ks[0], ks[1], v_flat, vs[0], vs[1], n_k, d_v, kpos, arange, kpos0, qpos, cap, slope,
            has_alibi, lo, hi, has_lo, has_hi, masked, block, bounds, acc_dt.type(0), m_out, l_out, acc_out)
@@ -283,12 +283,6 @@ def run_fused(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingVie
         states.append(rows_to_state(st.m, st.l, st.acc, p, np))
         r0 += n
     return states
-
-
-def _set_threads(threads: int) -> None:
-    import numba
-
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
 
 
 def try_fused(parts: Sequence[tuple[Any, Problem]], kv: Any, kopts: KernelOptions) -> list[State] | None:

@@ -42,7 +42,7 @@ allocated, not reserved: they grow geometrically and count what they allocated.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -313,9 +313,9 @@ class StreamingKV:
         self.high_water = max(self.high_water, new)
         self.n_k = new  # publish last
 
-    def snapshot(self) -> StreamingView:
-        """A read-only view of the first ``n_k`` keys as they are now."""
-        n = self.n_k
+    def snapshot(self, length: int | None = None) -> StreamingView:
+        """A read-only view of the first ``length`` keys (None: all ``n_k``; never more) as they are now."""
+        n = self.n_k if length is None else min(length, self.n_k)
         return StreamingView(kt=self._kt[:, :, :n], v=self._v[:, :n], k_pos=self._pos[:n])
 
 
@@ -326,6 +326,8 @@ class StreamingView:
     kt: Any  # [h_kv, d, n_k] (row stride = capacity)
     v: Any  # [h_kv, n_k, d_v]
     k_pos: Any  # [n_k]
+    #: The shape of the keys and values, from ``kt`` and ``v`` (derived and checked here, once).
+    dims: KVDims = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # The kernels index v and k_pos by kt's extents (the fused one without bounds checks): a view
@@ -336,20 +338,16 @@ class StreamingView:
         if self.kt.ndim != 3 or self.v.ndim != 3 or self.k_pos.ndim != 1:
             raise ValueError(f"StreamingView must hold kt [h_kv, d, n_k], v [h_kv, n_k, d_v] and k_pos [n_k], got "
                              f"shapes {tuple(self.kt.shape)}, {tuple(self.v.shape)} and {tuple(self.k_pos.shape)}")
-        h_kv, _, n_k = self.kt.shape
+        h_kv, d, n_k = self.kt.shape
         if tuple(self.v.shape[:2]) != (h_kv, n_k) or self.k_pos.shape[0] != n_k:
             raise ValueError(f"StreamingView.v must be [h_kv, n_k, d_v] and k_pos [n_k] with [h_kv, n_k] = "
                              f"{[int(h_kv), int(n_k)]} from kt, got shapes {tuple(self.v.shape)} and "
                              f"{tuple(self.k_pos.shape)}")
+        object.__setattr__(self, "dims", KVDims(n_k=int(n_k), h_kv=int(h_kv), d=int(d), d_v=int(self.v.shape[2])))
 
     @property
     def n_k(self) -> int:
-        return int(self.k_pos.shape[0])
-
-    @property
-    def dims(self) -> KVDims:
-        h_kv, d, n_k = (int(s) for s in self.kt.shape)
-        return KVDims(n_k=n_k, h_kv=h_kv, d=d, d_v=int(self.v.shape[2]))
+        return self.dims.n_k
 
     #: Keys per CPU BLAS call over views (see :meth:`call_keys`): the value
     #: product of a decode tile streams best with about a thousand keys per call.
@@ -484,11 +482,7 @@ class ShardKV:
 
     def snapshot(self, length: int) -> ShardView:
         """A read-only view of the first ``length`` keys (at most :attr:`n_k`)."""
-        body = self.body.snapshot()
-        cut = min(length, body.n_k)
-        parts = [StreamingView(kt=body.kt[:, :, :cut], v=body.v[:, :cut], k_pos=body.k_pos[:cut])]
-        if length > cut and self.tail is not None:
-            tail = self.tail.snapshot()
-            rest = length - cut
-            parts.append(StreamingView(kt=tail.kt[:, :, :rest], v=tail.v[:, :rest], k_pos=tail.k_pos[:rest]))
-        return ShardView(tuple(parts))
+        body = self.body.snapshot(length)
+        if length > body.dims.n_k and self.tail is not None:
+            return ShardView((body, self.tail.snapshot(length - body.dims.n_k)))
+        return ShardView((body,))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -80,6 +80,12 @@ class AttentionOptions:
     window: tuple[int | None, int | None] | None = None
     softcap: float | None = None
     alibi_slopes: Any = None
+    #: Derived from ``window`` and ``causal`` (set once here, read per call by the kernels): keys may be at most
+    #: ``left`` positions before the query and ``right`` after it (causal: 0), None for unbounded;
+    #: ``masked`` when either bound is set.
+    left: int | None = field(init=False, repr=False)
+    right: int | None = field(init=False, repr=False)
+    masked: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.scale is not None:
@@ -106,23 +112,12 @@ class AttentionOptions:
                 raise InvalidAttentionOption(f"softcap must be at most {FLOAT32_MAX:.4g} (float32's range), got "
                                              f"{short_repr(self.softcap)}")
             object.__setattr__(self, "softcap", c if c > 0 else None)
-
-    @property
-    def left(self) -> int | None:
-        """Keys may be at most ``left`` positions before the query (None: unbounded)."""
-        return None if self.window is None else self.window[0]
-
-    @property
-    def right(self) -> int | None:
-        """Keys may be at most ``right`` positions after the query; causal means 0."""
-        r = None if self.window is None else self.window[1]
+        left, right = self.window if self.window is not None else (None, None)
         if self.causal:
-            return 0 if r is None else min(r, 0)
-        return r
-
-    @property
-    def masked(self) -> bool:
-        return self.left is not None or self.right is not None
+            right = 0 if right is None else min(right, 0)
+        object.__setattr__(self, "left", left)
+        object.__setattr__(self, "right", right)
+        object.__setattr__(self, "masked", left is not None or right is not None)
 
 
 class GpuKernels(enum.Enum):

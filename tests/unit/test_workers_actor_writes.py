@@ -24,7 +24,7 @@ def decoded(buffers) -> tuple[dict, list[np.ndarray]]:
 
 
 def over_channel(worker: ShardWorker, buffers) -> dict:
-    """The reply the channel sends (``Listener._answer``: an exception is the request's ``error`` frame)."""
+    """The reply the channel sends (``Listener._done``: an exception is the request's ``error`` frame)."""
     header, arrays = decoded(buffers)
     try:
         reply_buffers = worker._channel_submit(header, arrays).result(timeout=30)

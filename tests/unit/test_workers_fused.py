@@ -209,6 +209,8 @@ def test_prefill_rows_are_bitwise_each_query_alone_whatever_the_row_tiles(rng, m
 
 
 def test_a_prefill_past_its_deadline_stops_between_row_tiles_and_keeps_the_kernel(rng, monkeypatch):
+    import contextvars
+
     from workers import cutoff
 
     monkeypatch.setattr(fused, "ROW_TILE", 8)
@@ -216,8 +218,10 @@ def test_a_prefill_past_its_deadline_stops_between_row_tiles_and_keeps_the_kerne
     view = StreamingKV.from_arrays(k, v, k_pos).snapshot()
     q = rng.standard_normal((6, 8, 16)).astype(np.float32)  # 24 rows per kv head: three tiles
     q_pos = np.full(6, int(k_pos[-1]))
-    with cutoff.until(0.0), pytest.raises(cutoff.Cut):  # a deadline long past
-        partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(), kernel=fused_opts())
+    context = contextvars.copy_context()
+    context.run(cutoff.DEADLINE.set, 0.0)  # a deadline long past, as workers.batch sets a batch's
+    with pytest.raises(cutoff.Cut):
+        context.run(partial_attention_resident, q, view, q_pos=q_pos, options=AttentionOptions(), kernel=fused_opts())
     assert fused.available()  # a cut is no failure of the compiled path
 
 
