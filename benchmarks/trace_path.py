@@ -15,7 +15,11 @@ call of a function defined under ``merge/``, ``workers/`` or ``service/`` of the
 checkout: in this process with ``sys.setprofile``, and in every Ray worker process
 through Ray's ``worker_process_setup_hook``, each call stamped with the wall clock.
 Calls between the start and the end of the traced request (after one untimed
-warm-up request) are counted: distinct files and distinct functions, by process.
+warm-up request) are counted: distinct files and distinct functions, by process. By default
+(``--cpu-kernels auto``, the server's default) it first waits, up to 10 minutes, until every
+worker says it runs the fused CPU kernel (a worker switches once it is compiled or loaded from
+the cache), so the path traced is the one a warm server runs; ``--cpu-kernels numpy`` traces
+the NumPy kernel's path at once.
 
 It uses only ``service.app.create_app`` and ``ServiceSettings`` (``service.core.settings``) of the
 checkout (and the ``safetensors`` package for the bodies), so that one script measures
@@ -114,7 +118,7 @@ def safetensors_body(tensors: dict[str, np.ndarray]) -> bytes:
     return safetensors.numpy.save(tensors)
 
 
-async def traced_request(root: str, trace_dir: str) -> tuple[FrontEndTrace, float, float, dict]:
+async def traced_request(root: str, trace_dir: str, cpu_kernels: str) -> tuple[FrontEndTrace, float, float, dict]:
     import httpx
 
     from service.app import create_app
@@ -124,7 +128,7 @@ async def traced_request(root: str, trace_dir: str) -> tuple[FrontEndTrace, floa
         from service.settings import ServiceSettings  # type: ignore[no-redef]
 
     settings = ServiceSettings(workers=2, ray_namespace="splitkey-trace", heal_interval_s=3600.0,
-                               context_shard_keys=N_K // 2)
+                               context_shard_keys=N_K // 2, cpu_kernels=cpu_kernels)
     app = create_app(settings)
     rng = np.random.default_rng(0)
     k = rng.standard_normal((N_K, H_KV, D), dtype=np.float32)
@@ -134,6 +138,13 @@ async def traced_request(root: str, trace_dir: str) -> tuple[FrontEndTrace, floa
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app), \
             httpx.AsyncClient(transport=transport, base_url="http://splitkey", timeout=120) as client:
+        # With --cpu-kernels auto the workers switch to the fused kernel once it is compiled (or loaded from
+        # the cache): trace that path, not the NumPy one that serves until then.
+        for _ in range(600 if cpu_kernels == "auto" else 0):
+            kernels = [w.get("cpu_kernels") for w in (await client.get("/v1/cluster")).json().get("workers", [])]
+            if all(kernel in (None, "fused") for kernel in kernels):  # None: a checkout that does not say
+                break
+            await asyncio.sleep(1.0)
         r = await client.post("/v1/contexts?shards=2", content=safetensors_body({"k": k, "v": v}), headers=binary)
         r.raise_for_status()
         ctx = r.json()
@@ -209,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", default=str(HERE.parent), help="the checkout to measure (default: this one)")
     p.add_argument("--list", action="store_true", help="also print every function on the path")
     p.add_argument("--json", default=None, help="also write the report as JSON here")
+    p.add_argument("--cpu-kernels", choices=("auto", "numpy"), default="auto",
+                   help="the workers' CPU kernel: auto (wait for the fused one) or numpy")
     args = p.parse_args(argv)
     root = str(Path(args.root).resolve())
     sys.path.insert(0, root)
@@ -221,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                               "env_vars": {"PYTHONPATH": root, "SPLITKEY_TRACE_ROOT": root,
                                            "SPLITKEY_TRACE_DIR": trace_dir}})
         try:
-            front, t0, t1, _ = asyncio.run(traced_request(root, trace_dir))
+            front, t0, t1, _ = asyncio.run(traced_request(root, trace_dir, args.cpu_kernels))
             workers = worker_calls(trace_dir, t0, t1)
         finally:
             ray.shutdown()

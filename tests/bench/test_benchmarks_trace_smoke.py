@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 def test_the_traced_request_crosses_every_layer_in_every_process(tmp_path):
     out = tmp_path / "trace.json"
-    run = subprocess.run([sys.executable, "benchmarks/trace_path.py", "--json", str(out)], cwd=ROOT, check=False,
+    run = subprocess.run([sys.executable, "benchmarks/trace_path.py", "--json", str(out),
+                          "--cpu-kernels", "numpy"], cwd=ROOT, check=False,
                          capture_output=True, text=True, timeout=280, env={**os.environ, "HOME": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -24,7 +25,7 @@ def test_the_traced_request_crosses_every_layer_in_every_process(tmp_path):
     for fn in ("service/routes/attention.py:attention", "service/wire/request.py:attention_request",
                "service/cluster/orchestrator.py:Orchestrator.run", "merge/combine.py:merge_all"):
         assert fn in names, fn
-    # ... and two worker processes each ran the kernel over their shard.
+    # ... and two worker processes each ran the (NumPy) kernel over their shard.
     # The query came over each worker's direct channel (the default), not a Ray method call.
     assert "workers/actor.py:ShardWorker._channel_submit" in names and "workers/blockwise.py:stream" in names
     # (frames.parse_query runs inside _channel_submit, in the traced window; the connection thread's _read
