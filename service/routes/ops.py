@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import weakref
+from typing import Any
+
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -15,13 +19,35 @@ router = APIRouter(tags=["operations"])
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+#: How long a probe (``/readyz``, ``/v2/health/ready``, ``/v1/cluster``) waits for the workers' pings. A
+#: worker that has not answered by then (a hung one) is reported as its last ping found it, and the round
+#: goes on without the probe: a probe must answer within an orchestrator's probe timeout (Kubernetes: 1 to
+#: a few seconds, deploy/k8s/frontend.yaml), and every front end pinging the same hung worker must not
+#: take every front end out of its Service.
+PROBE_WAIT_S = 1.0
+#: A probe's ping round: one at a time per pool, shared by the probes that come while it runs (pings to a
+#: hung worker do not pile up), each ping bounded as the repair loop's are.
+PROBE_PING_S = 5.0
+_ROUNDS: weakref.WeakKeyDictionary[Any, asyncio.Future] = weakref.WeakKeyDictionary()
+
+
 async def workers_ready(request: Request) -> tuple[int, int]:
-    """``(alive, total)`` workers after pinging each (``(0, 0)`` before the workers start)."""
+    """``(alive, total)`` workers, pinging each first (``PROBE_WAIT_S`` at most; ``(0, 0)`` before the
+    workers start)."""
     rt = app_state(request).runtime
     if rt is None:
         return 0, 0
-    await rt.pool.refresh(timeout_s=5.0)
+    await pinged(rt.pool)
     return len(rt.pool.alive), rt.pool.size
+
+
+async def pinged(pool: Any) -> None:
+    """Wait up to ``PROBE_WAIT_S`` for a round of pings of ``pool`` (the one running, or a new one)."""
+    round_ = _ROUNDS.get(pool)
+    if round_ is None or round_.done():
+        round_ = _ROUNDS[pool] = asyncio.ensure_future(pool.refresh(timeout_s=PROBE_PING_S))
+        round_.add_done_callback(lambda f: f.cancelled() or f.exception())  # logged by refresh; never "unretrieved"
+    await asyncio.wait({round_}, timeout=PROBE_WAIT_S)
 
 
 @router.get("/healthz", summary="The process is alive")
@@ -87,7 +113,7 @@ async def cluster(request: Request) -> JSONResponse:
     rt = app_state(request).runtime
     if rt is None:
         return JSONResponse({"workers": [], "nodes": [], "device": None}, status_code=503)
-    await rt.pool.refresh(timeout_s=5.0)
+    await pinged(rt.pool)
     pool = rt.pool
     workers = [{"name": s.name, "alive": s.alive, "node_id": s.node_id, "device": pool.device,
                 "bytes_held": s.held.get("bytes_held", 0), "budget_bytes": s.info.get("budget_bytes", 0),

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import httpx
 import numpy as np
 import psutil
 import pytest
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.ray
 WRITE_TIMEOUT_S = 2.0
 #: Room for the shared 2-core machine on top of that bound.
 SLACK_S = 10.0
+#: deploy/k8s/frontend.yaml's readiness probe timeout: a probe must answer within it.
+PROBE_TIMEOUT_S = 3.0
 
 
 def problem(seed: int, n_k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -95,6 +98,8 @@ def test_an_append_to_a_paused_holder_answers_503_in_time_and_the_worker_is_repl
                 pytest.fail(f"not replaced and rebuilt in 90 s: {desc}, repair {c.cluster()['repair']}, "
                             f"workers {c.cluster()['workers']}, the paused one {gone(paused)}")
             assert gone(paused) == "gone"
+            slow = [p for p in probes if p[2] > PROBE_TIMEOUT_S or p[1] != 200]
+            assert not slow, f"probes past {PROBE_TIMEOUT_S} s or not ready while a worker was paused: {slow}"
             out, lse = c.attention(q, contexts=[ctx])
             assert_close_to_reference(out, lse, q, k, v)  # every key once: the paused worker's write never ran
     finally:
@@ -105,7 +110,11 @@ def test_an_append_to_a_paused_holder_answers_503_in_time_and_the_worker_is_repl
 
 def test_a_worker_paused_without_a_write_is_counted_dead_then_killed_and_replaced(tmp_path):
     """Counted dead at its third missed ping, a paused worker still holds its name: its replacement
-    kills it first (until 2026-12-06 every round logged "its name is still held" and none came)."""
+    kills it first (until 2026-12-06 every round logged "its name is still held" and none came).
+
+    Meanwhile the probes answer within an orchestrator's probe timeout and say ready: until 2026-12-07
+    each waited 5 s for the paused worker's ping, past deploy/k8s/frontend.yaml's 3 s, so one hung
+    worker took every front end out of its Service."""
     srv = Server(tmp_path, args=("--workers", "2"), env={"SPLITKEY_HEAL_INTERVAL_S": "0.5"})
     srv.start()
     paused = None
@@ -117,7 +126,12 @@ def test_a_worker_paused_without_a_write_is_counted_dead_then_killed_and_replace
             os.kill(paused, signal.SIGSTOP)
             deadline = time.monotonic() + 120
             desc: dict = {}
+            probes: list[tuple[str, int, float]] = []  # (path, status, seconds)
             while time.monotonic() < deadline:
+                for path in ("/readyz", "/v2/health/ready", "/v1/cluster"):
+                    began = time.monotonic()
+                    status = httpx.get(srv.url + path, timeout=30).status_code
+                    probes.append((path, status, time.monotonic() - began))
                 desc = c.get_context(ctx)
                 if c.cluster()["repair"]["workers_replaced"] >= 1 and desc["live_replicas"] == [2] * len(
                         desc["live_replicas"]):
@@ -127,6 +141,8 @@ def test_a_worker_paused_without_a_write_is_counted_dead_then_killed_and_replace
                 pytest.fail(f"not replaced and rebuilt in 120 s: {desc}, repair {c.cluster()['repair']}, "
                             f"the paused one {gone(paused)}")
             assert gone(paused) == "gone"
+            slow = [p for p in probes if p[2] > PROBE_TIMEOUT_S or p[1] != 200]
+            assert not slow, f"probes past {PROBE_TIMEOUT_S} s or not ready while a worker was paused: {slow}"
             out, lse = c.attention(q, contexts=[ctx])
             assert_close_to_reference(out, lse, q, k, v)
     finally:
