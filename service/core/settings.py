@@ -43,6 +43,8 @@ class ServiceSettings(BaseSettings):
     grpc_port: int | None = Field(None, ge=0, le=65535, description="Also serve the KServe v2 gRPC protocol on "
                                   "this port (0: any free one; needs the grpc extra); unset: HTTP only.")
     api_key_file: pathlib.Path | None = Field(None, description="File holding the bearer token; unset: no auth.")
+    api_key_group_readable: bool = Field(False, description="Accept an --api-key-file its group may read (a group "
+                                         "this process is in): a Kubernetes Secret mounted with fsGroup is 0440.")
 
     # Request bounds
     max_body_bytes: int = Field(2 * 2**30, ge=1024, description="Largest request body (413 above).")
@@ -226,7 +228,7 @@ class ServiceSettings(BaseSettings):
         if not self.api_key_file.is_file():
             raise ValueError(f"{where} must be a readable file holding the token, got "
                              f"{'a directory' if self.api_key_file.is_dir() else 'no such file'}")
-        info = self.api_key_file.stat()
+        info = self.api_key_file.stat()  # of the file a symlink names: the one read
         mode = info.st_mode
         if mode & stat.S_IROTH:
             raise ValueError(f"{where} must not be readable by every user, got mode {stat.S_IMODE(mode):04o}: "
@@ -234,10 +236,22 @@ class ServiceSettings(BaseSettings):
         if mode & (stat.S_IWOTH | stat.S_IWGRP):
             raise ValueError(f"{where} must not be writable by other users (they could replace the key), got mode "
                              f"{stat.S_IMODE(mode):04o}: chmod 600 it")
-        # Group-readable only for a group this process is in (Kubernetes gives a secret the pod's fsGroup: 0440).
-        if mode & stat.S_IRGRP and info.st_gid not in {os.getgid(), *os.getgroups()}:
-            raise ValueError(f"{where} must not be readable by a group this process is not in, got mode "
-                             f"{stat.S_IMODE(mode):04o} and group {info.st_gid}: chmod 600 it")
+        if mode & stat.S_IRGRP:
+            if not self.api_key_group_readable:
+                raise ValueError(f"{where} must not be readable by its group, got mode {stat.S_IMODE(mode):04o}: "
+                                 "chmod 600 it (a Kubernetes Secret mounted with fsGroup is 0440: allow that with "
+                                 "--api-key-group-readable true)")
+            # Then only for a group this process is in (Kubernetes gives a secret the pod's fsGroup: 0440).
+            if info.st_gid not in {os.getgid(), *os.getgroups()}:
+                raise ValueError(f"{where} must not be readable by a group this process is not in, got mode "
+                                 f"{stat.S_IMODE(mode):04o} and group {info.st_gid}: chmod 600 it")
+        # Nor replaceable: in a directory every user may write to, anyone could put another key in its place
+        # (unless the sticky bit keeps them to their own files, as in /tmp).
+        folder = self.api_key_file.resolve().parent
+        dir_mode = folder.stat().st_mode
+        if dir_mode & stat.S_IWOTH and not dir_mode & stat.S_ISVTX:
+            raise ValueError(f"{where} must be in a folder other users cannot write to (they could replace the key), "
+                             f"got {str(folder)!r} with mode {stat.S_IMODE(dir_mode):04o}: chmod o-w it")
         key = self.api_key_file.read_text().strip()
         if not key:
             raise ValueError(f"{where} must hold a non-empty token, got an empty file")
@@ -246,7 +260,8 @@ class ServiceSettings(BaseSettings):
 
 #: The settings by topic, in the order ``splitkey serve --help`` and docs/API.md list them.
 GROUPS: dict[str, tuple[str, ...]] = {
-    "network and cluster": ("host", "port", "grpc_port", "ray_address", "ray_namespace", "api_key_file"),
+    "network and cluster": ("host", "port", "grpc_port", "ray_address", "ray_namespace", "api_key_file",
+                            "api_key_group_readable"),
     "request bounds": ("max_body_bytes", "max_inflight", "max_inflight_bytes", "body_timeout_s", "min_body_rate",
                        "body_grace_s", "request_timeout_s", "retry_after_s", "max_connections",
                        "max_client_connections", "shutdown_grace_s"),

@@ -20,7 +20,7 @@ FIELDS = ServiceSettings.model_fields
 
 #: A valid value, other than the default, for every setting (as the command line gives it).
 EXAMPLES = {
-    "host": "127.0.0.2", "port": "8123", "ray_address": "auto", "ray_namespace": "ns", "api_key_file": "/k",
+    "host": "127.0.0.2", "port": "8123", "ray_address": "auto", "ray_namespace": "ns", "api_key_file": "/k", "api_key_group_readable": "true",
     "max_body_bytes": "4096", "max_inflight": "3", "max_inflight_bytes": "8192", "body_timeout_s": "7.5",
     "min_body_rate": "100", "body_grace_s": "2", "request_timeout_s": "9", "retry_after_s": "4",
     "shutdown_grace_s": "5", "workers": "3", "device": "gpu", "worker_cpus": "0.5", "worker_memory_bytes": "1024",

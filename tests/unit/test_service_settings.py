@@ -55,13 +55,14 @@ def test_an_api_key_file_others_could_rewrite_is_refused(tmp_path, mode):
         ServiceSettings(api_key_file=f).api_key()
 
 
-def test_a_group_readable_api_key_file_is_read_only_for_a_group_of_this_process(tmp_path):
+def test_a_group_readable_api_key_file_when_allowed_is_read_only_for_a_group_of_this_process(tmp_path):
     import os
 
     f = tmp_path / "key"
     f.write_text("abc123")
     f.chmod(0o440)  # as Kubernetes mounts a secret for the pod's fsGroup
-    assert ServiceSettings(api_key_file=f).api_key() == "abc123"  # the file's group is this process's
+    allowed = ServiceSettings(api_key_file=f, api_key_group_readable=True)
+    assert allowed.api_key() == "abc123"  # the file's group is this process's
     foreign = max({os.getgid(), *os.getgroups()}) + 4242
     try:
         os.chown(f, -1, foreign)
@@ -69,7 +70,7 @@ def test_a_group_readable_api_key_file_is_read_only_for_a_group_of_this_process(
         pytest.skip("changing a file's group needs root here")
     with pytest.raises(ValueError, match=f"must not be readable by a group this process is not in, got mode 0440 "
                                          f"and group {foreign}: chmod 600 it"):
-        ServiceSettings(api_key_file=f).api_key()
+        allowed.api_key()
 
 
 @pytest.mark.parametrize("blank", ["", "  "])
@@ -112,8 +113,38 @@ def test_a_key_file_every_user_can_read_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"api-key-file \(SPLITKEY_API_KEY_FILE\) '.*' must not be readable by every user, "
                                          r"got mode 0644: chmod 600"):
         ServiceSettings(api_key_file=f).api_key()
-    f.chmod(0o640)  # the group may read it: a deployment's choice
+
+
+def test_a_key_file_its_group_can_read_is_refused_unless_allowed(tmp_path):
+    f = tmp_path / "key"
+    f.write_text("abc123")
+    f.chmod(0o640)
+    with pytest.raises(ValueError, match=r"api-key-file \(SPLITKEY_API_KEY_FILE\) '.*' must not be readable by its group, "
+                                         r"got mode 0640: chmod 600 it \(a Kubernetes Secret"):
+        ServiceSettings(api_key_file=f).api_key()
+    # A Kubernetes Secret with fsGroup (0440, the pod's group): the deployment says so.
+    assert ServiceSettings(api_key_file=f, api_key_group_readable=True).api_key() == "abc123"
+    f.chmod(0o600)
     assert ServiceSettings(api_key_file=f).api_key() == "abc123"
+
+
+def test_a_key_file_in_a_folder_every_user_may_write_to_is_refused_unless_sticky(tmp_path):
+    folder = tmp_path / "open"
+    folder.mkdir()
+    f = folder / "key"
+    f.write_text("abc123")
+    f.chmod(0o600)
+    folder.chmod(0o777)
+    with pytest.raises(ValueError, match=r"must be in a folder other users cannot write to \(they could replace the "
+                                         r"key\), got '.*open' with mode 0777: chmod o-w it"):
+        ServiceSettings(api_key_file=f).api_key()
+    folder.chmod(0o1777)  # sticky, as /tmp: only the owner may replace it
+    assert ServiceSettings(api_key_file=f).api_key() == "abc123"
+    link = tmp_path / "link"  # a symlink elsewhere: the folder of the file it names counts
+    link.symlink_to(f)
+    folder.chmod(0o777)
+    with pytest.raises(ValueError, match="must be in a folder other users cannot write to"):
+        ServiceSettings(api_key_file=link).api_key()
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory"])
