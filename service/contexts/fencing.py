@@ -15,9 +15,10 @@ through :meth:`Fence.call`:
    was made to is fenced: a slot replaced since, or a replacement that has not answered a ping yet
    (starting, not hung), is given up without a kill.
 
-So a write to a hung worker answers within 4 x ``write_timeout_s``: a placement's ping when it opens a
-shard (``ContextService._place``), the wait, the ping and the kill's end (Ray ended a paused worker
-about 5 s after the kill, docs/CONTEXTS.md). It is never applied later: the fenced worker is killed,
+So a write to a hung worker answers within 4 x ``write_timeout_s`` and the request's own time (parsing,
+the directory: milliseconds): a placement's ping when it opens a shard (``ContextService._place``), the
+wait, the ping and the kill's end (Ray ended a paused worker about 5 s after the kill, docs/CONTEXTS.md),
+the last three within 3 x ``write_timeout_s`` together. It is never applied later: the fenced worker is killed,
 not waited for, so the call it hung in can never store its keys behind a later write's back; and a
 worker's keys past a shard's committed length are never read, and cut by the next append
 (``workers.store``).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -54,9 +56,12 @@ class Fence:
         task = asyncio.ensure_future(call)
         try:
             while not await self._finished(task):
+                waited = time.monotonic()
                 if not await self.pool.answers(index, self.timeout_s):
                     if began and self.pool.slots[index].incarnation == began:
-                        await self._fence(index, task)
+                        # The wait, the ping and the kill's end take 3 x timeout_s at most, together: the
+                        # time the ping and the kill took beyond theirs comes off the last wait.
+                        await self._fence(index, task, waited + 2 * self.timeout_s)
                     raise self._gone(index, task)
             return task.result()
         except asyncio.CancelledError:
@@ -76,13 +81,14 @@ class Fence:
         return WorkersUnavailable(f"worker {name} did not answer within {self.timeout_s:g} s: it is starting or was "
                                   f"replaced; the write was not stored: send it again")
 
-    async def _fence(self, index: int, task: asyncio.Future[_T]) -> None:
-        """Kill the hung worker, wait (bounded) for the kill to end its call, and raise the call's 503."""
+    async def _fence(self, index: int, task: asyncio.Future[_T], until: float) -> None:
+        """Kill the hung worker, wait (until ``until``, ``time.monotonic()``) for the kill to end its call, and
+        raise the call's 503."""
         name = self.pool.slots[index].name
         log.warning("worker %s answered neither a context write nor a ping within %g s each: it is killed "
                     "and will be replaced", name, self.timeout_s)
         await self.pool.fence(index)
-        await asyncio.wait({task}, timeout=self.timeout_s)
+        await asyncio.wait({task}, timeout=max(0.0, until - time.monotonic()))
         if not task.done():  # the kill not seen yet: the worker is counted dead, and its answer is dropped
             task.add_done_callback(_retrieved)
             log.warning("worker %s: its call had not ended %g s after the kill", name, self.timeout_s)

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from faulty_pool import bitwise, kv, read, started, write
+from faulty_pool import FaultyPool, bitwise, kv, read, settings, started, write
 from reference import assert_close_to_reference
 
 from service.contexts.repair import Repairer
@@ -153,6 +153,33 @@ def test_a_create_with_a_hung_worker_answers_503_in_time_and_leaves_nothing_behi
             outcome, took = await timed(contexts.create(write(k, v, replicas=2), Timings()))
             assert isinstance(outcome, WorkersUnavailable) and took < BOUND_S + 1.0, (took, outcome)
             assert await directory.all() == [] and await pool.held(0) == []
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_slow_kill_comes_off_the_last_wait_so_a_fenced_call_ends_within_three_deadlines():
+    """The wait, the ping and the kill's end take 3 x the deadline together: until 2026-12-07 each had a
+    deadline of its own, and the time the kill itself took came on top (an outside probe measured a write
+    to a hung worker at 4.01-4.02 s against its 4 s bound)."""
+    from service.contexts.fencing import Fence
+
+    class SlowKill(FaultyPool):
+        async def fence(self, index: int) -> None:
+            await asyncio.sleep(DEADLINE_S)  # a kill that takes a whole deadline to be sent
+            await super().fence(index)
+
+    async def main():
+        pool = SlowKill(settings(write_timeout_s=DEADLINE_S), 2)
+        await pool.refresh()
+        try:
+            pool.hang(0)  # no answer to its call nor its pings
+            began = time.monotonic()
+            with pytest.raises(WorkersUnavailable, match="it was killed and is being replaced"):
+                await Fence(pool, DEADLINE_S).call(0, asyncio.Event().wait())  # a call the kill does not end
+            took = time.monotonic() - began
+            assert 3 * DEADLINE_S - 0.02 <= took <= 3 * DEADLINE_S + 0.1, took  # 4 x before
         finally:
             pool.shutdown()
 
