@@ -39,8 +39,14 @@ from workers.channel import Listener
 log = logging.getLogger(__name__)
 
 DIRECTORY_NAME = "splitkey-directory"
-#: Seconds a write's lease on a context lasts (an append holds it from reading the record to the commit).
-LEASE_TTL_S = 60.0
+#: Seconds a write's lease on a context lasts unless renewed (an append holds it from reading the record to
+#: the commit): what a front end that dies holding one keeps the context's other writers waiting at most.
+LEASE_TTL_S = 15.0
+#: A live holder renews its lease every this many seconds (``ContextService._lease``) ...
+LEASE_RENEW_S = LEASE_TTL_S / 3
+#: ... up to this long in all: a write still running then (a worker that answers its pings but never the
+#: write) lets the others in, and its commit is refused as lapsed.
+LEASE_MAX_S = 60.0
 #: How long a directory call waits for a restarting directory, and how often it retries.
 DIRECTORY_WAIT_S = 30.0
 DIRECTORY_RETRY_S = 0.1
@@ -255,6 +261,15 @@ class DirectoryActor:
         return True
 
     @_locked
+    def renew(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
+        """Extend ``owner``'s lease to ``ttl_s`` from now if it still holds it; never takes one (a renewal that
+        arrives after the release or the expiry must not lock the context again)."""
+        if not self._holds(ctx_id, owner):
+            return False
+        self.leases[ctx_id] = (owner, time.monotonic() + ttl_s)
+        return True
+
+    @_locked
     def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]:
         """:meth:`acquire` and, when it is taken, :meth:`get` in one call: a write's first round trip."""
         taken = self.acquire(ctx_id, owner, ttl_s)
@@ -281,7 +296,7 @@ def lapsed(ctx_id: str) -> WorkersUnavailable:
     from the workers could take names it: the workers keep only committed records, ``ContextService``)."""
     return WorkersUnavailable(
         f"the write to context {ctx_id} was not stored: its lease lapsed before the commit (the write "
-        f"ran past {LEASE_TTL_S:g} s, or the contexts directory restarted), or a dead worker's replicas were "
+        f"ran past {LEASE_MAX_S:g} s, or the contexts directory restarted), or a dead worker's replicas were "
         f"forgotten meanwhile, and another write may have taken the context since; send it again")
 
 
@@ -297,6 +312,7 @@ class DirectorySurface(Protocol):
     async def remove(self, ctx_id: str) -> ContextRecord | None: ...
     async def forget_worker(self, name: str, incarnation: str) -> int: ...
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool: ...
+    async def renew(self, ctx_id: str, owner: str, ttl_s: float) -> bool: ...
     async def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]: ...
     async def release(self, ctx_id: str, owner: str) -> str: ...
 
@@ -424,6 +440,10 @@ class Directory:
         result: bool = await self._call(lambda h: h.acquire.remote(ctx_id, owner, ttl_s))
         return result
 
+    async def renew(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
+        result: bool = await self._call(lambda h: h.renew.remote(ctx_id, owner, ttl_s))
+        return result
+
     async def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]:
         """Take the lease and read the record in one round trip (:meth:`DirectoryActor.begin`); a directory of a
         release without ``begin`` (joined detached) is asked in two."""
@@ -485,6 +505,10 @@ class LocalDirectory:
 
     async def acquire(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
         result: bool = await self._call("acquire", ctx_id, owner, ttl_s)
+        return result
+
+    async def renew(self, ctx_id: str, owner: str, ttl_s: float) -> bool:
+        result: bool = await self._call("renew", ctx_id, owner, ttl_s)
         return result
 
     async def begin(self, ctx_id: str, owner: str, ttl_s: float) -> tuple[bool, ContextRecord | None]:

@@ -24,7 +24,7 @@ import numpy as np
 
 from service.cluster.surface import WorkerSurface, last_line
 from service.contexts.cache import RecordCache
-from service.contexts.directory import LEASE_TTL_S, DirectorySurface
+from service.contexts.directory import LEASE_MAX_S, LEASE_RENEW_S, LEASE_TTL_S, DirectorySurface
 from service.contexts.fencing import Fence
 from service.contexts.placement import WorkerLoad, place
 from service.contexts.records import (
@@ -520,6 +520,10 @@ class ContextService:
         without asking the directory); then the directory's lease keeps out other
         front ends. The call that takes the lease also reads the record (``Lease.record``).
         The time to take and give back both is ``timings``' lease.
+
+        The lease lasts ``LEASE_TTL_S`` and is renewed every ``LEASE_RENEW_S`` while the operation runs, up
+        to ``LEASE_MAX_S`` in all: a front end that dies holding one keeps the context's other writers out
+        for ``LEASE_TTL_S`` at most.
         """
         turn = self._turns.setdefault(ctx_id, asyncio.Lock())
         with timings.measure("lease"):
@@ -527,13 +531,27 @@ class ContextService:
         try:
             with timings.measure("lease"):
                 lease = await self._acquire(ctx_id)
+            renewing = asyncio.ensure_future(self._renew(ctx_id, lease.owner))
             try:
                 yield lease
             finally:
+                renewing.cancel()
                 with timings.measure("lease"):
                     lease.released = await self.directory.release(ctx_id, lease.owner)
         finally:
             turn.release()
+
+    async def _renew(self, ctx_id: str, owner: str) -> None:
+        """Renew ``owner``'s lease on the context every ``LEASE_RENEW_S`` until cancelled, ``LEASE_MAX_S``
+        after it was taken, or the directory says it is not held (a restart lost it; the commit will say so)."""
+        for _ in range(int(LEASE_MAX_S / LEASE_RENEW_S) - int(LEASE_TTL_S / LEASE_RENEW_S)):
+            await asyncio.sleep(LEASE_RENEW_S)
+            try:
+                if not await self.directory.renew(ctx_id, owner, LEASE_TTL_S):
+                    return
+            except Exception as exc:  # noqa: BLE001 - best effort: the commit finds out what became of the lease
+                log.warning("the lease on context %s could not be renewed: %s", ctx_id, type(exc).__name__)
+                return
 
     async def _acquire(self, ctx_id: str) -> Lease:
         """Take the directory's lease on the context, reading its record in the same call; the :class:`Lease`

@@ -103,7 +103,8 @@ class Drain:
             await asyncio.sleep(POLL_S)
         if self.inflight:
             self.cutting = True
-            log.warning("grace period over: %d request(s) cut with 503 shutting_down", len(self.inflight))
+            log.warning("grace period over: %d request(s) still running are cut: a query is answered 503 "
+                        "shutting_down, a context write runs to its end and answers what it did", len(self.inflight))
             for task in list(self.inflight):
                 task.cancel()
             stop = time.monotonic() + CUT_WAIT_S
