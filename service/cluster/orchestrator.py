@@ -162,7 +162,7 @@ class _Run:
         if isinstance(exc, self.cluster_errors) and not isinstance(exc, (ServiceError, *DOMAIN_CLASSES)):
             # the cluster's fault, as the route answers a single one
             log.warning("request %s: Ray error in a batch item: %s", request_id.current(), exc)
-            exc = WorkersUnavailable(f"the cluster must answer, got {type(exc).__name__}")
+            exc = WorkersUnavailable("the cluster must answer, got an error from Ray (the server's log names it)")
         if self.errors[p] is None:
             self.errors[p] = exc
 

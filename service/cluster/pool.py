@@ -638,8 +638,9 @@ class WorkerPool(Roster[Slot]):
             return None
         except ChannelClosed as exc:
             slot.drop_channel()
-            raise WorkersUnavailable(f"worker {slot.name}'s channel closed during a context write ({exc}); "
-                                     f"the write was undone: send it again") from None
+            log.info("worker %s: %s during a context write", slot.name, exc)  # the cause's class: for the log only
+            raise WorkersUnavailable(f"worker {slot.name}'s channel closed during a context write (the connection "
+                                     f"was lost); the write was undone: send it again") from None
         finally:
             slot.outstanding -= 1
         if header.get("op") == "error" and header.get("kind") == "FrameError":

@@ -398,8 +398,10 @@ class Directory:
                 return await call(self.handle)
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as exc:
                 if time.monotonic() > deadline:
-                    raise WorkersUnavailable(
-                        f"the contexts directory must be reachable, got {type(exc).__name__}") from None
+                    log.warning("the contexts directory did not answer for %g s: %s", DIRECTORY_WAIT_S,
+                                type(exc).__name__)
+                    raise WorkersUnavailable(f"the contexts directory must be reachable, got no answer for "
+                                             f"{DIRECTORY_WAIT_S:g} s (it is restarting or gone)") from None
                 await asyncio.sleep(DIRECTORY_RETRY_S)
 
     async def ping(self) -> dict:

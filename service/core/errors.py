@@ -248,6 +248,10 @@ INTERNALS: Mapping[str, re.Pattern[str]] = {
     # Ray's exception classes (RayActorError, ActorDiedError, ObjectLostError, ...): the server's log names them.
     "a Ray exception": re.compile(r"\b(?:Ray\w*Error|Actor\w*Error|Object\w*Error|OwnerDiedError|"
                                   r"TaskCancelledError|WorkerCrashedError|RaySystemError)\b"),
+    # How a connection between the processes broke, as Python names it: the log says it, a detail says
+    # "the connection was lost".
+    "a connection error": re.compile(r"\b(?:OSError|EOFError|Connection\w*Error|BrokenPipeError|"
+                                     r"IncompleteReadError|ChannelClosed)\b"),
 }
 
 

@@ -225,5 +225,5 @@ def test_a_ray_error_on_a_batched_call_fails_its_plans_as_the_clusters_fault_and
     hurt, fine = _plan(rng, "ctx_a", 1, lambda i: (0,)), _plan(rng, "ctx_b", 1, lambda i: (1,))
     outcomes = _run_many(pool, [hurt, fine])
     assert isinstance(outcomes[0], WorkersUnavailable)
-    assert outcomes[0].detail == "the cluster must answer, got RaySystemError"
+    assert outcomes[0].detail == "the cluster must answer, got an error from Ray (the server's log names it)"
     _same(outcomes[1], _alone(fine, shards))

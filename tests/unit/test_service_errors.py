@@ -89,6 +89,8 @@ RAY_TRACEBACK = (
     ("worker splitkey-worker-1 died: ActorDiedError", "a Ray exception"),
     ("the merge tree lost a node: ObjectLostError", "a Ray exception"),
     ("the cluster must answer, got RaySystemError", "a Ray exception"),
+    ("worker splitkey-worker-0's write channel closed: OSError", "a connection error"),
+    ("worker w's channel closed: EOFError", "a connection error"),
 ])
 def test_internals_are_found_in_a_detail(detail, kind):
     assert errors.internals(detail) == kind
