@@ -249,10 +249,13 @@ class ContextService:
             old = lease.record
             state = self.health(old)
             if state["state"] == LOST:  # keys after a hole would answer wrongly: refuse, as queries do
+                again = ("a replacement worker reloads a dead holder's copy from --persist-dir within seconds: "
+                         "send it again; if the context stays lost, its copies could not be read or did not fit "
+                         "(see the workers' logs): delete it and create it again, or restart with them readable"
+                         if self.settings.persist_dir is not None else
+                         "without --persist-dir no copy comes back: delete the context and create it again")
                 raise ContextLost(f"context {ctx_id} has lost shards {state['lost_shards']}: no live worker holds a "
-                                  "copy (their holders are gone, or at a restart their copies could not be read "
-                                  "or did not fit: see the workers' logs); delete the context and create it again, "
-                                  "or restart with the copies readable")
+                                  f"copy now; {again}")
             if write.after is not None and write.after != length(old):
                 raise LengthMismatch(f"after must be the context's length {length(old)}, got {write.after}")
             if write.continues and write.upload is not None and not continues_upload(old, write.upload):

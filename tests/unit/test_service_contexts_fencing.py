@@ -94,8 +94,10 @@ def test_an_append_whose_only_holder_hangs_answers_503_in_time_and_never_applies
             assert (await contexts.get(ctx))["length"] == 40
             assert [h["length"] for h in worker.held()] == [40]  # its hung write never ran
             # Its only holder is gone (as it would be at its third missed ping): the retry is told so, at once.
-            with pytest.raises(ContextLost):
+            with pytest.raises(ContextLost) as lost:
                 await asyncio.wait_for(contexts.append(ctx, write(k1, v1, after=40), Timings()), PATIENCE_S)
+            # Without --persist-dir nothing brings it back: the client is told to create it again.
+            assert "without --persist-dir no copy comes back: delete the context" in lost.value.detail
         finally:
             pool.shutdown()
 

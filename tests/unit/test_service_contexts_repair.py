@@ -8,6 +8,7 @@ over the same workers, rebuilt from what they report (``restart_directory``).
 import asyncio
 
 import numpy as np
+import pytest
 from faulty_pool import bitwise, kv, read, restart_directory, started, write
 
 from service.cluster.orchestrator import Orchestrator
@@ -227,6 +228,10 @@ def test_a_lost_shard_its_restarted_holder_reloaded_from_disk_is_listed_again_an
             before = await read(pool, contexts, [ctx], q)
             [holder] = pool.indexes((await contexts.record(ctx))["shards"][0]["workers"])
             pool.kill(holder)
+            await pool.refresh()  # its death seen: the shard has no live replica until the repair round
+            with pytest.raises(ContextLost) as lost:  # lost for now, and the client told it may come back
+                await contexts.append(ctx, write(k[:5], v[:5], after=300), Timings())
+            assert "reloads a dead holder's copy from --persist-dir within seconds: send it again" in lost.value.detail
             await healer.step()  # forgotten, replaced: the replacement loads the shard from its folder
             assert healer.stats.replicas_forgotten == 1 and healer.stats.replicas_readopted == 1
             desc = await contexts.get(ctx)
