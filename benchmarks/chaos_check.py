@@ -190,8 +190,8 @@ def check(history: Sequence[dict[str, Any]], seed: int) -> Report:
 
 @dataclass
 class FaultFigures:
-    """One fault kind over the soak: injections, the share of requests answered from each injection
-    until the next, and seconds from the end of each (a resumed pause, a kill) until every
+    """One fault kind over the soak: injections, the share of requests answered (:func:`answered`: right
+    refusals count) from each injection until the next, and seconds from the end of each (a resumed pause, a kill) until every
     context's writer had an append acknowledged again (sent after that end)."""
 
     kind: str
@@ -206,6 +206,15 @@ class FaultFigures:
     def availability(self) -> float:
         return self.answered / self.requests if self.requests else 1.0
 
+    def tally(self, ops: Iterable[dict[str, Any]]) -> None:
+        """Count requests, those answered (:func:`answered`) and what the others got."""
+        for op in ops:
+            self.requests += 1
+            if answered(op):
+                self.answered += 1
+            else:
+                self.errors[str(op.get("error", ""))[:80]] += 1
+
 
 def availability(history: Sequence[dict[str, Any]]) -> dict[str, FaultFigures]:
     """Per fault kind, the figures of :class:`FaultFigures`; ``"none"``: requests before the first fault."""
@@ -219,10 +228,7 @@ def availability(history: Sequence[dict[str, Any]]) -> dict[str, FaultFigures]:
     for i, fault in enumerate(faults):
         fig = figures.setdefault(fault["kind"], FaultFigures(fault["kind"]))
         fig.injected += 1
-        window = [op for op in requests if starts[i] <= op["t0"] < starts[i + 1]]
-        fig.requests += len(window)
-        fig.answered += sum(1 for op in window if op["outcome"] == "ok")
-        fig.errors.update(str(op.get("error")) for op in window if op["outcome"] != "ok")
+        fig.tally(op for op in requests if starts[i] <= op["t0"] < starts[i + 1])
         back = [min((op["t1"] for op in requests if op["ctx"] == c and op["op"] == "append"
                      and op["outcome"] == "ok" and op["t0"] >= fault["t1"]), default=float("inf"))
                 for c in writers]
@@ -230,9 +236,7 @@ def availability(history: Sequence[dict[str, Any]]) -> dict[str, FaultFigures]:
             fig.recovery_s.append(max(back) - fault["t1"])
         else:
             fig.unrecovered += 1
-    before = [op for op in requests if op["t0"] < starts[0]]
-    figures["none"].requests = len(before)
-    figures["none"].answered = sum(1 for op in before if op["outcome"] == "ok")
+    figures["none"].tally(op for op in requests if op["t0"] < starts[0])
     return figures
 
 
@@ -254,8 +258,14 @@ class Outside:
         return self.answered / self.requests if self.requests else 1.0
 
 
-#: Refusals that answer the request rightly (:class:`Outside`).
+#: Refusals that answer the request rightly: 404 (a churn context read as it is deleted) and 409 (an
+#: ``after`` that an earlier, unanswered append of the same writer made wrong).
 RIGHT_REFUSALS = ("404 ", "409 ")
+
+
+def answered(op: dict[str, Any]) -> bool:
+    """Whether a read or an append was answered: ok, or a refusal that is the right answer (RIGHT_REFUSALS)."""
+    return op["outcome"] == "ok" or str(op.get("error", "")).startswith(RIGHT_REFUSALS)
 
 
 def outside_faults(history: Sequence[dict[str, Any]], grace_s: float = 1.0) -> Outside:
@@ -271,11 +281,10 @@ def outside_faults(history: Sequence[dict[str, Any]], grace_s: float = 1.0) -> O
         if any(op["t0"] <= hi and lo <= op["t1"] for lo, hi in windows):
             continue
         figures.requests += 1
-        error = str(op.get("error", ""))
-        if op["outcome"] == "ok" or error.startswith(RIGHT_REFUSALS):
+        if answered(op):
             figures.answered += 1
         else:
-            figures.errors[error[:80]] += 1
+            figures.errors[str(op.get("error", ""))[:80]] += 1
     return figures
 
 

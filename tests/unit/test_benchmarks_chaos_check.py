@@ -110,6 +110,22 @@ def test_availability_counts_answers_and_recovery_per_fault_kind():
     assert (figures["none"].requests, figures["none"].answered) == (1, 1)
 
 
+def test_availability_per_fault_counts_right_refusals_as_answers_and_names_every_other_error():
+    """Until 2026-12-07 a 404 of a churn context counted as unanswered here (answered in the replicated
+    figure), and the requests before the first fault listed no errors."""
+    fault = {"op": "fault", "kind": "worker_kill", "t0": 10.0, "t1": 10.5, "target": "pid 1"}
+    history = [created(),
+               {**append(FIRST, 2.0, 3.0, "refused"), "error": "503 workers_unavailable: x"},  # before the fault
+               {**read(FIRST, 4.0, 4.5), "outcome": "refused", "error": "404 context_not_found"},  # right
+               fault,
+               {**read(FIRST, 11.0, 11.5), "outcome": "refused", "error": "404 context_not_found"},
+               {**append(FIRST, 12.0, 13.0, "refused"), "error": "503 context_lost"}]
+    figures = chaos.availability(history)
+    none, kill = figures["none"], figures["worker_kill"]
+    assert (none.requests, none.answered, dict(none.errors)) == (2, 1, {"503 workers_unavailable: x": 1})
+    assert (kill.requests, kill.answered, dict(kill.errors)) == (2, 1, {"503 context_lost": 1})
+
+
 def test_replicated_availability_leaves_out_each_fault_and_the_second_after_it():
     replicated = {**created(), "replicas": 2}
     single = {**created(), "ctx": 1, "replicas": 1}
