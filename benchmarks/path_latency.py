@@ -121,12 +121,12 @@ def compare(roots: list[str], rounds: int, requests: int) -> str:
             if kid.stdin is not None:
                 kid.stdin.close()
             kid.wait(timeout=300)
-    lines = [f"### The traced request's latency, {len(roots)} checkouts side by side "
-             f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())})", "",
+    lines = [(f"### The traced request's latency, {len(roots)} checkouts side by side "
+             f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())})"), "",
              f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`", "",
-             f"`POST /v1/attention?contexts=ID`, q [1, {H_Q}, {D}] over {N_K} keys (h_kv {H_KV}, float32) in two "
+             (f"`POST /v1/attention?contexts=ID`, q [1, {H_Q}, {D}] over {N_K} keys (h_kv {H_KV}, float32) in two "
              f"shards, in process through the ASGI app, fused CPU kernel; {rounds} rounds of {requests} requests, "
-             "alternating. Milliseconds.", "",
+             "alternating. Milliseconds."), "",
              "| checkout | median of round medians | rounds' range | median of every request | answers |",
              "| --- | --- | --- | --- | --- |"]
     for root in roots:
