@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib.util
 import json
 import os
 import statistics
@@ -30,21 +31,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # see benchmarks/service.py
 
-#: The traced request's shape (trace_path.py): a decode over 4096 keys in two shards.
-N_K, H_Q, H_KV, D = 4096, 8, 2, 64
 WARMUP = 50
 
 
-def safetensors_body(tensors: dict[str, np.ndarray]) -> bytes:
-    import safetensors.numpy
-
-    return safetensors.numpy.save(tensors)
+def traced() -> Any:
+    """``benchmarks/trace_path.py`` beside this file (not the measured checkout's): the request's shape,
+    tensors and body."""
+    spec = importlib.util.spec_from_file_location("trace_path", HERE / "trace_path.py")
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"benchmarks/trace_path.py must be beside this script, got none in {HERE}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 async def serve_rounds(root: str) -> None:
@@ -59,14 +62,12 @@ async def serve_rounds(root: str) -> None:
     namespace = f"path-latency-{os.getpid()}"
     ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=namespace, log_to_driver=False,
              logging_level="ERROR", runtime_env={"env_vars": {"PYTHONPATH": root}})
+    trace = traced()
     settings = ServiceSettings(workers=2, ray_namespace=namespace, heal_interval_s=3600.0,
-                               context_shard_keys=N_K // 2, cpu_kernels="fused")
+                               context_shard_keys=trace.N_K // 2, cpu_kernels="fused")
     app = create_app(settings)
-    rng = np.random.default_rng(0)
-    k = rng.standard_normal((N_K, H_KV, D), dtype=np.float32)
-    v = rng.standard_normal((N_K, H_KV, D), dtype=np.float32)
-    q = rng.standard_normal((1, H_Q, D), dtype=np.float32)
-    binary = {"Content-Type": "application/octet-stream", "Accept": "application/octet-stream"}
+    k, v, q = trace.request_tensors()
+    binary, safetensors_body = trace.BINARY, trace.safetensors_body
     transport = httpx.ASGITransport(app=app)
     try:
         async with app.router.lifespan_context(app), \
@@ -121,12 +122,13 @@ def compare(roots: list[str], rounds: int, requests: int) -> str:
             if kid.stdin is not None:
                 kid.stdin.close()
             kid.wait(timeout=300)
+    shape = traced()
     lines = [(f"### The traced request's latency, {len(roots)} checkouts side by side "
              f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())})"), "",
              f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`", "",
-             (f"`POST /v1/attention?contexts=ID`, q [1, {H_Q}, {D}] over {N_K} keys (h_kv {H_KV}, float32) in two "
-             f"shards, in process through the ASGI app, fused CPU kernel; {rounds} rounds of {requests} requests, "
-             "alternating. Milliseconds."), "",
+             (f"`POST /v1/attention?contexts=ID`, q [1, {shape.H_Q}, {shape.D}] over {shape.N_K} keys "
+              f"(h_kv {shape.H_KV}, float32) in two shards, in process through the ASGI app, fused CPU kernel; "
+              f"{rounds} rounds of {requests} requests, alternating. Milliseconds."), "",
              "| checkout | median of round medians | rounds' range | median of every request | answers |",
              "| --- | --- | --- | --- | --- |"]
     for root in roots:

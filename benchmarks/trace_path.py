@@ -112,6 +112,18 @@ class FrontEndTrace:
         threading.setprofile(None)  # type: ignore[arg-type]
 
 
+#: The traced request's headers: safetensors both ways.
+BINARY = {"Content-Type": "application/octet-stream", "Accept": "application/octet-stream"}
+
+
+def request_tensors() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The traced request's context and query: ``k, v [N_K, H_KV, D]`` and ``q [1, H_Q, D]``, float32 (seed 0)."""
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((N_K, H_KV, D), dtype=np.float32)
+    v = rng.standard_normal((N_K, H_KV, D), dtype=np.float32)
+    return k, v, rng.standard_normal((1, H_Q, D), dtype=np.float32)
+
+
 def safetensors_body(tensors: dict[str, np.ndarray]) -> bytes:
     import safetensors.numpy
 
@@ -130,11 +142,7 @@ async def traced_request(root: str, trace_dir: str, cpu_kernels: str) -> tuple[F
     settings = ServiceSettings(workers=2, ray_namespace="splitkey-trace", heal_interval_s=3600.0,
                                context_shard_keys=N_K // 2, cpu_kernels=cpu_kernels)
     app = create_app(settings)
-    rng = np.random.default_rng(0)
-    k = rng.standard_normal((N_K, H_KV, D), dtype=np.float32)
-    v = rng.standard_normal((N_K, H_KV, D), dtype=np.float32)
-    q = rng.standard_normal((1, H_Q, D), dtype=np.float32)
-    binary = {"Content-Type": "application/octet-stream", "Accept": "application/octet-stream"}
+    k, v, q = request_tensors()
     transport = httpx.ASGITransport(app=app)
     async with app.router.lifespan_context(app), \
             httpx.AsyncClient(transport=transport, base_url="http://splitkey", timeout=120) as client:
@@ -145,16 +153,16 @@ async def traced_request(root: str, trace_dir: str, cpu_kernels: str) -> tuple[F
             if all(kernel in (None, "fused") for kernel in kernels):  # None: a checkout that does not say
                 break
             await asyncio.sleep(1.0)
-        r = await client.post("/v1/contexts?shards=2", content=safetensors_body({"k": k, "v": v}), headers=binary)
+        r = await client.post("/v1/contexts?shards=2", content=safetensors_body({"k": k, "v": v}), headers=BINARY)
         r.raise_for_status()
         ctx = r.json()
         url = f"/v1/attention?contexts={ctx['id']}"
         body = safetensors_body({"q": q})
-        (await client.post(url, content=body, headers=binary)).raise_for_status()  # warm-up, untimed
+        (await client.post(url, content=body, headers=BINARY)).raise_for_status()  # warm-up, untimed
         await asyncio.sleep(0.5)  # let the warm-up's stragglers finish before the window opens
         with FrontEndTrace(root) as front:
             t0 = time.time()
-            r = await client.post(url, content=body, headers=binary)
+            r = await client.post(url, content=body, headers=BINARY)
             t1 = time.time()
         r.raise_for_status()
         await asyncio.sleep(0.5)  # let the workers' trace files catch up
