@@ -176,6 +176,7 @@ class ShardWorker:
             "channel_calls": self.channel_calls,
             "batches": self.compute.batches,
             "expired": self.compute.expired,
+            "cancelled": self.compute.cancelled,
             "config": settings_of(self.config),
             **self._cpu_kernels(),
         }

@@ -25,17 +25,22 @@ spends no time on answers nobody waits for (docs/SERVICE.md, "Deadlines"). The c
 one comparison per job, against one clock reading per batch. A batch that runs past the
 latest deadline of its jobs stops at the kernel's next block of keys (``workers.cutoff``),
 and its jobs get ``expired`` too.
+
+A job whose future was cancelled while it waited (its caller went away: ``workers.channel``'s
+cancel) leaves the queue unrun the same way; once a job is taken, its future is running and can
+no longer be cancelled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,6 +90,8 @@ class Batcher:
         #: jobs not run, or stopped between blocks of keys (``workers.cutoff``), because their deadline had
         #: passed (for tests and metrics)
         self.expired = 0
+        #: jobs not run because their future was cancelled while they waited (for tests and metrics)
+        self.cancelled = 0
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -140,10 +147,12 @@ class Batcher:
         first = None
         while first is None and self._queue:
             job = self._queue.popleft()
-            if job.deadline > now:
+            if job.deadline <= now:
+                self._dropped.append(job)
+            elif job.future.set_running_or_notify_cancel():  # from now on it cannot be cancelled
                 first = job
             else:
-                self._dropped.append(job)
+                self.cancelled += 1
         if first is None:
             return []
         batch = [first]
@@ -154,11 +163,17 @@ class Batcher:
             if job.deadline <= now:
                 self._queue.remove(job)
                 self._dropped.append(job)
+            elif job.future.cancelled():
+                self._queue.remove(job)
+                self.cancelled += 1
             elif job.key == first.key and rows + job.rows <= self._max_rows and (
                     self._joins is None or self._joins(first.payload, job.payload)):
                 self._queue.remove(job)
-                batch.append(job)
-                rows += job.rows
+                if job.future.set_running_or_notify_cancel():
+                    batch.append(job)
+                    rows += job.rows
+                else:
+                    self.cancelled += 1
         return batch
 
     def _serve(self) -> None:
@@ -176,7 +191,8 @@ class Batcher:
                     self.batches += 1
             while self._dropped:  # outside the lock: a future's callbacks may send its answer
                 job = self._dropped.popleft()
-                job.future.set_exception(self._late(job, now))
+                with contextlib.suppress(InvalidStateError):  # cancelled meanwhile: nobody waits for it
+                    job.future.set_exception(self._late(job, now))
             if not batch:
                 continue
             try:

@@ -57,6 +57,9 @@ Submit = Callable[[dict[str, Any], list[Any], bool], Future]
 #: a time as ``arrays`` is iterated (in the connection's thread); it takes them all and returns the future of
 #: its reply, so that the worker stores a part of an append while the next part is still arriving.
 Stream = Callable[[dict[str, Any], Iterator[Any]], Future]
+#: The op by which a front end gives up a request it sent (``{"op": "cancel", "id": own id, "of": its id}``):
+#: the request's future is cancelled, so a query still waiting is not run (``workers.batch``); no answer.
+CANCEL_OP = "cancel"
 #: The op whose arrays are streamed (an append's parts: :func:`append_frame`).
 STREAMED_OP = "append"
 
@@ -105,6 +108,7 @@ class Listener:
             conn.settimeout(None)
             threading.Thread(target=replies.drain, name=f"{self.name}-channel-write", daemon=True).start()
             replies.send(frames.encode({"op": "hello", "worker": self.name}))
+            calls: dict[int, Future] = {}  # this connection's requests not answered yet, by id
             while True:
                 header, body_len, head = _read_head(conn)
                 call_id = header.get("id")
@@ -115,12 +119,18 @@ class Listener:
                     continue
                 body = _exactly(conn, body_len) if body_len < BIG_BODY_BYTES else _body(conn, body_len).data
                 _, arrays = frames.decode(head, body)
+                if header.get("op") == CANCEL_OP:  # the front end gave up request "of": not run if not started
+                    gone = calls.get(header.get("of"))  # type: ignore[arg-type]
+                    if gone is not None:
+                        gone.cancel()
+                    continue  # no answer: nobody waits for one
                 try:
                     future = self._submit(header, arrays, not _pending(conn))
                 except Exception as exc:  # noqa: BLE001 - a request the worker refuses is that request's answer
                     replies.send(frames.error_frame(call_id, exc))
                     continue
-                future.add_done_callback(functools.partial(self._done, replies, call_id))
+                calls[call_id] = future
+                future.add_done_callback(functools.partial(self._done, replies, calls, call_id))
         except (OSError, EOFError, frames.FrameError) as exc:
             if not isinstance(exc, EOFError):
                 log.info("%s: direct channel connection closed: %s", self.name, exc)
@@ -145,10 +155,14 @@ class Listener:
             return
         if next(arrays, None) is not None:
             raise frames.FrameError("a streamed request must take every array it carries")
-        future.add_done_callback(functools.partial(self._done, replies, call_id))
+        future.add_done_callback(functools.partial(self._done, replies, {}, call_id))
 
-    def _done(self, replies: _Replies, call_id: int, future: Future) -> None:
-        """Send the reply to request ``call_id``: its future's buffers, or the error it raised (or its encoding did)."""
+    def _done(self, replies: _Replies, calls: dict[int, Future], call_id: int, future: Future) -> None:
+        """Send the reply to request ``call_id``: its future's buffers, or the error it raised (or its encoding did);
+        nothing for a request cancelled by its front end."""
+        calls.pop(call_id, None)
+        if future.cancelled():
+            return
         try:
             buffers: list[bytes | memoryview] = future.result()
         except Exception as exc:  # noqa: BLE001 - the request's own answer
@@ -157,27 +171,38 @@ class Listener:
 
 
 def then(future: Future, fn: Callable[[Any], Any]) -> Future:
-    """A future of ``fn(result)`` once ``future`` has a result (its exception, or fn's, otherwise)."""
+    """A future of ``fn(result)`` once ``future`` has a result (its exception, or fn's, otherwise).
+    Cancelling it cancels ``future`` (a query not started yet is then not run: ``workers.batch``)."""
     out: Future = Future()
 
     def done(f: Future) -> None:
+        if out.cancelled():
+            return
+        if f.cancelled():
+            out.cancel()
+            return
         try:
             out.set_result(fn(f.result()))
         except Exception as exc:  # noqa: BLE001 - handed on to whoever waits
             out.set_exception(exc)
 
     future.add_done_callback(done)
+    out.add_done_callback(lambda o: o.cancelled() and future.cancel())
     return out
 
 
 def gather(futures: Sequence[Future], fn: Callable[[list[Any]], Any]) -> Future:
-    """A future of ``fn(results)`` once every future is done; an exception stands in its future's place."""
+    """A future of ``fn(results)`` once every future is done; an exception stands in its future's place.
+    Cancelling it cancels every one (those not started are then not run)."""
     out: Future = Future()
     results: list[Any] = [None] * len(futures)
     left = [len(futures)]
     lock = threading.Lock()
 
     def done(i: int, f: Future) -> None:
+        if out.cancelled() or f.cancelled():
+            out.cancel()
+            return
         exc = f.exception()
         results[i] = exc if exc is not None else f.result()
         with lock:
@@ -191,6 +216,7 @@ def gather(futures: Sequence[Future], fn: Callable[[list[Any]], Any]) -> Future:
 
     for i, f in enumerate(futures):
         f.add_done_callback(functools.partial(done, i))
+    out.add_done_callback(lambda o: o.cancelled() and [f.cancel() for f in futures])
     return out
 
 

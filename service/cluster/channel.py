@@ -22,7 +22,7 @@ from typing import Any
 from merge import State
 from service.cluster.surface import domain, failed
 from workers import frames
-from workers.channel import read_frame
+from workers.channel import CANCEL_OP, read_frame
 from workers.frames import RemoteError
 from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead
 
@@ -106,7 +106,7 @@ class WorkerChannel:
         class as a Ray call does; any other as the 500 of :func:`surface.failed`; and
         :class:`ChannelClosed` when the connection went before the answer.
         """
-        header, arrays = await self._call(lambda i: frames.query_frame(i, q, query, reads, fanin))
+        header, arrays = await self._call(lambda i: frames.query_frame(i, q, query, reads, fanin), cancellable=True)
         if header.get("op") == "error":
             err = frames.parse_error(header)
             known = domain(err)
@@ -116,7 +116,7 @@ class WorkerChannel:
     async def many(self, items: Sequence[ResidentQuery]) -> list[tuple[ComputeStatus, list[State]] | RemoteError]:
         """``ShardWorker.partial_resident_many(items)`` over the channel: per item its status and states (one
         per read), or the :class:`frames.RemoteError` it raised. A whole call the worker refused raises it."""
-        header, arrays = await self._call(lambda i: frames.many_frame(i, items))
+        header, arrays = await self._call(lambda i: frames.many_frame(i, items), cancellable=True)
         if header.get("op") == "error":
             raise frames.parse_error(header)
         return frames.parse_many_reply(header, arrays)
@@ -131,7 +131,10 @@ class WorkerChannel:
             raise frames.parse_error(header)
         return frames.parse_done(header)
 
-    async def _call(self, frame: Any) -> tuple[dict[str, Any], list[Any]]:
+    async def _call(self, frame: Any, *, cancellable: bool = False) -> tuple[dict[str, Any], list[Any]]:
+        """Send ``frame(call_id)`` and await its answer. ``cancellable`` (a query: read-only): when this
+        call is cancelled before its answer (its client went away, ``service.routes.common.Exchange``),
+        the worker is told, and does not run it if it has not started (``workers.channel.CANCEL_OP``)."""
         if self._closed is not None:
             raise ChannelClosed(str(self._closed))
         call_id = next(self._ids)
@@ -145,6 +148,13 @@ class WorkerChannel:
             except (OSError, RuntimeError) as exc:  # the transport is closing or gone
                 self._fail(ChannelClosed(f"worker {self.name}'s channel closed: {type(exc).__name__}"))
             return await waiting
+        except asyncio.CancelledError:
+            # Not answered: still waiting, or the wait itself cancelled with this task (an answer that came
+            # first left it done, not cancelled: nothing is left to stop).
+            if cancellable and (waiting.cancelled() or not waiting.done()) and self._closed is None:
+                with contextlib.suppress(OSError, RuntimeError):  # buffered: sent with the next write at worst
+                    self._writer.writelines(frames.encode({"op": CANCEL_OP, "id": next(self._ids), "of": call_id}))
+            raise
         finally:
             self._waiting.pop(call_id, None)
 

@@ -124,20 +124,41 @@ class Exchange:
         :attr:`t0` (the client's clock ran while its body arrived), and by ``limit_s`` (a deadline
         the body gave). A client whose time ran out before the work begins gets 504 at once.
 
-        A client that closed its connection after sending its whole body is not served: the query is
-        then not sent to the workers (checked before) or its answer not encoded (checked after), and
-        the request is counted 499 as a body cut short is (``service.app``). A look at the
-        connection, not a wait: Starlette's ``is_disconnected`` takes a message only if one is there.
+        A client that closed its connection after sending its whole body is not served: a query whose
+        client has gone before it starts is not sent to the workers, and one whose client goes while it
+        runs is cancelled (the calls the workers have not started are then not run: ``WorkerChannel``'s
+        cancel), and one gone as it ends is not encoded; the request is counted 499 as a body cut short is
+        (``service.app``). Watched by a task that waits for the ASGI server's ``http.disconnect``.
         """
         seconds = query_deadline(self.state.settings.request_timeout_s, self.client, self.t0)
         if limit_s is not None:
             seconds = min(seconds, limit_s)
-        if await self.request.is_disconnected():
+        if await self.request.is_disconnected():  # a look, not a wait: a message is taken only if one is there
             raise ClientDisconnect()
-        result = await within(work(), seconds)
-        if await self.request.is_disconnected():
+        me = asyncio.current_task()
+        gone: list[bool] = []  # set by the watcher before it cancels this task
+        watcher = asyncio.ensure_future(self._watch(me, gone)) if me is not None else None
+        try:
+            result = await within(work(), seconds)
+        except asyncio.CancelledError:
+            if not gone or me is None:
+                raise
+            me.uncancel()  # cancelled for its client alone: answered 499, not left cancelled
+            raise ClientDisconnect() from None
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        if await self.request.is_disconnected():  # gone as the work ended: its answer is not encoded
             raise ClientDisconnect()
         return result
+
+    async def _watch(self, task: asyncio.Task, gone: list[bool]) -> None:
+        """Cancel ``task`` (the query's) once the client has closed its connection. The body was read
+        whole: the next ASGI message is ``http.disconnect``, when the client goes or the answer is sent."""
+        while (await self.request.receive())["type"] != "http.disconnect":
+            pass
+        gone.append(True)
+        task.cancel()
 
     def finish(self, route: str, response: R) -> R:
         """``response`` with its ``Server-Timing`` (docs/SERVICE.md), the stages into the metrics."""

@@ -120,7 +120,7 @@ async def cluster(request: Request) -> JSONResponse:
                 "shards": s.held.get("shards", 0), "outstanding": s.outstanding,
                 "calls": s.held.get("calls", 0), "channel_calls": s.held.get("channel_calls", 0),
                 "channel": s.channel is not None and not s.channel.closed, "batches": s.held.get("batches", 0),
-                "expired": s.held.get("expired", 0),
+                "expired": s.held.get("expired", 0), "cancelled": s.held.get("cancelled", 0),
                 "cpu_kernels": s.held.get("cpu_kernels"), "cpu_kernels_since": s.held.get("cpu_kernels_since")}
                for s in pool.slots]
     nodes = sorted({s.node_id for s in pool.slots if s.node_id})

@@ -194,3 +194,35 @@ def test_a_batch_running_past_the_latest_deadline_of_its_jobs_stops_at_its_next_
 # -- through a shard worker -------------------------------------------------------------------
 
 
+
+
+def test_jobs_cancelled_while_they_wait_are_not_run_and_a_taken_job_cannot_be_cancelled():
+    """A query whose client went away is cancelled by its front end (workers.channel's cancel op): not
+    run if it still waits, counted ``cancelled``; the others, its batch mates too, run as before."""
+    gate = Gate()
+    b = Batcher(gate.run)
+    first = b.submit("first", key="a")
+    assert gate.started.wait(10)
+    assert not first.cancel()  # taken: running, no longer cancellable
+    futures = {p: b.submit(p, key=k) for p, k in [("gone", None), ("a1", "a"), ("gone a", "a"), ("a2", "a")]}
+    queued(b, 4)
+    assert futures["gone"].cancel() and futures["gone a"].cancel()
+    gate.open.set()
+    assert first.result(10) == "done first"
+    assert futures["a1"].result(10) == "done a1" and futures["a2"].result(10) == "done a2"
+    assert futures["gone"].cancelled() and futures["gone a"].cancelled()
+    assert gate.batches == [["first"], ["a1", "a2"]]  # the cancelled ones never reached run()
+    assert b.cancelled == 2 and b.expired == 0 and b.batches == 2
+
+
+def test_a_job_cancelled_after_its_deadline_passed_fails_nobody():
+    gate = Gate()
+    b = Batcher(gate.run, expired=Late)
+    b.submit("first", key="a")
+    assert gate.started.wait(10)
+    late = b.submit("late", key="a", deadline=time.monotonic())
+    queued(b, 1)
+    assert late.cancel()
+    gate.open.set()  # the compute thread drops it as expired, and must not fail on its cancelled future
+    assert b.submit("after", key="b").result(10) == "done after"
+    assert late.cancelled() and b.expired == 1
