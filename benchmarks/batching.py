@@ -28,8 +28,13 @@ Decode queries ``q [1, 32, 128]`` over contexts of ``h_kv = 8, d = 128``:
    (each query alone). Requests/s, p50, p99 and the answers' bits: every answer
    must equal the first one bit for bit.
 
+The host's roof (issue 48, point 5) is timed in the same run, one thread: sgemm (its arithmetic)
+and a float32 GEMV (its memory); a pass of 16 queries can run no faster than its flops at the one
+or its K+V at the other.
+
 Targets: service requests/s at concurrency 16 >= 4 x concurrency 1 (float32);
-float16 within 1.2 x bfloat16 (in-process and service p50 at concurrency 1).
+float16 within 1.2 x bfloat16 (in-process and service p50 at concurrency 1); a 16-query pass
+in-process >= 70% of the host's roof of it.
 """
 
 from __future__ import annotations
@@ -69,11 +74,18 @@ LEVELS = (1, 2, 4, 8, 16, 32)
 PIECE = 65536  # keys generated and appended at a time
 SEED = 20261201
 SPEEDUP_TARGET, F16_TARGET = 4.0, 1.2
+#: A 16-query pass against the lower of the host's sgemm and GEMV roofs for it (issue 48, point 5).
+PASS_TARGET = 0.70
 
 
 def flop_per_byte(dtype: str) -> float:
     """Of one decode query over K+V: 4 h_q d flop per key over 2 h_kv d itemsize bytes (NOTES: 2 or 4)."""
     return 4 * HEADS["h_q"] / (2 * HEADS["h_kv"] * DTYPES[dtype].itemsize)
+
+
+def query_flops(n_k: int) -> float:
+    """Of one decode query over ``n_k`` keys: QK and PV, 4 h_q n_k d."""
+    return 4.0 * HEADS["h_q"] * n_k * HEADS["d"]
 
 
 def kv_bytes(n_k: int, dtype: str) -> int:
@@ -115,6 +127,37 @@ class KernelResult:
     def roof(self, n: int, gflops: float, n_k: int) -> float:
         b = kv_bytes(n_k, self.dtype) / self.alone_s / 1e9
         return min(n, gflops / (flop_per_byte(self.dtype) * b))
+
+    def pass_gflops(self, n: int, n_k: int) -> float:
+        """GFLOP/s of the pass of ``n`` queries (QK and PV, 4 h_q n_k d a query)."""
+        return n * query_flops(n_k) / self.batch_s[n] / 1e9
+
+
+@dataclass
+class HostRoof:
+    """What one thread of this host can do, timed in the same run (issue 48, point 5): sgemm of
+    1024 x 1024 float32 (the arithmetic) and a float32 GEMV over 256 MiB (the memory), BLAS at one thread."""
+    sgemm_gflops: float
+    gemv_gbs: float
+
+    def of_pass(self, n: int, n_k: int, dtype: str) -> tuple[float, str]:
+        """The fastest a pass of ``n`` queries could run, GFLOP/s: its flops at sgemm's rate or its K+V
+        at the GEMV's, whichever takes longer; and which binds."""
+        compute_s = n * query_flops(n_k) / (self.sgemm_gflops * 1e9)
+        memory_s = kv_bytes(n_k, dtype) / (self.gemv_gbs * 1e9)
+        return n * query_flops(n_k) / max(compute_s, memory_s) / 1e9, "compute" if compute_s >= memory_s else "memory"
+
+
+def host_roof(repeat: int, quick: bool) -> HostRoof:
+    """:class:`HostRoof`, medians of ``repeat`` timed calls."""
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((1024, 1024), dtype=np.float32)
+    g = rng.standard_normal((2048 if quick else 16384, 4096), dtype=np.float32)  # 32 or 256 MiB
+    x = rng.standard_normal(4096, dtype=np.float32)
+    with common.blas_threads(1):
+        sgemm_s = median_time(lambda: a @ a, repeat)
+        gemv_s = median_time(lambda: g @ x, repeat)
+    return HostRoof(2 * 1024 ** 3 / sgemm_s / 1e9, g.nbytes / gemv_s / 1e9)
 
 
 def median_time(fn: Callable[[], Any], repeat: int) -> float:
@@ -227,17 +270,21 @@ def measure_service(dtype: str, batching: bool, args: argparse.Namespace, workdi
 # ------------------------------------------------------------------ report
 
 
-def kernel_table(results: list[KernelResult], n_k: int) -> str:
+def kernel_table(results: list[KernelResult], n_k: int, host: HostRoof) -> str:
     rows = []
     for r in results:
         b = kv_bytes(n_k, r.dtype) / r.alone_s / 1e9
         cells = [r.dtype, common.ms(r.alone_s), f"{b:.1f}"]
         cells += [f"{r.speedup(n):.2f}x" for n in BATCHES]
         roofs = f"{r.roof(16, r.c1_gflops, n_k):.1f}x / {r.roof(16, r.c64_gflops, n_k):.1f}x"
-        cells += [f"{r.c1_gflops:.0f} / {r.c64_gflops:.0f}", roofs, "yes" if r.bitwise else "**no**"]
+        cells += [f"{r.c1_gflops:.0f} / {r.c64_gflops:.0f}", roofs]
+        roof, binds = host.of_pass(16, n_k, r.dtype)
+        at16 = r.pass_gflops(16, n_k)
+        cells += [f"{at16:.1f}", f"{roof:.1f} ({binds})", f"{at16 / roof:.0%}", "yes" if r.bitwise else "**no**"]
         rows.append(cells)
     return common.markdown_table(["dtype", "alone ms", "B GB/s", *(f"x{n}" for n in BATCHES),
-                                  "C1 / C64 GFLOP/s", "roof at 16: C1 / C64", "bitwise"], rows)
+                                  "C1 / C64 GFLOP/s", "roof at 16: C1 / C64", "x16 pass GFLOP/s",
+                                  "host roof of that pass", "x16 / host roof", "bitwise"], rows)
 
 
 def service_table(results: list[ServiceResult]) -> str:
@@ -252,7 +299,7 @@ def service_table(results: list[ServiceResult]) -> str:
                                   "p50 ms", "p99 ms", "answers not bitwise the first"], rows)
 
 
-def targets(kernel: list[KernelResult], service: list[ServiceResult]) -> list[str]:
+def targets(kernel: list[KernelResult], service: list[ServiceResult], host: HostRoof, n_k: int) -> list[str]:
     lines = []
     by = {(r.dtype, r.batching): r for r in service}
     f32 = by.get(("float32", True))
@@ -263,6 +310,11 @@ def targets(kernel: list[KernelResult], service: list[ServiceResult]) -> list[st
             lines.append(f"- float32 service, req/s at concurrency 16 / concurrency 1: {ratio:.2f} "
                          f"(target {SPEEDUP_TARGET:g}: {common.met(ratio >= SPEEDUP_TARGET)})")
     k = {r.dtype: r for r in kernel}
+    for r in kernel:
+        if 16 in r.batch_s:
+            share = r.pass_gflops(16, n_k) / host.of_pass(16, n_k, r.dtype)[0]
+            lines.append(f"- {r.dtype} in-process, a 16-query pass / the host's roof of it: {share:.0%} "
+                         f"(target >= {PASS_TARGET:.0%}: {common.met(share >= PASS_TARGET)})")
     if "float16" in k and "bfloat16" in k:
         ratio = k["float16"].alone_s / k["bfloat16"].alone_s
         lines.append(f"- float16 / bfloat16 in-process: {ratio:.2f} (target <= {F16_TARGET}: "
@@ -275,7 +327,7 @@ def targets(kernel: list[KernelResult], service: list[ServiceResult]) -> list[st
     return lines
 
 
-def report(args: argparse.Namespace, kernel: list[KernelResult], service: list[ServiceResult],
+def report(args: argparse.Namespace, kernel: list[KernelResult], service: list[ServiceResult], host: HostRoof,
            notes: list[str]) -> str:
     command = " ".join([".venv/bin/python", "benchmarks/batching.py", *args.argv])
     return "\n".join([
@@ -284,9 +336,12 @@ def report(args: argparse.Namespace, kernel: list[KernelResult], service: list[S
         (f"In-process ({args.cpu_kernels} kernel), {common.size_label(args.kernel_keys)} keys, one thread "
          "(speed-up per query of a batch over "
          "the query alone; roof min(n, C / (f B)) with f = 2 flop/B for float32, 4 for 16-bit):"), "",
-        kernel_table(kernel, args.kernel_keys), "",
+        kernel_table(kernel, args.kernel_keys, host), "",
+        (f"The host's roof, one thread, timed in this run: sgemm {host.sgemm_gflops:.1f} GFLOP/s, float32 GEMV "
+         f"{host.gemv_gbs:.1f} GB/s; a pass's roof is its flops at the one or its K+V at the other, whichever "
+         "takes longer."), "",
         f"Service, {common.size_label(args.n_k)} keys, 2 workers (closed loops of the same query):", "",
-        service_table(service), "", "Targets:", "", *targets(kernel, service), ""])
+        service_table(service), "", "Targets:", "", *targets(kernel, service, host, args.kernel_keys), ""])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -324,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     common.raise_on_sigterm()
     notes = [common.wait_for_quiet(not args.no_wait and not args.quick)]
     t0 = time.monotonic()
+    host = host_roof(args.repeat, args.quick)
     kernel = [measure_kernel(dt, args.kernel_keys, args.repeat, args.seed, args.cpu_kernels)
               for dt in args.kernel_dtypes]
     service = []
@@ -332,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for batching in (True, False):
                 service.append(measure_service(dt, batching, args, Path(tmp)))
     notes += [f"- load average after: {common.load_average()}", f"- whole run: {time.monotonic() - t0:.0f} s"]
-    common.emit_report(report(args, kernel, service, notes), args.out)
+    common.emit_report(report(args, kernel, service, host, notes), args.out)
     return 0
 
 

@@ -26,6 +26,10 @@ its values in order: there the accumulators go back to ``acc`` every
   end that is the next block's part of the same run, so each run streams as one);
   the partial sums go back to ``s`` between panels (after a panel, ``s[r, j]``
   holds the sum over the dims seen so far).
+* **scores of many rows** (:data:`PACK_ROWS` or more: a batch of decode queries, a short
+  prefill) copy each tile's keys, all ``d`` dims, widened and in order, into one contiguous
+  scratch first; every group of four rows then runs all ``d`` dims from it with its
+  accumulators in registers throughout, and writes ``s`` once.
 * **p @ v** takes :data:`PV_KEYS` keys at a time (their value rows read side by
   side) and, per :data:`TILE_KEYS` columns, keeps the four rows' accumulators in registers over
   those keys, prefetching the tile :data:`PREFETCH_VALUES` keys ahead in address
@@ -49,6 +53,7 @@ from __future__ import annotations
 from typing import Any
 
 import numba
+import numpy as np
 
 import workers.fused_simd as fused_simd
 from workers.fused_simd import narrow, split_order, widen
@@ -80,6 +85,13 @@ PREFETCH_KEYS = 256
 #: Bytes per cache line, the unit of a prefetch: 64 on x86-64 and on most Arm cores (a
 #: larger line only means some prefetches repeat one already made; never a wrong answer).
 CACHE_LINE_BYTES = 64
+#: Rows from which the scores copy each tile's keys (all ``d`` dims of TILE_KEYS keys, widened to
+#: float32) into one contiguous scratch before the rows' tiles read them. The runs of a block sit
+#: ``step`` keys apart (4 KiB for 1024 float32 keys), so a tile's keys of every dim fall in the same
+#: few L1 sets and evict one another: each group of four rows read them again from L2. Packed, they
+#: are read from memory once and from L1 by every group; below this many rows (decode's four) the
+#: copy costs more than it saves. The same chains of fused multiply-adds either way: the same bits.
+PACK_ROWS = 16
 #: Keys per value tile of ``p @ v``: their value rows are read side by side.
 PV_KEYS = 32
 #: How far ahead (keys) ``p @ v`` prefetches.
@@ -167,15 +179,68 @@ def _row(src: Any, si: int, w: Any, o: int, step: int, n: int, a: Any, ai: int,
     vstore(a, ai + LANES, a1)
 
 
+@numba.njit(inline="always", fastmath=_FM, nogil=True)
+def _scores_packed(q: Any, d: int, kp: Any, s: Any, r: int, j0: int) -> None:  # pragma: no cover - compiled
+    """Rows ``r..r+3``, keys ``j0 ..`` of the packed tile ``kp [d, TILE_KEYS]`` (float32): ``s`` over all dims,
+    one chain of fused multiply-adds per lane in dim order, as :func:`_scores_tile4` panel by panel."""
+    sb = s.shape[1]
+    z = vzero()
+    t = (z, z, z, z, z, z, z, z)
+    o, qi = 0, r * d
+    for _ in range(d):
+        t = _fma4(q, qi, d, vload(kp, o), vload(kp, o + LANES), t)
+        o += TILE_KEYS
+        qi += 1
+    _store4(s, r * sb + j0, sb, t)
+
+
+@numba.njit(inline="always", nogil=True)
+def _scores_dmajor_packed(q: Any, d: int, k: Any, base: int, step: int, s: Any, full: int) -> None:  # pragma: no cover
+    """The whole tiles (keys ``< full``) of :func:`scores_dmajor_f32` for many rows (:data:`PACK_ROWS`):
+    each tile's keys packed once, widened and in order, then every row over all ``d`` dims from them.
+    After a tile, ``s[r, j0 : j0 + TILE_KEYS]`` holds its finished scores, in key order."""
+    n_rows = s.shape[0]
+    kp = np.empty(d * TILE_KEYS, dtype=np.float32)  # [d, TILE_KEYS] the tile's keys, widened
+    line_keys = CACHE_LINE_BYTES // (2 if narrow(k) else 4)
+    for j0 in range(0, full, TILE_KEYS):
+        o = base + j0
+        for t in range(d):
+            for jl in range(j0 + (-j0) % line_keys, j0 + TILE_KEYS, line_keys):
+                prefetch(k, o - j0 + jl + PREFETCH_KEYS)  # the same run, further along
+            vstore(kp, t * TILE_KEYS, vload(k, o))
+            vstore(kp, t * TILE_KEYS + LANES, vload(k, o + LANES))
+            o += step
+        r = 0
+        while r + TILE_ROWS <= n_rows:
+            _scores_packed(q, d, kp, s, r, j0)
+            r += TILE_ROWS
+        while r < n_rows:  # rows past the last group of four, alone
+            _row(q, r * d, kp, 0, TILE_KEYS, d, s, r * s.shape[1] + j0, True)
+            r += 1
+
+
 @numba.njit(fastmath=_FM, nogil=True, cache=True)
 def scores_dmajor_f32(q: Any, kind: Any, d: int, k: Any, base: int, step: int, s: Any,
                       nb: int) -> None:  # pragma: no cover - compiled
     """``s[r, :nb] = sum_t q[r, t] k_t`` for every row (float32 ``q [R, d]``, ``s [R, B]``), over
     ``d`` key runs ``k[base + t*step :][:nb]``. Rows with ``kind[r] == 0`` are computed too
     (never read): skipping them would split the tiles by the other rows of a batch.
+
+    Many rows (:data:`PACK_ROWS`) take packed tiles, fewer the panels; each lane is the same
+    chain of fused multiply-adds either way, so a row's scores are bitwise the same in a batch
+    as alone.
     """
     n_rows, sb = s.shape
     full = nb - nb % TILE_KEYS
+    if n_rows >= PACK_ROWS:
+        _scores_dmajor_packed(q, d, k, base, step, s, full)
+        for r in range(n_rows):  # the last nb % TILE_KEYS keys: the panels' scalar chain, all dims at once
+            for j in range(full, nb):
+                x = numba.float32(0)
+                for t in range(d):
+                    x += q[r, t] * widen(k[base + t * step + j])
+                s[r, j] = x
+        return
     line_keys = CACHE_LINE_BYTES // (2 if narrow(k) else 4)  # keys per cache line of each run (a constant)
     for t0 in range(0, d, PANEL_DIMS):
         t1 = min(t0 + PANEL_DIMS, d)

@@ -39,8 +39,21 @@ def test_a_tiny_in_process_run_batches_bitwise_and_reports(batching):
     args = batching.parse_args(["--quick"])
     service = [batching.ServiceResult("float32", True, [Level(1, 4, 0, 1.0, 10.0, 11.0, 12.0, 4.0),
                                                         Level(16, 64, 0, 4.0, 40.0, 50.0, 60.0, 16.0)])]
-    text = batching.report(args, [res], service, [])
+    host = batching.HostRoof(sgemm_gflops=100.0, gemv_gbs=20.0)
+    text = batching.report(args, [res], service, host, [])
     assert "| float16 |" in text and "4.00x" in text and "req/s at concurrency 16 / concurrency 1: 4.00" in text
+    assert "a 16-query pass / the host's roof of it" in text
+
+
+def test_a_pass_is_bound_by_its_flops_at_sgemm_or_its_bytes_at_the_gemv_whichever_is_slower(batching):
+    host = batching.HostRoof(sgemm_gflops=100.0, gemv_gbs=20.0)
+    n_k = 1000
+    flops = batching.query_flops(n_k)
+    # float32: 2 flop a byte per query. One query is memory-bound (40 GFLOP/s at 20 GB/s), 16 are compute-bound.
+    assert host.of_pass(1, n_k, "float32") == (pytest.approx(40.0), "memory")
+    assert host.of_pass(16, n_k, "float32") == (pytest.approx(100.0), "compute")
+    r = batching.KernelResult("float32", batch_s={16: 16 * flops / 50e9})  # 50 GFLOP/s
+    assert r.pass_gflops(16, n_k) == pytest.approx(50.0)
 
 
 def test_the_upload_report_takes_medians_over_rounds(uploads):

@@ -9,9 +9,10 @@ import pytest
 
 pytest.importorskip("numba")
 
-from kernel_bits import DTYPES, EPS32, bits  # noqa: E402
-from workers import BFLOAT16  # noqa: E402
-from workers.fused_micro import LANES, PANEL_DIMS, PV_KEYS, TILE_KEYS, TILE_ROWS, pv_f32, scores_dmajor_f32  # noqa: E402
+from kernel_bits import DTYPES, EPS32, bits
+
+from workers import BFLOAT16
+from workers.fused_micro import LANES, PACK_ROWS, PANEL_DIMS, PV_KEYS, TILE_KEYS, TILE_ROWS, pv_f32, scores_dmajor_f32
 
 
 def dmajor(rng, d: int, n: int, dtype, pad: int) -> tuple[np.ndarray, int, int, np.ndarray]:
@@ -25,7 +26,8 @@ def dmajor(rng, d: int, n: int, dtype, pad: int) -> tuple[np.ndarray, int, int, 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("rows", "d", "nb"), [(1, 5, 1), (3, 8, 15), (4, 19, 16), (5, PANEL_DIMS * 2 + 3, 37),
-                                               (9, 128, 100), (4, 128, 2 * TILE_KEYS)])
+                                               (9, 128, 100), (4, 128, 2 * TILE_KEYS),
+                                               (PACK_ROWS, 128, 2 * TILE_KEYS), (PACK_ROWS + 3, 19, TILE_KEYS + 5)])
 def test_scores_match_float64_within_the_dot_product_bound(rng, dtype, rows, d, nb):
     flat, base, step, keys = dmajor(rng, d, nb, DTYPES[dtype], pad=7)
     q = rng.standard_normal((rows, d)).astype(np.float32)
@@ -45,6 +47,21 @@ def test_scores_of_a_row_alone_are_bitwise_its_scores_in_a_tile(rng, dtype):
     s = np.empty((rows, nb), np.float32)
     scores_dmajor_f32(q, np.ones(rows, np.int64), d, flat, base, step, s, nb)
     for r in (0, 3, rows - 1):
+        alone = np.empty((1, nb), np.float32)
+        scores_dmajor_f32(np.ascontiguousarray(q[r:r + 1]), np.ones(1, np.int64), d, flat, base, step, alone, nb)
+        np.testing.assert_array_equal(alone[0].view(np.uint32), s[r].view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("rows", [PACK_ROWS, PACK_ROWS + 3])
+def test_scores_of_many_rows_in_packed_tiles_are_bitwise_each_row_alone_on_panels(rng, dtype, rows):
+    # PACK_ROWS rows or more take the packed tiles, one row alone the panels: the same chains.
+    d, nb = PANEL_DIMS * 5 + 3, 3 * TILE_KEYS + 5  # a ragged last panel; keys past the last whole tile
+    flat, base, step, _ = dmajor(rng, d, nb, DTYPES[dtype], pad=3)
+    q = rng.standard_normal((rows, d)).astype(np.float32)
+    s = np.empty((rows, nb), np.float32)
+    scores_dmajor_f32(q, np.ones(rows, np.int64), d, flat, base, step, s, nb)
+    for r in range(rows):
         alone = np.empty((1, nb), np.float32)
         scores_dmajor_f32(np.ascontiguousarray(q[r:r + 1]), np.ones(1, np.int64), d, flat, base, step, alone, nb)
         np.testing.assert_array_equal(alone[0].view(np.uint32), s[r].view(np.uint32))
