@@ -7,13 +7,13 @@ and keeps m, l, acc in L1 streams closer to the memory bandwidth
 (docs/BENCHMARKS.md, "CPU kernels (issues 2 and 16)").
 
 * **Selection** (:func:`choose`): ``KernelOptions.cpu_kernels`` says which kernel
-  is wanted; the fused one runs decode and, on the resident layout, prefill of up to
-  :data:`PREFILL_ROWS` rows per kv head (a longer one runs BLAS's products, faster at
-  one thread each), for key arrays whose innermost axis is contiguous, K and V of one
+  is wanted; the fused one runs decode and, on the resident layout, prefill of any
+  length (many rows take packed key tiles: ``workers.fused_micro.PACK_ROWS``), for key
+  arrays whose innermost axis is contiguous, K and V of one
   dtype accumulated as that dtype implies (the kernels :func:`warm` compiles), and
   when numba loaded. Everything else runs on the NumPy kernel, which stays the
-  reference. A call of many rows (a large batch of decode queries) runs them in tiles
-  of :data:`ROW_TILE`.
+  reference. A call of many rows (a prefill, a large batch of decode queries) runs them
+  in tiles of :data:`ROW_TILE`, each merged over its key chunks as it finishes.
 * **Fallback**: when numba cannot be imported or a kernel fails to compile, one
   log line says so and the NumPy kernel answers; a failed call never leaves a
   partial result behind (outputs are fresh arrays).
@@ -145,15 +145,6 @@ def _flat(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
     return as_strided(a.view(kd), shape=(span,), strides=(item,)), strides
 
 
-#: Above this many query rows per kv head (``n_q * group``), prefill over the resident layout runs
-#: on the NumPy kernel, whose products are BLAS calls at one thread each: 32K keys, 2
-#: threads, AVX-512 host, NumPy against fused: float32 1.28x at n_q 64 (256 rows), 1.15-1.34x at
-#: 256, 1.32x at 2048; bfloat16 1.19x, 1.33x, 1.29x. At 128 rows the fused tiles still win
-#: bfloat16 by 1.26x and lose float32 by 12%; below, they win both
-#: (benchmarks/results/2026-12-07/NOTES.md, "Prefill on BLAS").
-PREFILL_ROWS = 128
-
-
 def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPath:
     """The kernel that serves these problems (one batch over the same keys) on the CPU."""
     mode = kopts.cpu_kernels
@@ -168,9 +159,7 @@ def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPat
             return CpuPath.NUMPY  # prefill over the contract layout: its dot loop is no faster than BLAS
         arrays = (kv.k, kv.v)
     elif isinstance(kv, StreamingView):
-        if p0.n_q * p0.group > PREFILL_ROWS:
-            return CpuPath.NUMPY  # prefill: BLAS's products outrun the tiles (PREFILL_ROWS)
-        arrays = (kv.kt, kv.v)
+        arrays = (kv.kt, kv.v)  # decode and prefill of any length: the tiles (PACK_ROWS for many rows)
     else:
         return CpuPath.NUMPY
     if any(not isinstance(a, np.ndarray) or _flat(a) is None for a in arrays):
@@ -250,37 +239,34 @@ def run_fused(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingVie
     block = min(kopts.block_size or (RESIDENT_BLOCK if resident else INLINE_BLOCK), max(n_k, 1))
     bounds = _chunks(n_k, block, h_kv if resident else 1, kopts.threads)
     n_chunks = int(bounds.shape[0]) - 1
-    # One state per key chunk: m [C, h_kv, R], l [C, h_kv, R], acc [C, h_kv, R, d_v]; the empty state to start.
-    m_out = np.full((n_chunks, h_kv, n_rows), NO_SCORE, dtype=acc_dt)
-    l_out = np.zeros((n_chunks, h_kv, n_rows), dtype=acc_dt)
-    acc_out = np.zeros((n_chunks, h_kv, n_rows, d_v), dtype=acc_dt)
     fn = mod.resident_kernel if resident else mod.inline_kernel
     import numba  # loaded: kernels() imported it
 
     numba.set_num_threads(max(1, min(kopts.threads, numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
-    if n_rows <= ROW_TILE:
-        fn(q_all, k_flat, ks[0], ks[1], v_flat, vs[0], vs[1], n_k, d_v, kpos, arange, kpos0, qpos, cap, slope,
-           has_alibi, lo, hi, has_lo, has_hi, masked, block, bounds, acc_dt.type(0), m_out, l_out, acc_out)
-    else:
-        for t0 in range(0, n_rows, ROW_TILE):
+    # The call's states, m [h_kv, R], l [h_kv, R], acc [h_kv, R, d_v], filled a tile of ROW_TILE rows at a time:
+    # each tile's chunk states m [C, h_kv, T], l [C, h_kv, T], acc [C, h_kv, T, d_v] (from the empty state)
+    # merge in key order into its rows, so that a long prefill holds C states of one tile, not of all its rows.
+    m_all = np.empty((h_kv, n_rows), dtype=acc_dt)
+    l_all = np.empty((h_kv, n_rows), dtype=acc_dt)
+    acc_all = np.empty((h_kv, n_rows, d_v), dtype=acc_dt)
+    for t0 in range(0, n_rows, ROW_TILE):
+        if n_rows > ROW_TILE:
             check()  # a prefill past its deadline stops between tiles (a tile is one compiled call)
-            t1 = min(t0 + ROW_TILE, n_rows)
-            # The tile's rows, contiguous as the compiled kernel's arguments are: its states
-            # m [C, h_kv, T], l [C, h_kv, T], acc [C, h_kv, T, d_v] go back into the call's.
-            m_t, l_t, acc_t = (np.ascontiguousarray(a[:, :, t0:t1]) for a in (m_out, l_out, acc_out))
-            fn(np.ascontiguousarray(q_all[:, t0:t1]), k_flat, ks[0], ks[1], v_flat, vs[0], vs[1], n_k, d_v, kpos,
-               arange, kpos0, qpos[t0:t1], cap[t0:t1], np.ascontiguousarray(slope[:, t0:t1]), has_alibi[t0:t1],
-               lo[t0:t1], hi[t0:t1], has_lo[t0:t1], has_hi[t0:t1], masked, block, bounds, acc_dt.type(0),
-               m_t, l_t, acc_t)
-            m_out[:, :, t0:t1], l_out[:, :, t0:t1], acc_out[:, :, t0:t1] = m_t, l_t, acc_t
+        t1 = min(t0 + ROW_TILE, n_rows)
+        m_t = np.full((n_chunks, h_kv, t1 - t0), NO_SCORE, dtype=acc_dt)
+        l_t = np.zeros((n_chunks, h_kv, t1 - t0), dtype=acc_dt)
+        acc_t = np.zeros((n_chunks, h_kv, t1 - t0, d_v), dtype=acc_dt)
+        fn(np.ascontiguousarray(q_all[:, t0:t1]), k_flat, ks[0], ks[1], v_flat, vs[0], vs[1], n_k, d_v, kpos,
+           arange, kpos0, qpos[t0:t1], cap[t0:t1], np.ascontiguousarray(slope[:, t0:t1]), has_alibi[t0:t1],
+           lo[t0:t1], hi[t0:t1], has_lo[t0:t1], has_hi[t0:t1], masked, block, bounds, acc_dt.type(0),
+           m_t, l_t, acc_t)
+        # A [h_kv, rows] state is a State of "n_q" = h_kv and "h_q" = rows for the merge algebra.
+        st = merge_group([State(m_t[c], l_t[c], acc_t[c]) for c in range(n_chunks)])
+        m_all[:, t0:t1], l_all[:, t0:t1], acc_all[:, t0:t1] = st.m, st.l, st.acc
     states = []
     r0 = 0
     for (_, p), n in zip(parts, sizes):
-        # A [h_kv, rows] part is a State of "n_q" = h_kv and "h_q" = rows for the merge algebra;
-        # chunks merge in key order.
-        st = merge_group([State(m_out[c, :, r0:r0 + n], l_out[c, :, r0:r0 + n], acc_out[c, :, r0:r0 + n])
-                          for c in range(n_chunks)])
-        states.append(rows_to_state(st.m, st.l, st.acc, p, np))
+        states.append(rows_to_state(m_all[:, r0:r0 + n], l_all[:, r0:r0 + n], acc_all[:, r0:r0 + n], p, np))
         r0 += n
     return states
 

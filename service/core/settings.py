@@ -96,8 +96,8 @@ class ServiceSettings(BaseSettings):
     gpu_kernels: GpuKernels = Field(GpuKernels.GENERIC, description="GPU implementation: generic or fused "
                                                                     "(docs/GPU.md).")
     cpu_kernels: CpuKernels = Field(CpuKernels.AUTO, description="CPU implementation: numpy, fused (numba, "
-                                                                 "decode, and prefill of up to 128 rows per kv head "
-                                                                 "over resident keys; compiled before the worker "
+                                                                 "decode, and prefill over resident keys; compiled "
+                                                                 "before the worker "
                                                                  "serves) or auto (numpy at once, fused once compiled "
                                                                  "in the background).")
     heal_interval_s: float = Field(2.0, gt=0, description="How often dead workers are looked for and replaced.")

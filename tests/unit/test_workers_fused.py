@@ -225,6 +225,31 @@ def test_a_prefill_past_its_deadline_stops_between_row_tiles_and_keeps_the_kerne
     assert fused.available()  # a cut is no failure of the compiled path
 
 
+def test_a_long_prefill_holds_the_key_chunks_states_of_one_row_tile_not_of_all_its_rows(rng):
+    import tracemalloc
+
+    # One kv head at 2 threads: 8 key chunks, each with its own state until they merge. 2048 rows per
+    # kv head: 8 row tiles. acc over all rows is 1 MiB; kept per chunk for every row it would be 8 MiB.
+    n_k, h_q, d, d_v, n_q = 8 * fused.RESIDENT_BLOCK, 8, 16, 128, 256
+    k = rng.standard_normal((n_k, 1, d)).astype(np.float32)
+    v = rng.standard_normal((n_k, 1, d_v)).astype(np.float32)
+    view = StreamingKV.from_arrays(k, v, np.arange(n_k)).snapshot()
+    q = rng.standard_normal((n_q, h_q, d)).astype(np.float32)
+    q_pos, kernel = np.full(n_q, n_k), fused_opts(threads=2)
+    n_chunks = len(fused._chunks(n_k, fused.RESIDENT_BLOCK, 1, 2)) - 1
+    assert n_chunks == 8 and n_q * h_q > 4 * fused.ROW_TILE
+    partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(), kernel=kernel)  # compiled, warm
+    tracemalloc.start()
+    try:
+        partial_attention_resident(q, view, q_pos=q_pos, options=AttentionOptions(), kernel=kernel)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    acc_bytes = n_q * h_q * d_v * 4  # the call's answer holds one; measured: 4.5 MiB at the peak, 12.4 before
+    assert peak < 0.75 * n_chunks * acc_bytes, f"peak {peak / 2**20:.1f} MiB"
+    assert fused.available()
+
+
 # -- selection and fallback ---------------------------------------------------------------------
 
 def problem_and_kv(rng, n_q=1, layout="inline"):
@@ -236,7 +261,7 @@ def problem_and_kv(rng, n_q=1, layout="inline"):
     return q, p, kv
 
 
-def test_choose_runs_fused_only_where_asked_and_short_of_prefill(rng):
+def test_choose_runs_fused_where_asked_and_prefill_only_over_resident_keys(rng):
     _, p, kv = problem_and_kv(rng)
     assert fused.choose([p], kv, KernelOptions()) is fused.CpuPath.NUMPY  # the default
     assert fused.choose([p], kv, fused_opts()) is fused.CpuPath.FUSED
@@ -248,10 +273,8 @@ def test_choose_runs_fused_only_where_asked_and_short_of_prefill(rng):
     assert fused.choose([p], kv, fused_opts()) is fused.CpuPath.NUMPY
     _, p, view = problem_and_kv(rng, n_q=9, layout="resident")  # over the resident layout: the register tiles
     assert fused.choose([p], view, fused_opts()) is fused.CpuPath.FUSED
-    _, p, view = problem_and_kv(rng, n_q=fused.PREFILL_ROWS // 4, layout="resident")  # 128 rows: still the tiles
+    _, p, view = problem_and_kv(rng, n_q=600, layout="resident")  # 2400 rows: a prefill, on the (packed) tiles
     assert fused.choose([p], view, fused_opts()) is fused.CpuPath.FUSED
-    _, p, view = problem_and_kv(rng, n_q=fused.PREFILL_ROWS // 4 + 1, layout="resident")  # 132: BLAS's products
-    assert fused.choose([p], view, fused_opts()) is fused.CpuPath.NUMPY
 
 
 def test_auto_picks_numpy_until_this_process_has_warmed_the_kernels_then_fused(rng, monkeypatch):
