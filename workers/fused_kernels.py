@@ -24,8 +24,9 @@ For bfloat16 and float16 keys, steps 1 and 4 run on register-tile micro-kernels:
 ``workers.fused_micro`` for the resident layout's scores and for ``p @ v``,
 ``workers.fused_dots`` for the inline layout's scores (:func:`scores_dmajor`,
 :func:`scores_rows`, :func:`pv` and :func:`pv_dense` pick at compile time; :func:`_micro`
-says why); float32 keys and values of the resident layout take the tiles too
-(:func:`_dense_choice`); every other float32 and float64 product runs the loops here,
+says why); float32 keys and values of the resident layout, and float32 keys of the inline
+layout's scores, take the tiles too (:func:`_dense_choice`); every other float32 and float64
+product runs the loops here,
 which numba vectorises.
 
 Each row's arithmetic is in a fixed order that depends on the row alone (its
@@ -340,17 +341,24 @@ def _micro(rows: Any, out: Any, keys: Any) -> bool:
 
     For 16-bit keys they widen each element once for four rows, where the loops below widen it
     once per row: the resident layout read 1.6-1.8x faster, the inline one 1.3-1.45x. For float32
-    keys the loops measured as fast or faster (0.94-0.97x inline; benchmarks/results/2026-12-02/NOTES.md, "Register
-    tiles" and "Inline scores as register tiles"), so float32 keys stay on them, except in the
-    resident layout (:func:`_dense_choice`).
+    keys the loops measured as fast or faster on the hosts of 2026-12-02 (0.94-0.97x inline;
+    benchmarks/results/2026-12-02/NOTES.md, "Register tiles" and "Inline scores as register tiles"),
+    so inline float32 ``p @ v`` on eight lanes stays on them; the resident layout and the inline
+    scores take float32 keys on the tiles (:func:`_dense_choice`).
     """
     return (all(a.layout == "C" for a in (rows, out, keys)) and rows.dtype == types.float32
             and keys.dtype in (types.uint16, types.int16))
 
 
 def _dense_choice(rows: Any, out: Any, keys: Any) -> bool:
-    """Whether a product of the resident layout (d-major keys, value rows ``d_v`` apart) runs on
-    the register tiles: where :func:`_micro` says, and for float32 keys (values) too.
+    """Whether a product of the resident layout (d-major keys, value rows ``d_v`` apart), or the
+    inline layout's scores, runs on the register tiles: where :func:`_micro` says, and for float32
+    keys (values) too.
+
+    The inline scores' tiles read a pair of keys, every head, in address order and prefetch the
+    pair's values alongside; on a Zen 4 they read the whole inline float32 decode 1.18-1.29x faster
+    than the loop at 2 threads (15.4-15.6 against 12.1-13.2 GB/s, 256K keys, two alternating runs;
+    benchmarks/results/2026-12-07/NOTES.md, "A Zen 4 host, and keys packed for many rows").
 
     The resident layout's runs are contiguous, which the tiles read side by side and prefetch
     along (``workers.fused_micro``); there the tiles ran float32 ``p @ v`` at 1.5x the loop in
@@ -387,14 +395,14 @@ def _scores_dmajor_impl(q: Any, kind: Any, d: int, k: Any, base: int, step: int,
 def scores_rows(q: Any, kind: Any, d: int, k: Any, base: int, sk0: int, sk1: int, s: Any, nb: int, kw: Any,
                 lanes: Any, v: Any, vbase: int, sv0: int, zero: Any) -> None:
     """A block's scores over keys stored as rows, every kv head (numba only): ``s[h, r, j] =
-    q[h, r] . k[base + j*sk0 + h*sk1 :][:d]``; the tiles where :func:`_micro` says, else the loop."""
+    q[h, r] . k[base + j*sk0 + h*sk1 :][:d]``; the tiles where :func:`_dense_choice` says, else the loop."""
     raise NotImplementedError  # pragma: no cover
 
 
 @overload(scores_rows)
 def _scores_rows_impl(q: Any, kind: Any, d: int, k: Any, base: int, sk0: int, sk1: int, s: Any, nb: int,
                       kw: Any, lanes: Any, v: Any, vbase: int, sv0: int, zero: Any) -> Any:  # pragma: no cover
-    if _micro(q, s, k):
+    if _dense_choice(q, s, k):
         def tiles(q: Any, kind: Any, d: int, k: Any, base: int, sk0: int, sk1: int, s: Any, nb: int, kw: Any,
                   lanes: Any, v: Any, vbase: int, sv0: int, zero: Any) -> None:
             scores_rows_f32(q, d, k, base, sk0, sk1, s, nb, lanes, v, vbase, sv0)

@@ -500,7 +500,8 @@ def test_values_take_the_register_tiles_for_every_dtype_and_inline_float32_only_
 
 def test_resident_scores_take_the_register_tiles_for_float32_and_16_bit_keys_and_float64_the_loop():
     # workers.fused_kernels._dense_choice: d-major keys (the resident layout) run float32 on the
-    # tiles too, which prefetch along each run (benchmarks/results/2026-12-05/NOTES.md, "Scores prefetch along their own runs"); float64 and mixed dtypes,
+    # tiles too, which prefetch along each run (benchmarks/results/2026-12-05/NOTES.md, "Scores prefetch along their own runs"),
+    # and so do the inline layout's scores (2026-12-07/NOTES.md, "A Zen 4 host"); float64 and mixed dtypes,
     # and arrays that are not C-contiguous, take the loop.
     from numba.core import types
 
