@@ -119,17 +119,22 @@ for name in ("float32", "bfloat16", "float16"):
     nb, step = int(d["nb"]), int(d["step"])
     s = np.zeros((q.shape[0], nb), np.float32)
     fm.scores_dmajor_f32(q, np.ones(q.shape[0], np.int64), q.shape[1], k, 0, step, s, nb)
+    qb = d[f"qbig_{name}"]  # PACK_ROWS rows and more: the packed tiles
+    sb = np.zeros((qb.shape[0], nb), np.float32)
+    fm.scores_dmajor_f32(qb, np.ones(qb.shape[0], np.int64), qb.shape[1], k, 0, step, sb, nb)
     fm.pv_f32(p, np.ones(p.shape[0], np.int64), p.shape[1], v, 0, acc.shape[1], acc, acc.shape[1])
-    out[f"s_{name}"], out[f"acc_{name}"], out["lanes"] = s, acc, np.int64(fm.LANES)
+    out[f"s_{name}"], out[f"sbig_{name}"], out[f"acc_{name}"], out["lanes"] = s, sb, acc, np.int64(fm.LANES)
 np.savez(sys.argv[2], **out)
 """
 
 
 @pytest.mark.skipif(LANES == 8, reason="the compile target has no AVX-512F: the kernels run eight lanes already")
-def test_sixteen_lanes_give_bitwise_the_results_of_eight(rng, tmp_path):
+def test_sixteen_lanes_give_bitwise_the_results_of_eight(rng, tmp_path, pytestconfig):
     # The same arithmetic on twice the lanes: every score and every acc lane is the same chain of
     # fused multiply-adds, and the tails past the last whole tile (wider at 16 lanes) the same chain
-    # as a scalar loop. A child compiled for the host without AVX-512 runs eight lanes.
+    # as a scalar loop, on the panels and on the packed tiles. A child compiled for the host without
+    # AVX-512 runs eight lanes; its machine code is cached in pytest's cache folder (numba keys it
+    # by the source and the CPU features), so that only the first run compiles.
     import os
     import subprocess
     import sys
@@ -141,13 +146,16 @@ def test_sixteen_lanes_give_bitwise_the_results_of_eight(rng, tmp_path):
     for name, dtype in DTYPES.items():
         arrays[f"k_{name}"] = bits(rng.standard_normal(d * (nb + 3)).astype(np.float32).astype(dtype))
         arrays[f"q_{name}"] = rng.standard_normal((rows, d)).astype(np.float32)
+        arrays[f"qbig_{name}"] = rng.standard_normal((PACK_ROWS + 1, d)).astype(np.float32)
         arrays[f"v_{name}"] = bits(rng.standard_normal(2 * PV_KEYS * d_v + 7 * d_v).astype(np.float32).astype(dtype))
         arrays[f"p_{name}"] = rng.uniform(0, 1, (rows, 2 * PV_KEYS + 7)).astype(np.float32)
         arrays[f"acc_{name}"] = rng.standard_normal((rows, d_v)).astype(np.float32)
     np.savez(tmp_path / "in.npz", **arrays)
     features = ",".join(("-" + f[1:]) if f.startswith("+avx512") else f
                         for f in str(get_host_cpu_features()).split(","))
-    env = {**os.environ, "NUMBA_CPU_FEATURES": features, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    cache = getattr(pytestconfig, "cache", None)  # none under -p no:cacheprovider: a fresh folder, a compile
+    cache_dir = cache.mkdir("numba-eight-lanes") if cache is not None else tmp_path / "cache"
+    env = {**os.environ, "NUMBA_CPU_FEATURES": features, "NUMBA_CACHE_DIR": str(cache_dir)}
     subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "in.npz"), str(tmp_path / "eight.npz")],
                    env=env, check=True, timeout=300)
     eight = np.load(tmp_path / "eight.npz")
@@ -156,7 +164,11 @@ def test_sixteen_lanes_give_bitwise_the_results_of_eight(rng, tmp_path):
         q, k, p, v = (arrays[f"{x}_{name}"] for x in ("q", "k", "p", "v"))
         s = np.zeros((rows, nb), np.float32)
         scores_dmajor_f32(q, np.ones(rows, np.int64), d, k, 0, nb + 3, s, nb)
+        qb = arrays[f"qbig_{name}"]
+        sb = np.zeros((qb.shape[0], nb), np.float32)
+        scores_dmajor_f32(qb, np.ones(qb.shape[0], np.int64), d, k, 0, nb + 3, sb, nb)
         acc = arrays[f"acc_{name}"].copy()
         pv_f32(p, np.ones(rows, np.int64), p.shape[1], v, 0, d_v, acc, d_v)
         np.testing.assert_array_equal(s.view(np.uint32), eight[f"s_{name}"].view(np.uint32), err_msg=name)
+        np.testing.assert_array_equal(sb.view(np.uint32), eight[f"sbig_{name}"].view(np.uint32), err_msg=name)
         np.testing.assert_array_equal(acc.view(np.uint32), eight[f"acc_{name}"].view(np.uint32), err_msg=name)
