@@ -179,21 +179,6 @@ def _row(src: Any, si: int, w: Any, o: int, step: int, n: int, a: Any, ai: int,
     vstore(a, ai + LANES, a1)
 
 
-@numba.njit(inline="always", fastmath=_FM, nogil=True)
-def _scores_packed(q: Any, d: int, kp: Any, s: Any, r: int, j0: int) -> None:  # pragma: no cover - compiled
-    """Rows ``r..r+3``, keys ``j0 ..`` of the packed tile ``kp [d, TILE_KEYS]`` (float32): ``s`` over all dims,
-    one chain of fused multiply-adds per lane in dim order, as :func:`_scores_tile4` panel by panel."""
-    sb = s.shape[1]
-    z = vzero()
-    t = (z, z, z, z, z, z, z, z)
-    o, qi = 0, r * d
-    for _ in range(d):
-        t = _fma4(q, qi, d, vload(kp, o), vload(kp, o + LANES), t)
-        o += TILE_KEYS
-        qi += 1
-    _store4(s, r * sb + j0, sb, t)
-
-
 @numba.njit(inline="always", nogil=True)
 def _scores_dmajor_packed(q: Any, d: int, k: Any, base: int, step: int, s: Any, full: int) -> None:  # pragma: no cover
     """The whole tiles (keys ``< full``) of :func:`scores_dmajor_f32` for many rows (:data:`PACK_ROWS`):
@@ -211,8 +196,8 @@ def _scores_dmajor_packed(q: Any, d: int, k: Any, base: int, step: int, s: Any, 
             vstore(kp, t * TILE_KEYS + LANES, vload(k, o + LANES))
             o += step
         r = 0
-        while r + TILE_ROWS <= n_rows:
-            _scores_packed(q, d, kp, s, r, j0)
+        while r + TILE_ROWS <= n_rows:  # kp as a block of TILE_KEYS keys a dim: base -j0 puts key j0 at kp[0]
+            _scores_tile4(q, r, 0, d, kp, -j0, TILE_KEYS, j0, s, s.shape[1], True)
             r += TILE_ROWS
         while r < n_rows:  # rows past the last group of four, alone
             _row(q, r * d, kp, 0, TILE_KEYS, d, s, r * s.shape[1] + j0, True)
