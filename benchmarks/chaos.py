@@ -365,19 +365,32 @@ class Workload:
                     self.delete(c)
             self.stop.wait(pause_s)
 
-    def final(self) -> None:
-        """Each context's length and one read, once the faults have stopped and the service recovered."""
+    def readable(self, c: Context) -> tuple[bool, dict[str, Any]]:
+        """One look at ``c`` after the faults: its record, then a read; (answered, the op to record)."""
+        t0 = self.history.now()
+        outcome, answer = self.service.call("GET", f"/v1/contexts/{c.id}", timeout=30)
+        if outcome != "ok":
+            return False, {"op": "final", "ctx": c.ctx, "t0": t0, "t1": self.history.now(), "outcome": outcome,
+                           "error": answer}
+        op = self.read(c, "final")
+        op["length"] = int(answer["length"])
+        return op["outcome"] == "ok", op
+
+    def final(self, within_s: float) -> None:
+        """Each context's length and one read, once the faults have stopped and the service recovered.
+
+        A context that does not answer is looked at again each second for up to ``within_s`` in all (a
+        holder killed by the last fault may be found dead only now, and reloaded after); each look
+        that failed is kept as a ``final_retry`` (the checker reads only the last, as ``final``)."""
+        deadline = time.monotonic() + within_s
         for c in self.contexts:
             if c.id is None:
                 continue
-            t0 = self.history.now()
-            outcome, answer = self.service.call("GET", f"/v1/contexts/{c.id}", timeout=30)
-            if outcome != "ok":
-                self.history.add({"op": "final", "ctx": c.ctx, "t0": t0, "t1": self.history.now(),
-                                  "outcome": outcome, "error": answer})
-                continue
-            op = self.read(c, "final")
-            op["length"] = int(answer["length"])
+            answered, op = self.readable(c)
+            while not answered and not c.deleted and time.monotonic() < deadline:
+                self.history.add({**op, "op": "final_retry"})
+                time.sleep(1)
+                answered, op = self.readable(c)
             self.history.add(op)
 
 
@@ -505,16 +518,21 @@ def inject(injector: Injector, kinds: Sequence[str], gap_s: tuple[float, float],
 
 # -- the run ----------------------------------------------------------------------------------
 
-def recovered(service: Service, contexts: Sequence[Context], within_s: float) -> float | None:
-    """Seconds until every front end answers /readyz 200 and every context left is ``ready``; None if not."""
+def recovered(service: Service, work: Workload, within_s: float) -> float | None:
+    """Seconds until every front end answers /readyz 200 and every context left is ``ready`` and answers
+    a read (recorded, and checked as any other); None if not within ``within_s``."""
     start = time.monotonic()
     while time.monotonic() - start < within_s:
         urls = [fe.url for fe in service.front_ends]
         ready = all(u and common.http_status(u + "/readyz", timeout=10) == 200 for u in urls)
-        states = [service.call("GET", f"/v1/contexts/{c.id}", timeout=15) for c in contexts
-                  if c.id is not None and not c.deleted]
+        live = [c for c in work.contexts if c.id is not None and not c.deleted]
+        states = [service.call("GET", f"/v1/contexts/{c.id}", timeout=15) for c in live]
         if ready and all(o == "ok" and a.get("state") == "ready" for o, a in states):
-            return time.monotonic() - start
+            reads = [work.read(c) for c in live]
+            for op in reads:
+                work.history.add(op)
+            if all(op["outcome"] == "ok" for op in reads):
+                return time.monotonic() - start
         time.sleep(1)
     return None
 
@@ -569,8 +587,8 @@ def _run(opts: Options, cluster: Any, front_ends: Sequence[FrontEnd], persist: P
     work.stop.set()
     for t in threads:
         t.join()
-    recovery = recovered(service, work.contexts, opts.recover_s)
-    work.final()
+    recovery = recovered(service, work, opts.recover_s)
+    work.final(opts.recover_s if recovery is None else opts.recover_s - recovery)
     write_history(opts.out / "history.jsonl", history.ops)
     return summarize(opts, read_history(opts.out / "history.jsonl"), kinds, mounted, recovery)
 
@@ -587,6 +605,10 @@ def summarize(opts: Options, ops: list[dict[str, Any]], kinds: Sequence[str], mo
         "operations": len(ops), "reads_checked": report.reads_checked,
         "appends_acknowledged": report.appends_acknowledged, "finals_checked": report.finals_checked,
         "unavailable_at_end": report.unavailable_at_end, "recovered_after_faults_s": recovery,
+        "final_retries": [{"ctx": op["ctx"], "t0": op["t0"], "error": op.get("error")} for op in ops
+                          if op["op"] == "final_retry"][:20],
+        "unavailable_errors": [{"ctx": op["ctx"], "error": op.get("error")} for op in ops
+                               if op["op"] == "final" and op["ctx"] in report.unavailable_at_end],
         "violations": {rule: report.count(rule) for rule in ("stale_read", "lost_ack", "unsent", "wrong",
                                                                        "resurrected")},
         "violation_examples": [{"rule": v.rule, "ctx": v.ctx, "detail": v.detail, "op": v.op}

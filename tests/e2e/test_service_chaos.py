@@ -21,4 +21,5 @@ def test_a_short_fault_soak_loses_no_acknowledged_write_and_answers_nothing_wron
     faults = sum(f["injected"] for f in summary["per_fault"].values())
     assert faults >= 4 and not summary["not_injected_errors"], summary
     # Every context not deleted is readable again once the faults stop, without a hand on it.
-    assert summary["recovered_after_faults_s"] is not None and summary["unavailable_at_end"] == [], summary
+    assert summary["recovered_after_faults_s"] is not None, summary
+    assert summary["unavailable_at_end"] == [], (summary["unavailable_errors"], summary["final_retries"])

@@ -100,6 +100,14 @@ def test_a_deleted_context_that_answers_at_the_end_is_resurrected():
     assert rules([created(), deleted, final(FIRST)]) == ["resurrected"]
 
 
+def test_a_final_look_retried_is_judged_by_its_last_look_only():
+    failed = {"op": "final_retry", "ctx": CTX, "t0": 99.0, "t1": 99.5, "outcome": "refused", "error": "503 x"}
+    report = chaos.check([created(), failed, final(FIRST)], SEED)
+    assert report.ok and report.unavailable_at_end == [] and report.finals_checked == 1
+    last_failed = {**failed, "op": "final", "t0": 100.0}
+    assert chaos.check([created(), failed, last_failed], SEED).unavailable_at_end == [CTX]
+
+
 def test_availability_counts_answers_and_recovery_per_fault_kind():
     fault = {"op": "fault", "kind": "worker_kill", "t0": 10.0, "t1": 10.5, "target": "pid 1"}
     history = [created(), append(FIRST, 2.0, 3.0), fault, append(FIRST + 8, 11.0, 12.0, "refused"),
