@@ -32,8 +32,13 @@ which numba vectorises.
 Each row's arithmetic is in a fixed order that depends on the row alone (its
 dot products, its block skips, its reductions), never on how many rows share the
 call: a row gives bitwise the same state alone or in a batch. ``FASTMATH`` lets
-LLVM reassociate reductions (a fixed, compile-time order, so results are
-deterministic) but keeps infinities and NaNs, which the masks rely on.
+LLVM reassociate the loops' reductions but keeps infinities and NaNs, which the masks
+rely on. A grouping LLVM chooses is not always the same from one compile to the next:
+the sum of a row's probabilities (``l``) came out one way in the process that compiled
+the kernel and another in a process that loaded it from numba's disk cache, so a
+restarted worker changed a last bit. That sum is written in one order
+(:func:`sum_in_order`), and a compile and a load are compared bit for bit
+(tests/e2e/test_workers_fused.py).
 """
 
 from __future__ import annotations
@@ -51,11 +56,13 @@ from workers.fused_dots import TILE_ROWS as DOT_ROWS
 from workers.fused_dots import scores_rows_f32
 from workers.fused_micro import pv_f32, scores_dmajor_f32
 from workers.fused_simd import WIDE, _bits_to_f32, narrow, widen
+from workers.fused_simd import add_exact as _add_exact
 from workers.fused_simd import vmax as _vmax
 from workers.fused_simd import vmax_lanes as _vmax_lanes
 from workers.fused_simd import wload as _wload
 
 # The vector intrinsics, typed as their calls in compiled code read (numba supplies the typing context).
+add_exact: Any = _add_exact
 vmax: Any = _vmax
 vmax_lanes: Any = _vmax_lanes
 wload: Any = _wload
@@ -72,7 +79,7 @@ _U = np.uint64
 #: cache (``cache=True``) checks only this file's stamp, so a change to those files must change
 #: this one too, or a worker would load machine code built from the old micro-kernels;
 #: tests/unit/test_workers_fused.py recomputes the digest.
-COMPILED_IN_DIGEST = "0b0e5ea82cbc28a3"
+COMPILED_IN_DIGEST = "dffed0c57655fbfd"
 
 
 def expo(x: Any) -> Any:
@@ -151,17 +158,36 @@ def _softmax(s: Any, r: int, nb: int, m: Any, l: Any, acc: Any, d_v: int, zero: 
     # so exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN.
     m_ref = mb if mb != -np.inf else zero
     alpha = expo(m[r] - m_ref)  # rescale of the old state; 0 while it was empty
-    lsum = zero
     for jj in range(nb):
-        p = expo(srow[jj] - m_ref)  # masked keys give exactly 0
-        srow[jj] = p
-        lsum += p
-    l[r] = l[r] * alpha + lsum
+        srow[jj] = expo(srow[jj] - m_ref)  # masked keys give exactly 0
+    l[r] = l[r] * alpha + sum_in_order(srow, nb, zero)
     if alpha != 1:
         arow = acc[r]  # [d_v]
         for e in range(d_v):
             arow[e] *= alpha
     m[r] = mb
+
+
+@numba.njit(inline="always", nogil=True)
+def sum_in_order(row: Any, nb: int, zero: Any) -> Any:  # pragma: no cover - compiled
+    """``row[0] + ... + row[nb - 1]`` in one fixed order, the same wherever and however the kernel was
+    compiled: eight running sums (element ``j`` into sum ``j % 8``) over the whole groups of eight,
+    folded as ``((s0+s1) + (s2+s3)) + ((s4+s5) + (s6+s7))``, then the rest in order; every add is
+    :func:`workers.fused_simd.add_exact`, so LLVM cannot regroup it (see there why that matters).
+    ``zero`` is 0 in ``row``'s dtype."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    j = 0
+    while j + 8 <= nb:
+        s0, s1 = add_exact(s0, row[j]), add_exact(s1, row[j + 1])
+        s2, s3 = add_exact(s2, row[j + 2]), add_exact(s3, row[j + 3])
+        s4, s5 = add_exact(s4, row[j + 4]), add_exact(s5, row[j + 5])
+        s6, s7 = add_exact(s6, row[j + 6]), add_exact(s7, row[j + 7])
+        j += 8
+    total = add_exact(add_exact(add_exact(s0, s1), add_exact(s2, s3)), add_exact(add_exact(s4, s5), add_exact(s6, s7)))
+    while j < nb:
+        total = add_exact(total, row[j])
+        j += 1
+    return total
 
 
 def row_max(row: Any, nb: int, start: Any) -> Any:

@@ -40,6 +40,8 @@ the rest take vectors of either width:
 * :func:`vmax` the larger per lane, :func:`vmax_lanes` the largest lane;
 * :func:`vsum8` the lane sums of eight ``f32x8`` as one (lane ``i``: the
   sum of vector ``i``'s lanes, the same fixed tree for every lane);
+* :func:`add_exact` ``a + b`` on scalars that LLVM never regroups, whatever fast-math
+  the enclosing function allows: a sum built of it keeps its written order;
 * :func:`prefetch` a hint to bring a cache line into L2 (``llvm.prefetch``, locality
   :data:`PREFETCH_LOCALITY`).
 
@@ -372,10 +374,23 @@ def vmax_lanes(typingctx: Any, a: Any) -> Any:  # pragma: no cover - compiled
     return types.float32(a), codegen
 
 
+def _fadd_in_order(builder: Any, a: Any, b: Any) -> Any:
+    """``a + b`` that no fast-math flag lets LLVM regroup.
+
+    numba gives every ``fadd`` without flags in a ``fastmath`` function that function's flags
+    (``numba.core.fastmathpass``: ``reassoc`` among them for the kernels), even one an intrinsic
+    emits. One that already has a flag is left alone, so this one carries ``arcp`` (approximate
+    reciprocals: nothing an add does), and no ``reassoc``.
+    """
+    out = builder.fadd(a, b)
+    out.flags.append("arcp")
+    return out
+
+
 def _lane_pairs(builder: Any, a: Any, b: Any, lo: list[int], hi: list[int]) -> Any:
-    """``shuffle(a, b, lo) + shuffle(a, b, hi)``: one level of :func:`vsum8`'s tree (no fast-math flags)."""
+    """``shuffle(a, b, lo) + shuffle(a, b, hi)``: one level of :func:`vsum8`'s tree (never regrouped)."""
     pick = [builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, LANES), m)) for m in (lo, hi)]
-    return builder.fadd(pick[0], pick[1])
+    return _fadd_in_order(builder, pick[0], pick[1])
 
 
 @intrinsic
@@ -400,6 +415,25 @@ def vsum8(typingctx: Any, a0: Any, a1: Any, a2: Any, a3: Any, a4: Any, a5: Any, 
         return _lane_pairs(builder, two[0], two[1], [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15])
 
     return f32x8(a0, a1, a2, a3, a4, a5, a6, a7), codegen
+
+
+@intrinsic
+def add_exact(typingctx: Any, a: Any, b: Any) -> Any:  # pragma: no cover - compiled
+    """``a + b`` (two float32 or two float64), never reassociated with the adds around it.
+
+    The kernels compile with ``reassoc`` (``workers.fused_kernels.FASTMATH``), which lets LLVM
+    regroup a sum as it likes; the grouping it chose for a sum of a row's probabilities was not the
+    same in the process that compiled the kernel and in one that loaded it from numba's disk cache
+    (a last bit of ``l``). This add cannot be regrouped (:func:`_fadd_in_order`): LLVM may still
+    put independent ones side by side in a vector, which changes no result.
+    """
+    if not (isinstance(a, types.Float) and a == b):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return _fadd_in_order(builder, args[0], args[1])
+
+    return a(a, b), codegen
 
 
 #: ``llvm.prefetch`` locality of :func:`prefetch`: 2, into L2 and not L1 (``prefetcht1`` on x86). A

@@ -479,6 +479,34 @@ def test_kernel_file_names_the_digest_of_the_micro_kernels_it_compiles_in():
     assert fused.kernels().COMPILED_IN_DIGEST == digest.hexdigest()[:16]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_row_of_probabilities_is_summed_in_its_written_order_under_reassoc(rng, dtype):
+    # The kernels compile with FASTMATH's reassoc; the sum behind l must keep one order wherever it is
+    # compiled (tests/e2e/test_workers_fused.py runs a compile against a load from the disk cache).
+    import numba
+
+    kernels = fused.kernels()
+    summed = numba.njit(fastmath=kernels.FASTMATH)(lambda row, nb, zero: kernels.sum_in_order(row, nb, zero))
+
+    def written(row: np.ndarray) -> float:  # element j into sum j % 8 over whole groups, a fixed tree, the rest
+        n8 = row.size // 8 * 8
+        s = [dtype(0)] * 8
+        for j in range(n8):
+            s[j % 8] = dtype(s[j % 8] + row[j])
+        total = dtype(dtype(dtype(s[0] + s[1]) + dtype(s[2] + s[3])) + dtype(dtype(s[4] + s[5]) + dtype(s[6] + s[7])))
+        for x in row[n8:]:
+            total = dtype(total + x)
+        return total
+
+    differs = 0
+    for nb in [*range(0, 20), 63, 64, 65, 1000, 1024]:
+        row = rng.uniform(0, 1, nb + 3).astype(dtype) ** 3  # [nb + 3]: elements past nb are not summed
+        got = dtype(summed(row, nb, dtype(0)))
+        assert np.asarray(got).tobytes() == np.asarray(written(row[:nb])).tobytes(), nb
+        differs += bool(nb) and got != np.cumsum(row[:nb], dtype=dtype)[-1]
+    assert differs, "the order must matter for these rows, or the test could not fail"
+
+
 def test_values_take_the_register_tiles_for_every_dtype_and_inline_float32_only_at_sixteen_lanes():
     # workers.fused_kernels.pv_dense (resident: value rows d_v apart) runs float32 on the tiles too;
     # pv (inline: value rows a whole key apart) keeps float32 on the loop at eight lanes
