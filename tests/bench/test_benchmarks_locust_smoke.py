@@ -39,10 +39,12 @@ def run_locust(host: str, tmp_path, seconds: int = 4, *, from_root: bool = False
 def test_locust_decodes_over_a_stored_context_with_checked_answers_and_deletes_it(server, tmp_path):
     with Client(server.url) as c:
         before = {ctx["id"] for ctx in c.list_contexts()}
-    done, rows = run_locust(server.url, tmp_path, from_root=True)
+    # Eight seconds, and a few decodes asked for, not a rate: on a 2-core CI machine beside two other
+    # test processes, 4 s once gave two users two decodes in all (every user's first answer is checked).
+    done, rows = run_locust(server.url, tmp_path, seconds=8, from_root=True)
     assert done.returncode == 0, done.stdout + done.stderr
     row = rows["/v1/attention (decode)"]
-    assert int(row["Request Count"]) > 10 and int(row["Failure Count"]) == 0
+    assert int(row["Request Count"]) >= 4 and int(row["Failure Count"]) == 0
     with Client(server.url) as c:
         assert {ctx["id"] for ctx in c.list_contexts()} == before
 
@@ -50,7 +52,7 @@ def test_locust_decodes_over_a_stored_context_with_checked_answers_and_deletes_i
 @pytest.mark.ray
 def test_locust_counts_wrong_answers_as_failures(server, tmp_path):
     with WrongAnswers(server.port, lambda out, lse: (out, lse + np.float32(0.5))) as proxy:
-        done, rows = run_locust(proxy.url, tmp_path, seconds=3)
+        done, rows = run_locust(proxy.url, tmp_path, seconds=6)  # a user's second answer goes unchecked
     assert done.returncode == 1
     row = rows["/v1/attention (decode)"]
     assert int(row["Failure Count"]) > 0 and int(row["Failure Count"]) < int(row["Request Count"])  # the checked ones

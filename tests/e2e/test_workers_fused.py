@@ -47,8 +47,7 @@ from workers.options import AttentionOptions, KernelOptions
 rng = np.random.default_rng(5)
 out = {}
 t0 = time.perf_counter()
-cases = [(dt, n_q, n_k, block) for dt in (np.float32, np.float64)  # float64: the loops, not the tiles
-         for n_q, n_k, block in [(1, 1000, None), (3, 300, 7), (20, 700, 64)]]
+cases = [(np.float32, n_q, n_k, block) for n_q, n_k, block in [(1, 1000, None), (3, 300, 7), (20, 700, 64)]]
 for i, (dt, n_q, n_k, block) in enumerate(cases):
     q = rng.standard_normal((n_q, 16, 64)).astype(dt)  # [n_q, h_q, d]
     k, v = (rng.standard_normal((n_k, 4, 64)).astype(dt) for _ in range(2))  # [n_k, h_kv, d]
@@ -67,13 +66,14 @@ np.savez(sys.argv[1], **out)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 def test_a_kernel_loaded_from_the_disk_cache_answers_bitwise_as_the_process_that_compiled_it(tmp_path):
     # The kernels compile with reassoc, and LLVM grouped the sum of a row's probabilities one way in the
     # process that compiled them and another in a process that loaded them from numba's disk cache: a
     # worker restarted over the same cache changed the last bit of some l. The sum is now written in
-    # one order (workers.fused_kernels.sum_in_order); this runs a compile and a load, float32 (the
-    # register tiles) and float64 (the loops) only (every dtype would take minutes), and compares every bit.
+    # one order (workers.fused_kernels.sum_in_order); this runs a compile and a load, float32 only (every
+    # dtype would take minutes of a CI machine's two cores; float64's loops agreed too when measured,
+    # benchmarks/results/2026-12-07/NOTES.md), and compares every bit.
     import os
     import subprocess
     import sys
@@ -89,7 +89,7 @@ def test_a_kernel_loaded_from_the_disk_cache_answers_bitwise_as_the_process_that
     assert any(cache.rglob("*.nbi")), "the first child must have written numba's cache"
     assert float(loaded["seconds"]) < float(compiled["seconds"]) / 2, "the second child must have loaded it"
     keys = [k for k in compiled.files if k != "seconds"]
-    assert len(keys) == 2 * (3 * 3 + 3)
+    assert len(keys) == 3 * 3 + 3
     for key in keys:
         np.testing.assert_array_equal(compiled[key], loaded[key], err_msg=key, strict=True)
         assert compiled[key].tobytes() == loaded[key].tobytes(), key  # bits: -0.0 is not 0.0 here
