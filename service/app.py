@@ -125,6 +125,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
                 # left for later it ran after the disconnect, where a Ray call starts ray.init() and
                 # the process hung instead of exiting.
                 await asyncio.wait({healer}, timeout=HEALER_STOP_S)
+                directory.close()  # a write the second signal left behind meets ShuttingDown, not Ray
                 state.runtime = None
         finally:
             pool.shutdown()

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 
 import ray
-from ray._private import ray_constants
+from ray._private import auto_init_hook, ray_constants
 
 from service.core.settings import ServiceSettings
 
@@ -21,6 +21,7 @@ def connect(settings: ServiceSettings) -> bool:
     """Start an embedded Ray (loopback, no dashboard) or join a cluster; True if we started it."""
     if ray.is_initialized():
         return False
+    _no_auto_init()
     verbose = settings.log_level == "debug"
     route_ray_logs(verbose)
     if settings.ray_address is None:
@@ -35,6 +36,19 @@ def connect(settings: ServiceSettings) -> bool:
     ray.init(address=settings.ray_address, namespace=settings.ray_namespace, log_to_driver=verbose,
              configure_logging=False)
     return False
+
+
+def _no_auto_init() -> None:
+    """Turn off Ray's auto-init in this process: a call through Ray after :func:`disconnect` raises.
+
+    Ray wraps its API (``.remote()``, ``ray.get``) so that a call made while it is not
+    connected starts a new local instance. A write that outlives the lifespan (a second
+    signal stops the server without waiting for it, ``service.core.drain``) would then
+    start a whole Ray on the way out, for seconds, and leave its session behind. Ray reads
+    ``RAY_ENABLE_AUTO_CONNECT`` once, at import, into this flag; the service always calls
+    ``ray.init`` itself.
+    """
+    auto_init_hook.enable_auto_connect = False
 
 
 def route_ray_logs(verbose: bool) -> None:

@@ -31,7 +31,7 @@ import ray
 
 from service.cluster.channel import ChannelClosed, WorkerChannel
 from service.contexts.records import ContextRecord
-from service.core.errors import WorkersUnavailable
+from service.core.errors import ShuttingDown, WorkersUnavailable
 from service.core.settings import ServiceSettings
 from workers import frames
 from workers.channel import Listener
@@ -333,6 +333,16 @@ class Directory:
         self._channel_lock = asyncio.Lock()
         #: monotonic time before which no channel is opened (inf: never; none asked for, or none there)
         self._channel_retry_at = 0.0 if channel else math.inf
+        #: True once the lifespan is about to leave Ray (:meth:`close`): every call is ShuttingDown
+        self.closed = False
+
+    def close(self) -> None:
+        """Take no more calls: the lifespan leaves Ray next. A write still running (a second signal
+        stopped the server without waiting for it) gets :class:`ShuttingDown` from its next call."""
+        self.closed = True
+        self._channel_retry_at = math.inf
+        if self._channel is not None:
+            self._channel.close()
 
     @classmethod
     async def connect(cls, settings: ServiceSettings, worker_names: list[str], detached: bool) -> Directory:
@@ -390,10 +400,14 @@ class Directory:
     async def _call(self, call: Callable[[Any], Any]) -> Any:
         """Call the directory; while Ray restarts it (it rebuilds from the workers), retry.
 
-        A directory that stays away past ``DIRECTORY_WAIT_S`` is a 503, never a 500.
+        A directory that stays away past ``DIRECTORY_WAIT_S`` is a 503, never a 500; so is a call
+        made after :meth:`close` (a write the second signal left behind, ``service.core.drain``):
+        :class:`ShuttingDown`.
         """
         deadline = time.monotonic() + DIRECTORY_WAIT_S
         while True:
+            if self.closed:
+                raise ShuttingDown("the server is stopping: its contexts directory is no longer reachable")
             try:
                 return await call(self.handle)
             except (ray.exceptions.ActorUnavailableError, ray.exceptions.ActorDiedError) as exc:

@@ -49,6 +49,7 @@ from service.core.errors import (
     InvalidOption,
     InvalidTensor,
     LengthMismatch,
+    ShuttingDown,
     WorkersUnavailable,
     client_input,
 )
@@ -535,12 +536,20 @@ class ContextService:
             with timings.measure("lease"):
                 lease = await self._acquire(ctx_id)
             renewing = asyncio.ensure_future(self._renew(ctx_id, lease.owner))
+            failed = True
             try:
                 yield lease
+                failed = False
             finally:
                 renewing.cancel()
                 with timings.measure("lease"):
-                    lease.released = await self.directory.release(ctx_id, lease.owner)
+                    try:
+                        lease.released = await self.directory.release(ctx_id, lease.owner)
+                    except ShuttingDown:
+                        if not failed:
+                            raise
+                        # The operation's own exception (a cancel: the server stops now) is its
+                        # answer; the lease expires by itself after LEASE_TTL_S.
         finally:
             turn.release()
 

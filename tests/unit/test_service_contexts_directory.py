@@ -228,6 +228,31 @@ def test_a_call_whose_channel_broke_goes_through_ray():
     assert channel.closed and handle.calls == ["begin", "release"]
 
 
+def test_a_closed_directory_answers_shutting_down_without_calling_ray():
+    """The lifespan closes the directory before it leaves Ray: a write the second signal left
+    running gets ShuttingDown (503) from its next call, never a call into a Ray that is gone."""
+    import asyncio
+
+    from service.contexts.directory import Directory
+    from service.core.errors import ShuttingDown
+
+    actor = DirectoryActor([], "ns")
+    actor.commit(record("c"))
+    handle, channel = FakeHandle(actor), FakeChannel(actor)
+    d = Directory(handle, channel=True)
+    d._channel = channel
+
+    async def run():
+        assert (await d.begin("c", "a", 60))[0]
+        d.close()
+        for call in (d.release("c", "a"), d.get("c"), d.commit(record("c", 2), "a")):
+            with pytest.raises(ShuttingDown, match="the server is stopping"):
+                await call
+
+    asyncio.run(run())
+    assert channel.closed and channel.calls == ["begin"] and handle.calls == []
+
+
 def test_a_call_the_channel_cannot_carry_goes_through_ray():
     import asyncio
 

@@ -78,3 +78,32 @@ def test_a_lease_whose_holder_died_lets_the_next_write_in_after_the_ttl(monkeypa
             pool.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_release_the_stopping_server_cannot_make_leaves_the_writes_own_outcome(monkeypatch, rng):
+    """A second signal stops the server while a write is in flight; the lifespan has left Ray,
+    so the release raises ShuttingDown (service.contexts.directory). A write that was cut ends
+    with its own cancel (nothing logged as a crash); one that finished is answered 503."""
+    import pytest
+
+    from service.core.errors import ShuttingDown
+
+    async def main():
+        pool, directory, contexts = await started(2)
+        try:
+            ctx = (await contexts.create(write(*kv(rng, 10)), Timings()))["id"]
+
+            async def gone(*_args):
+                raise ShuttingDown("the server is stopping")
+
+            monkeypatch.setattr(directory, "release", gone)
+            with pytest.raises(asyncio.CancelledError):
+                async with contexts._lease(ctx, Timings()):
+                    raise asyncio.CancelledError
+            with pytest.raises(ShuttingDown):
+                async with contexts._lease(ctx, Timings()):
+                    pass
+        finally:
+            pool.shutdown()
+
+    asyncio.run(main())
