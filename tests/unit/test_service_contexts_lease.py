@@ -91,17 +91,17 @@ def test_a_release_the_stopping_server_cannot_make_leaves_the_writes_own_outcome
     async def main():
         pool, directory, contexts = await started(2)
         try:
-            ctx = (await contexts.create(write(*kv(rng, 10)), Timings()))["id"]
+            cut, done = [(await contexts.create(write(*kv(rng, 10)), Timings()))["id"] for _ in range(2)]
 
             async def gone(*_args):
                 raise ShuttingDown("the server is stopping")
 
             monkeypatch.setattr(directory, "release", gone)
             with pytest.raises(asyncio.CancelledError):
-                async with contexts._lease(ctx, Timings()):
+                async with contexts._lease(cut, Timings()):
                     raise asyncio.CancelledError
-            with pytest.raises(ShuttingDown):
-                async with contexts._lease(ctx, Timings()):
+            with pytest.raises(ShuttingDown):  # (another context: cut's lease is left to expire)
+                async with contexts._lease(done, Timings()):
                     pass
         finally:
             pool.shutdown()
