@@ -71,3 +71,25 @@ def client(server):
     with Client(server.url) as c:
         yield c
 
+
+def _module_weight(items: list[pytest.Item]) -> tuple[int, float, int, int]:
+    """How early a module should start (smaller first): end-to-end and bench tiers before the unit tier,
+    then by the longest timeout its tests declare, the tests marked slow, and the number of tests."""
+    tier = items[0].path.parent.name
+    timeout = max((float(m.args[0]) for item in items for m in item.iter_markers("timeout") if m.args), default=0.0)
+    slow = sum(1 for item in items if item.get_closest_marker("slow") is not None)
+    return (0 if tier in ("e2e", "bench") else 1, -timeout, -slow, -len(items))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules in the order they should start: longest expected first.
+
+    ``--dist loadfile`` hands whole modules to the processes in collection order (pyproject.toml turns
+    off xdist's own reorder, which puts the modules with the most tests first and so the one-test
+    soaks and benchmark smokes of one or two minutes last, where each ran alone at the end of a CI
+    run). Within a module the order is kept."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(str(item.path), []).append(item)
+    items[:] = [item for group in sorted(modules.values(), key=_module_weight) for item in group]
