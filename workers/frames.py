@@ -35,7 +35,7 @@ from merge import State
 from workers.dtypes import BFLOAT16
 from workers.options import AttentionOptions
 from workers.problem import Arange
-from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, arrive
+from workers.tasks import Carried, ComputeStatus, ResidentQuery, ShardQuery, ShardRead
 from workers.tracing import MAX_TRACEPARENT
 
 PREFIX = struct.Struct("<IQ")
@@ -301,12 +301,6 @@ def parse_done(header: Mapping[str, Any]) -> Any:
     if header.get("op") != "done":
         raise FrameError(f"a write's reply must be done or error, got {str(header.get('op'))[:40]!r}")
     return header.get("result")
-
-
-def _text(x: Any) -> str:
-    if not isinstance(x, str):
-        raise TypeError(f"expected a string, got {type(x).__name__}")
-    return x
 
 
 def _count(x: Any) -> int:

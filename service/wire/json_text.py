@@ -8,8 +8,7 @@ for it again). So the front end writes JSON answers on the event loop itself, in
 allow_nan=False)``, with each :class:`JsonArray` in the document as nested lists
 (non-finite values ``null``: ``values.array_to_json``), one ``json.dumps`` call per
 :data:`PIECE_NUMBERS` numbers at most, and awaits ``asyncio.sleep(0)`` between pieces,
-so other requests are served between them. :func:`dumps_json` writes the same text at
-once (small documents, tests).
+so other requests are served between them.
 """
 
 from __future__ import annotations
@@ -40,16 +39,9 @@ class JsonArray:
     flat: bool = False
 
 
-def dumps_json(doc: Any) -> bytes:
-    """``doc`` (dicts with string keys, lists, strings, numbers, None and :class:`JsonArray`) as compact JSON."""
-    parts: list[str] = []
-    for _ in _write(doc, parts):
-        pass
-    return "".join(parts).encode()
-
-
 async def write_json(doc: Any) -> bytes:
-    """:func:`dumps_json`, letting the event loop run other tasks after each piece of an array."""
+    """``doc`` (dicts with string keys, lists, strings, numbers, None and :class:`JsonArray`) as compact
+    JSON, letting the event loop run other tasks after each piece of an array."""
     parts: list[str] = []
     for _ in _write(doc, parts):
         await asyncio.sleep(0)

@@ -1,5 +1,6 @@
 """service.wire.batch: batch bodies read into items (each checked, or refused alone) and answers written."""
 
+import asyncio
 import json
 
 import numpy as np
@@ -17,10 +18,16 @@ from service.wire.batch import (
     encode_binary_batch,
     json_batch,
 )
-from service.wire.json_text import dumps_json
+from service.wire.json_text import write_json
 from service.wire.request import AttentionRequest
 from service.wire.rules import Limits
 from service.wire.safetensors import encode_safetensors, to_bytes
+
+
+def _dumps_json(doc):
+    """The text ``write_json`` answers with, at once."""
+    return asyncio.run(write_json(doc))
+
 
 Q = np.ones((2, 4, 8), np.float32)
 
@@ -96,7 +103,7 @@ def test_answers_round_trip_through_the_client_and_json():
     got = decode_batch(to_bytes(encode_binary_batch(answers)), 2)
     assert np.array_equal(got[0][0], out) and np.array_equal(got[0][1], lse)
     assert isinstance(got[1], SplitkeyError) and (got[1].status, got[1].code) == (404, "context_not_found")
-    doc = json.loads(dumps_json(json_batch(answers)))
+    doc = json.loads(_dumps_json(json_batch(answers)))
     assert doc["items"][0]["lse"] == [[1.0, None, 2.0, 3.0]]
     assert doc["items"][1] == {"error": {"status": 404, "code": "context_not_found", "detail": "items[1]: gone"}}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import ml_dtypes
@@ -22,8 +23,14 @@ from service.wire.json_codec import (
     decode_json_request,
     json_result,
 )
-from service.wire.json_text import dumps_json
+from service.wire.json_text import write_json
 from service.wire.rules import ATTENTION, CONTEXT_APPEND, CONTEXT_CREATE, Limits
+
+
+def _dumps_json(doc):
+    """The text ``write_json`` answers with, at once."""
+    return asyncio.run(write_json(doc))
+
 
 Q = [[[1, 2.5], [0.5, -1]]]  # [1, 2, 2]
 K = [[[1, 0]], [[0, 1]], [[-1, 0.25]]]  # [3, 1, 2]
@@ -32,7 +39,7 @@ V = [[[1, 2, 3]], [[4, 5, 6]], [[7, 8, 9]]]  # [3, 1, 3]
 
 def encode(out, lse):
     """A result's JSON text, as the routes write it (``json_text``)."""
-    return dumps_json(json_result(out, lse))
+    return _dumps_json(json_result(out, lse))
 
 
 def body(**fields) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from expect import given_options
 from expect import raised as api_error
 
-from service.wire.json_text import dumps_json
+from service.wire.json_text import write_json
 from service.wire.kserve import (
     RequestedOutput,
     decode_infer_request,
@@ -20,6 +21,12 @@ from service.wire.kserve import (
 )
 from service.wire.rules import Limits
 from workers.dtypes import BFLOAT16
+
+
+def _dumps_json(doc):
+    """The text ``write_json`` answers with, at once."""
+    return asyncio.run(write_json(doc))
+
 
 Q = np.arange(12, dtype=np.float32).reshape(1, 3, 4) / 8
 K = np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 16
@@ -230,7 +237,7 @@ def test_json_response_writes_negative_infinity_as_null():
     lse = np.array([[-np.inf], [0.5]], dtype=np.float32)
     doc, raw = infer_response("r", {"out": out, "lse": lse},
                               (RequestedOutput("out", False), RequestedOutput("lse", False)))
-    body, n = response_body(dumps_json(doc), raw)
+    body, n = response_body(_dumps_json(doc), raw)
     assert n is None and not raw
     doc = json.loads(body)
     assert doc["model_name"] == "attention" and doc["model_version"] == "1" and doc["id"] == "r"
@@ -243,7 +250,7 @@ def test_binary_response_keeps_negative_infinity_and_orders_data_as_the_outputs(
     lse = np.array([[-np.inf], [0.5]])
     doc, raw = infer_response(None, {"out": out, "lse": lse},
                               (RequestedOutput("lse", True), RequestedOutput("out", True)))
-    body, n = response_body(dumps_json(doc), raw)
+    body, n = response_body(_dumps_json(doc), raw)
     doc = json.loads(body[:n])
     assert "id" not in doc
     assert [(o["name"], o["datatype"], o["parameters"]["binary_data_size"]) for o in doc["outputs"]] == \
