@@ -52,6 +52,7 @@ from service.client.upload import (
     Upload,
     holding,
     is_length_mismatch,
+    may_have_arrived,
     plan_chunks,
     retry_delay,
 )
@@ -163,7 +164,7 @@ class AsyncClient:
         first, tensors = next(chunks)
         planned = expected_length if expected_length is not None else upload.total if len(bounds) > 1 else None
         desc = await self._send(upload, CREATE, _query({"replicas": replicas, "shards": shards,
-                                                        "expected_length": planned}), tensors)
+                                                        "expected_length": planned}), tensors, keys=first)
         upload.context_id = desc["id"]
         upload.commit(first)
         after = upload.start = upload.committed
@@ -182,7 +183,7 @@ class AsyncClient:
         bounds = await self._chunk_bounds(upload, k, v, k_pos, chunk_keys)
         path = f"{CREATE}/{context_id}/append"
         if len(bounds) == 1:  # one plain append, sent again only when surely not stored
-            only = await self._send(upload, path, "", {"k": k, "v": v, "k_pos": k_pos})
+            only = await self._send(upload, path, "", {"k": k, "v": v, "k_pos": k_pos}, keys=upload.total)
             upload.commit(upload.total)
             return only
         try:
@@ -273,7 +274,7 @@ class AsyncClient:
                 may_resend = resendable or not transport
                 delay = _resend_delay(exc, attempt)
                 if attempt >= upload.retries or not may_resend or delay is None:
-                    raise upload.stopped(exc) from exc
+                    raise upload.stopped(exc, keys if may_have_arrived(exc) else 0) from exc
             await asyncio.sleep(delay)
             attempt += 1
 

@@ -33,13 +33,26 @@ class UploadError(SplitkeyError):
     when no context was created. ``status``, ``code`` and ``detail`` are the cause's
     (status 0 and code ``""`` when the connection failed and no answer came); the
     cause itself is ``__cause__``. Resume with ``append(context_id, k[committed:], ...)``.
+
+    ``unknown``: keys past ``committed`` that may be stored too, or not: those of the last
+    chunk sent, when its request may have reached the server and no answer came (a plain
+    append, one chunk without ``after``, is never sent again: it could be stored twice; any
+    chunk whose retries all lost their answers). Read the context's length before resuming
+    (a create: ``GET /v1/contexts`` lists a context it may have made). 0 otherwise: then
+    ``committed`` is exact.
     """
 
     def __init__(self, context_id: str | None, committed: int, total: int, status: int, code: str,
-                 detail: str, *, appended: bool = False, request_id: str | None = None) -> None:
+                 detail: str, *, appended: bool = False, request_id: str | None = None, unknown: int = 0) -> None:
         super().__init__(status, code, detail, request_id=request_id)
-        self.context_id, self.committed, self.total = context_id, committed, total
-        if appended:
+        self.context_id, self.committed, self.total, self.unknown = context_id, committed, total, unknown
+        if unknown and context_id is None:
+            where = ("no context was created, or one was and its answer was lost: GET /v1/contexts lists every "
+                     "context")
+        elif unknown:
+            where = (f"the first {committed} were stored in context {context_id}, and the next {unknown} may "
+                     f"have been too: the answer was lost; read the context's length before sending them again")
+        elif appended:
             where = (f"the first {committed} were appended to context {context_id}" if committed
                      else f"none was appended to context {context_id}")
         else:

@@ -46,6 +46,7 @@ from service.client.upload import (
     Upload,
     holding,
     is_length_mismatch,
+    may_have_arrived,
     plan_chunks,
     retry_delay,
 )
@@ -199,7 +200,7 @@ class Client:
         first, tensors = next(chunks)
         planned = expected_length if expected_length is not None else upload.total if len(bounds) > 1 else None
         options = {"replicas": replicas, "shards": shards, "expected_length": planned}
-        desc = self._send(upload, CREATE, _query(options), tensors)
+        desc = self._send(upload, CREATE, _query(options), tensors, keys=first)
         upload.context_id = desc["id"]
         upload.commit(first)
         return self._append_chunks(upload, chunks, base=0, pipeline=pipeline) or desc
@@ -216,7 +217,8 @@ class Client:
         upload = Upload(total=_keys(k), progress=progress, retries=retries, context_id=context_id)
         bounds = self._chunk_bounds(upload, k, v, k_pos, chunk_keys)
         if len(bounds) == 1:  # one append without ``after``, as ever: sent again only when surely not stored
-            desc = self._send(upload, self._append_path(context_id), "", {"k": k, "v": v, "k_pos": k_pos})
+            desc = self._send(upload, self._append_path(context_id), "", {"k": k, "v": v, "k_pos": k_pos},
+                              keys=upload.total)
             upload.commit(upload.total)
             return desc
         try:
@@ -364,7 +366,7 @@ class Client:
                 may_resend = resendable or not isinstance(exc, TRANSPORT_ERRORS)
                 delay = retry_delay(exc, attempt) if attempt < upload.retries and may_resend else None
                 if delay is None:
-                    raise upload.stopped(exc) from exc
+                    raise upload.stopped(exc, keys if may_have_arrived(exc) else 0) from exc
             time.sleep(delay)
             attempt += 1
 

@@ -35,6 +35,16 @@ TRANSPORT_ERRORS: tuple[type[Exception], ...] = (ConnectionError, TimeoutError, 
 #: What ends one attempt of a chunk: an error answer or a failed connection.
 ATTEMPT_ERRORS: tuple[type[Exception], ...] = (SplitkeyError, *TRANSPORT_ERRORS)
 
+
+
+def may_have_arrived(exc: BaseException) -> bool:
+    """Whether a request that failed with ``exc`` may have reached the server whole, its outcome
+    unknown: a failed connection, but not one that was never made (refused) and not an answer."""
+    if isinstance(exc, SplitkeyError) or not isinstance(exc, TRANSPORT_ERRORS):
+        return False
+    return not isinstance(exc, ConnectionRefusedError) and not isinstance(exc.__cause__, ConnectionRefusedError)
+
+
 #: ``progress(done_keys, total_keys)``, called after each committed chunk.
 Progress = Callable[[int, int], object]
 
@@ -157,12 +167,13 @@ class Upload:
         if self.progress is not None:
             self.progress(self.committed, self.total)
 
-    def stopped(self, cause: BaseException) -> UploadError:
-        """The error that ends the upload, saying what is stored (raise it ``from cause``)."""
+    def stopped(self, cause: BaseException, unknown: int = 0) -> UploadError:
+        """The error that ends the upload, saying what is stored (raise it ``from cause``); ``unknown``:
+        keys past :attr:`committed` that may be stored too (:func:`may_have_arrived`)."""
         rid = None
         if isinstance(cause, SplitkeyError):
             status, code, detail, rid = cause.status, cause.code, cause.detail, cause.request_id
         else:
             status, code, detail = 0, "", f"the connection failed: {type(cause).__name__}: {cause}"
         return UploadError(self.context_id, self.committed, self.total, status, code, detail,
-                           appended=self.append, request_id=rid)
+                           appended=self.append, request_id=rid, unknown=unknown)

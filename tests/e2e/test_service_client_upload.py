@@ -262,6 +262,43 @@ def test_a_chunk_whose_answer_was_lost_is_found_stored_and_counts_once(client, s
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("which", ["sync", "async"])
+def test_a_plain_append_whose_answer_was_lost_is_not_sent_again_and_says_its_keys_may_be_stored(
+        client, server, rng, which):
+    """One chunk without ``after``: sending it again could store it twice, so it is not; the error
+    must not say that none was appended (it was), or the documented resume stores it twice."""
+    k, v = kv(rng, 5)
+    ctx = client.create_context(k, v)["id"]
+    appends = []
+
+    def lose(method, path, status):  # every answer to an append of ctx is lost
+        if method == "POST" and path.startswith(f"/v1/contexts/{ctx}/append"):
+            appends.append(status)
+            return True
+        return False
+
+    k1, v1 = kv(rng, 1)
+    with LostAnswers(server.port, lose) as proxy, pytest.raises(UploadError) as raised:
+        if which == "sync":
+            with Client(proxy.url) as c:
+                c.append(ctx, k1, v1)
+        else:
+            async def main():
+                async with AsyncClient(proxy.url) as c:
+                    await c.append(ctx, k1, v1)
+            asyncio.run(main())
+    err = raised.value
+    assert appends == [200]  # stored once, its answer lost, never sent again
+    assert (err.committed, err.unknown, err.context_id) == (0, 1, ctx), str(err)
+    assert "may have been too" in str(err) and "none was appended" not in str(err)
+    assert client.get_context(ctx)["length"] == 6  # what the error says to read before resuming
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[ctx])
+    assert_close_to_reference(out, lse, q, np.concatenate([k, k1]), np.concatenate([v, v1]))
+    client.delete_context(ctx)
+
+
+@pytest.mark.ray
 def test_a_lost_chunk_overtaken_by_the_next_one_is_found_stored_and_only_the_refused_one_is_sent_again(
         client, server, rng):
     k, v = kv(rng, 400)

@@ -123,3 +123,20 @@ def test_an_append_that_stopped_says_how_many_keys_it_appended_and_carries_the_r
     assert "keys [0, 3) are stored" in str(UploadError("ctx_b", 3, 8, 0, "", "x"))  # a create's
 
 
+def test_a_plain_append_whose_answer_was_lost_says_its_keys_may_be_stored_not_that_none_were():
+    """An append sent once (no ``after``) whose connection failed after it went out may be stored;
+    saying "none was appended" made the documented resume store its keys twice."""
+    from service.client.upload import may_have_arrived
+
+    lost = Upload(total=1, context_id="ctx_a").stopped(ConnectionResetError(), unknown=1)
+    assert (lost.committed, lost.unknown) == (0, 1)
+    assert "none was appended" not in str(lost) and "the next 1 may have been too" in str(lost)
+    create = Upload(total=4).stopped(TimeoutError(), unknown=4)
+    assert "no context was created, or one was" in str(create)
+    assert may_have_arrived(ConnectionResetError()) and may_have_arrived(TimeoutError())
+    refused = ConnectionError("could not connect")
+    refused.__cause__ = ConnectionRefusedError()
+    assert not may_have_arrived(ConnectionRefusedError()) and not may_have_arrived(refused)  # never sent
+    assert not may_have_arrived(SplitkeyError(503, "workers_unavailable", "x"))  # an answer says what it did
+    assert Upload(total=8, context_id="ctx_a").stopped(ConnectionResetError()).unknown == 0
+
