@@ -133,8 +133,16 @@ def _item(index: int, decode: Any) -> Item:
         return ItemError.of(index, exc)
 
 
+def _append_needs_a_context(raw: Mapping[str, Any], appends: bool) -> None:
+    """An item that appends must name its one context (:func:`_item` counts them once checked): one that
+    names none is refused for that (422 ``invalid_option``), before its missing ``k`` and ``v`` are."""
+    if appends and not raw.get("contexts"):
+        raise InvalidOption("contexts must name the one context an item's append goes to, got 0")
+
+
 def _json_item(item: dict, limits: Limits) -> DecodedItem:
     """A JSON item's attention fields and its ``append`` (in the item's dtype unless it names its own)."""
+    _append_needs_a_context(item, item.get(APPEND) is not None)
     query = decode_json_object({k: v for k, v in item.items() if k != APPEND}, limits, ATTENTION)
     append = item.get(APPEND)
     if append is None:
@@ -197,6 +205,7 @@ def _binary_item(tensors: Mapping[str, np.ndarray], raw: dict, limits: Limits) -
     """A safetensors item's attention tensors and options, and its append's (``append.*`` tensors, options
     ``raw["append"]``)."""
     mine = {name: t for name, t in tensors.items() if not name.startswith(APPEND + ".")}
+    _append_needs_a_context(raw, raw.get(APPEND) is not None or len(mine) < len(tensors))
     options = check_options({k: v for k, v in raw.items() if k != APPEND}, ATTENTION, limits,
                             alibi_slopes=mine.get("alibi_slopes"))
     check_present(mine, options.contexts, ATTENTION)

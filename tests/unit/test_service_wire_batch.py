@@ -195,6 +195,7 @@ def test_an_items_append_travels_in_both_forms_with_its_options():
 
 @pytest.mark.parametrize("item, word", [
     ({"q": Q, "contexts": ["a", "b"], "append": {"k": Q, "v": Q}}, "contexts must name the one context"),
+    ({"q": Q, "append": {"k": Q, "v": Q}}, "contexts must name the one context"),  # not "k and v must be given"
     ({"q": Q, "contexts": ["a"], "append": {"k": Q}}, "v is required in append requests"),
     ({"q": Q, "contexts": ["a"], "append": {"k": Q, "v": Q, "after": -1}}, "after"),
 ])
@@ -202,3 +203,9 @@ def test_an_append_that_is_not_one_is_refused_alone(item, word):
     first, second = decode_binary_batch(body([item, {"q": Q, "contexts": ["a"]}]))
     assert isinstance(first, ItemError) and first.status == 422 and word in first.detail
     assert first.detail.startswith("items[0]: ") and isinstance(second, AttentionRequest)
+    if "contexts must name" in word:  # the same in JSON, with the code API.md section 10 names
+        as_json = {n: ({f: x.tolist() for f, x in a.items()} if n == "append" else a.tolist() if n == "q" else a)
+                   for n, a in item.items()}
+        [refused] = decode_json_batch(json.dumps({"items": [as_json]}).encode())
+        assert isinstance(refused, ItemError) and (refused.status, refused.code) == (422, "invalid_option")
+        assert word in refused.detail
