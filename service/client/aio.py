@@ -37,6 +37,7 @@ import numpy as np
 from service.client.aio_http import HttpPool, TransportError
 from service.client.batch import BatchAnswer, decode_batch, encode_batch
 from service.client.errors import SplitkeyError, UploadError, from_answer
+from service.client.options import wire_tensors
 from service.client.sync import BINARY, CREATE, _arrays, _chunks, _keys, _query
 from service.client.retry import (
     answered_past,
@@ -108,7 +109,7 @@ class AsyncClient:
         tensors = {"q": q, "k": k, "v": v, "q_pos": q_pos, "k_pos": k_pos, "alibi_slopes": alibi_slopes}
         query = _query({"scale": scale, "causal": causal, "window": window, "softcap": softcap,
                         "contexts": contexts})
-        body = encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None})
+        body = encode_safetensors(wire_tensors(tensors))
         data = await self._query("/v1/attention", query, body, deadline)
         res = decode_safetensors(data, {"out", "lse"})
         return np.array(res["out"]), np.array(res["lse"])
@@ -252,7 +253,7 @@ class AsyncClient:
                     after: int | None = None, keys: int = 0) -> dict:
         """One chunk, sent again after a retryable failure as ``Client._send`` decides (``service.client.upload``)."""
         resendable = after is not None or path == CREATE
-        body = encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None})
+        body = encode_safetensors(wire_tensors(tensors))
         attempt = 0
         while True:
             try:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from service.client.errors import SplitkeyError
-from service.client.options import context_ids, window_bounds
+from service.client.options import context_ids, window_bounds, wire_tensors
 from service.wire.safetensors import encode_safetensors, peek_safetensors_header, tensors_of
 from service.wire.rules import DEFAULT_LIMITS
 
@@ -66,7 +66,7 @@ def encode_batch(items: Sequence[Mapping[str, Any]]) -> list[bytes | memoryview]
         if item.get(APPEND) is not None:
             opts[APPEND] = _append(i, item[APPEND], tensors)
         options.append(opts)
-    return encode_safetensors(tensors, {"items": json.dumps(options, separators=(",", ":"))})
+    return encode_safetensors(wire_tensors(tensors), {"items": json.dumps(options, separators=(",", ":"))})
 
 
 def _append(i: int, append: Mapping[str, Any], tensors: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -29,7 +29,7 @@ import numpy as np
 from service.client.batch import BatchAnswer, decode_batch, encode_batch
 from service.client.errors import SplitkeyError, UploadError, from_answer
 from service.client.http1 import Connection
-from service.client.options import context_ids, window_bounds
+from service.client.options import context_ids, window_bounds, wire_tensors
 from service.client.pipeline import Chunk, SendChunk, send_pipelined
 from service.client.retry import (
     answered_past,
@@ -118,7 +118,7 @@ class Client:
         tensors = {"q": q, "k": k, "v": v, "q_pos": q_pos, "k_pos": k_pos, "alibi_slopes": alibi_slopes}
         query = _query({"scale": scale, "causal": causal, "window": window, "softcap": softcap,
                         "contexts": contexts})
-        body = encode_safetensors({n: np.asarray(a) for n, a in tensors.items() if a is not None})
+        body = encode_safetensors(wire_tensors(tensors))
         res = decode_safetensors(self._query("/v1/attention", query, body, deadline), {"out", "lse"})
         return np.array(res["out"]), np.array(res["lse"])
 
@@ -400,8 +400,7 @@ class Client:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         if tensors is not None:
-            arrays = {n: np.asarray(a) for n, a in tensors.items() if a is not None}
-            body = encode_safetensors(arrays)
+            body = encode_safetensors(wire_tensors(tensors))
         if body is not None:
             headers["Content-Type"] = BINARY
         if time_left is not None:
