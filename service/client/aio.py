@@ -188,7 +188,7 @@ class AsyncClient:
             upload.commit(upload.total)
             return only
         try:
-            after = upload.start = int((await self.get_context(context_id))["length"])
+            after = upload.start = await self._length(context_id, upload.retries)
         except ATTEMPT_ERRORS as exc:
             raise upload.stopped(exc) from exc
         desc: dict = {}
@@ -200,6 +200,19 @@ class AsyncClient:
 
     async def get_context(self, context_id: str) -> dict:
         return json.loads(await self._request("GET", f"/v1/contexts/{context_id}"))
+
+    async def _length(self, context_id: str, retries: int) -> int:
+        """The context's length, read again as ``Client._length`` says."""
+        attempt = 0
+        while True:
+            try:
+                return int((await self.get_context(context_id))["length"])
+            except ATTEMPT_ERRORS as exc:
+                delay = _resend_delay(exc, attempt)
+                if attempt >= retries or delay is None:
+                    raise
+                await asyncio.sleep(delay)
+                attempt += 1
 
     async def list_contexts(self) -> list[dict]:
         return json.loads(await self._request("GET", "/v1/contexts"))["contexts"]

@@ -222,13 +222,27 @@ class Client:
             upload.commit(upload.total)
             return desc
         try:
-            base = int(self.get_context(context_id)["length"])
+            base = self._length(context_id, upload.retries)
         except ATTEMPT_ERRORS as exc:
             raise upload.stopped(exc) from exc
         return self._append_chunks(upload, _chunks(k, v, k_pos, bounds), base=base, pipeline=pipeline)
 
     def get_context(self, context_id: str) -> dict:
         return json.loads(self._request("GET", f"/v1/contexts/{context_id}"))
+
+    def _length(self, context_id: str, retries: int) -> int:
+        """The context's length; a read, so sent again after 429, 503, 504 or a lost connection up to
+        ``retries`` times, as an upload's chunks are."""
+        attempt = 0
+        while True:
+            try:
+                return int(self.get_context(context_id)["length"])
+            except ATTEMPT_ERRORS as exc:
+                delay = retry_delay(exc, attempt) if attempt < retries else None
+                if delay is None:
+                    raise
+                time.sleep(delay)
+                attempt += 1
 
     def list_contexts(self) -> list[dict]:
         return json.loads(self._request("GET", "/v1/contexts"))["contexts"]

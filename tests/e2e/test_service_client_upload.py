@@ -299,6 +299,36 @@ def test_a_plain_append_whose_answer_was_lost_is_not_sent_again_and_says_its_key
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("which", ["sync", "async"])
+def test_a_chunked_appends_first_read_of_the_length_whose_answer_was_lost_is_read_again(client, server, rng, which):
+    k, v = kv(rng, 5)
+    ctx = client.create_context(k, v)["id"]
+    reads = []
+
+    def lose(method, path, status):  # the first two answers to GET /v1/contexts/{ctx} never come back
+        if method == "GET" and path == f"/v1/contexts/{ctx}":  # (the transport itself sends once more)
+            reads.append(status)
+            return len(reads) <= 2
+        return False
+
+    k1, v1 = kv(rng, 30)
+    with LostAnswers(server.port, lose) as proxy:
+        if which == "sync":
+            with Client(proxy.url) as c:
+                desc = c.append(ctx, k1, v1, chunk_keys=10)
+        else:
+            async def main():
+                async with AsyncClient(proxy.url) as c:
+                    return await c.append(ctx, k1, v1, chunk_keys=10)
+            desc = asyncio.run(main())
+    assert reads[:3] == [200, 200, 200] and desc["length"] == 35
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[ctx])
+    assert_close_to_reference(out, lse, q, np.concatenate([k, k1]), np.concatenate([v, v1]))
+    client.delete_context(ctx)
+
+
+@pytest.mark.ray
 def test_a_lost_chunk_overtaken_by_the_next_one_is_found_stored_and_only_the_refused_one_is_sent_again(
         client, server, rng):
     k, v = kv(rng, 400)
