@@ -262,8 +262,10 @@ class ContextService:
             if write.continues and write.upload is not None and not continues_upload(old, write.upload):
                 # Another writer's keys came after this upload's last chunk: this chunk would
                 # leave them between its own (its after can match when their chunks are as long).
+                why = ("another writer appended since" if upload_entry(old, write.upload) is not None else
+                       "the context holds no chunk of it (continues is for an upload's later chunks)")
                 raise LengthMismatch(f"continues needs the context's last append to be upload {write.upload}'s; "
-                                     f"another writer appended since (the context holds {length(old)} keys)")
+                                     f"{why} (the context holds {length(old)} keys)")
             kv = write.kv
             if dtype_name(kv.k.dtype) != old["dtype"]:
                 raise InvalidTensor(f"k must have the context's dtype {old['dtype']}, got {kv.k.dtype}")

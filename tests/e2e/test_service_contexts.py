@@ -475,6 +475,9 @@ def test_a_continuing_chunk_after_another_writers_chunk_of_the_same_size_is_409_
     assert post_kv(server.url, path, k[35:38], v[35:38]).status_code == 200
     r = post_kv(server.url, path, k[38:40], v[38:40], after=38, upload="theirs", continues="true")
     assert r.status_code == 409, r.text
+    # An upload's first chunk sent with continues: no other writer to blame, and the detail says so.
+    r = post_kv(server.url, path, k[38:40], v[38:40], after=38, upload="new", continues="true")
+    assert r.status_code == 409 and "the context holds no chunk of it" in r.json()["detail"], r.text
     # A chunk that continues its own upload right after it is stored (JSON body as well as query).
     r = httpx.post(server.url + path, json={"k": k[38:40].tolist(), "v": v[38:40].tolist(), "after": 38,
                                             "upload": "last", "continues": False})
