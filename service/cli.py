@@ -122,6 +122,11 @@ def ready_server(on_ready: Callable[[], None]) -> type[uvicorn.Server]:
             if self.started:
                 on_ready()
 
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().shutdown(sockets)
+            if self.force_exit:  # uvicorn skips the lifespan's end then; cancelled later, it logged a
+                await self.lifespan.shutdown()  # traceback and left Ray under the writes still running
+
     return ReadyServer
 
 

@@ -228,6 +228,7 @@ def test_a_second_signal_stops_a_server_that_waits_for_a_hung_write(tmp_path):
         # started by Ray's auto-init on the way out (seconds, and a session left behind) nor a 500.
         assert "Started a local Ray instance" not in log
         assert "failed inside the service" not in log and "unhandled exception" not in log
+        assert "Exception in 'lifespan' protocol" not in log  # the lifespan ended in order, not cancelled
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(worker, signal.SIGCONT)
