@@ -177,6 +177,10 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
         description="See README.md and docs/API.md. Errors are JSON {detail, code}.",
         lifespan=lifespan,
         redirect_slashes=False,  # a path with a stray "/" is a 404 with a body, not a bare 307 to follow
+        # The routes of docs/API.md section 6.1 only: /docs and /openapi.json, not FastAPI's ReDoc
+        # page nor Swagger's OAuth2 redirect page (no OAuth2 here).
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
     )
     drain = Drain(settings.shutdown_grace_s)
     app.state.splitkey = AppState(settings=settings, limits=settings.limits(), pace=settings.pace(), metrics=metrics,

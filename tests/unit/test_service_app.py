@@ -130,6 +130,16 @@ def test_a_trailing_slash_is_a_404_with_a_body_not_a_redirect(path):
     assert r.status_code == 404 and r.json()["code"] == "route_not_found" and path in r.json()["detail"], r.text
 
 
+def test_only_the_documented_description_routes_answer_not_fastapis_other_pages():
+    """API.md section 6.1: /docs and /openapi.json; any other path is 404 (an outside probe found
+    FastAPI's /redoc and /docs/oauth2-redirect answering 200)."""
+    app = create_app(ServiceSettings())
+    assert request(app, "GET", "/docs").status_code == 200 and request(app, "GET", "/openapi.json").status_code == 200
+    for path in ("/redoc", "/docs/oauth2-redirect"):
+        r = request(app, "GET", path)
+        assert r.status_code == 404 and r.json()["code"] == "route_not_found", (path, r.text)
+
+
 @pytest.mark.parametrize("path", ["/v2/models/attention/zzz", "/v2/models/other", "/v2/models/other/infer",
                                   "/v2/models/attention/versions/2/infer", "/v1/contexts/a/b", "/v1/contexts/a/append/x"])
 def test_paths_without_a_route_under_models_and_contexts_count_as_unmatched(path):
