@@ -182,17 +182,24 @@ class FakeChannel:
         self.closed = True
 
 
-def test_a_writes_directory_calls_go_over_the_channel_with_ray_s_answers():
-    import asyncio
-
+def over_channel(broken=False):
+    """A directory actor holding context c, and a ``Directory`` whose channel is open to it (or broken)."""
     from service.contexts.directory import Directory
-    from service.core.errors import WorkersUnavailable
 
     actor = DirectoryActor([], "ns")
     actor.commit(record("c"))
-    handle, channel = FakeHandle(actor), FakeChannel(actor)
+    handle, channel = FakeHandle(actor), FakeChannel(actor, broken=broken)
     d = Directory(handle, channel=True)
     d._channel = channel
+    return actor, handle, channel, d
+
+
+def test_a_writes_directory_calls_go_over_the_channel_with_ray_s_answers():
+    import asyncio
+
+    from service.core.errors import WorkersUnavailable
+
+    actor, handle, channel, d = over_channel()
 
     async def run():
         assert await d.begin("c", "a", 60) == (True, record("c"))
@@ -211,13 +218,7 @@ def test_a_writes_directory_calls_go_over_the_channel_with_ray_s_answers():
 def test_a_call_whose_channel_broke_goes_through_ray():
     import asyncio
 
-    from service.contexts.directory import Directory
-
-    actor = DirectoryActor([], "ns")
-    actor.commit(record("c"))
-    handle, channel = FakeHandle(actor), FakeChannel(actor, broken=True)
-    d = Directory(handle, channel=True)
-    d._channel = channel
+    actor, handle, channel, d = over_channel(broken=True)
     d._channel_retry_at = float("inf")  # no new channel: the next calls go through Ray
 
     async def run():
@@ -233,14 +234,9 @@ def test_a_closed_directory_answers_shutting_down_without_calling_ray():
     running gets ShuttingDown (503) from its next call, never a call into a Ray that is gone."""
     import asyncio
 
-    from service.contexts.directory import Directory
     from service.core.errors import ShuttingDown
 
-    actor = DirectoryActor([], "ns")
-    actor.commit(record("c"))
-    handle, channel = FakeHandle(actor), FakeChannel(actor)
-    d = Directory(handle, channel=True)
-    d._channel = channel
+    actor, handle, channel, d = over_channel()
 
     async def run():
         assert (await d.begin("c", "a", 60))[0]
@@ -258,13 +254,7 @@ def test_a_call_the_channel_cannot_carry_goes_through_ray():
 
     import numpy as np
 
-    from service.contexts.directory import Directory
-
-    actor = DirectoryActor([], "ns")
-    actor.commit(record("c"))
-    handle, channel = FakeHandle(actor), FakeChannel(actor)
-    d = Directory(handle, channel=True)
-    d._channel = channel
+    actor, handle, channel, d = over_channel()
 
     async def run():
         assert (await d.begin("c", "a", 60))[0]
