@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Match
 
-from service.core import request_id
+from service.core import VERSION, request_id
 from service.core.admission import Admission
 from service.attention import AttentionService
 from service.batch import BatchService
@@ -172,7 +172,7 @@ def create_app(settings: ServiceSettings | None = None, *, request_id_header: bo
     metrics = Metrics()
     app = FastAPI(
         title="splitkey",
-        version="0.1.0",
+        version=VERSION,
         summary="Exact split-key attention over HTTP.",
         description="See README.md and docs/API.md. Errors are JSON {detail, code}.",
         lifespan=lifespan,

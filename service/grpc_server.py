@@ -46,7 +46,7 @@ from service.core.deadline import within
 from service.routes.common import off_loop
 from service.routes.ops import can_serve
 from service.runtime import AppState
-from service.wire.kserve import MODEL_NAME, MODEL_VERSION, PLATFORM, decode_infer_request, model_metadata
+from service.wire.kserve import MODEL_NAME, MODEL_VERSION, decode_infer_request, model_metadata, server_metadata
 from service.wire.kserve_grpc import infer_body, infer_response, not_served, served
 from service.wire.request import attention_request
 
@@ -80,7 +80,7 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ModelReadyResponse(ready=_served(request) and self._ready())
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
-        return service_pb2.ServerMetadataResponse(name=PLATFORM, version="0.1.0", extensions=[])
+        return service_pb2.ServerMetadataResponse(**server_metadata())
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:  # noqa: N802
         if not _served(request):

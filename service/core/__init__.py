@@ -7,3 +7,7 @@ settings) and ``limits`` (the bounds they set), ``deadline`` (a request's time b
 here imports another part of ``service``: the dependency test (tests/unit/test_dependencies.py)
 holds it to that.
 """
+
+#: The release: the package's version (pyproject.toml reads it from here), the app's, the build
+#: metric's and KServe's server metadata over HTTP and gRPC.
+VERSION = "0.1.0"

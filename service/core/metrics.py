@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from service.core import VERSION
+
 #: Stages of a request: an attention request is parse, lookup (the named contexts' records, from
 #: the front end's cache or the directory; absent without contexts), scatter, compute, merge, encode,
 #: and within compute, worker (the longest pass a worker ran for it: its kernels and local merge);
@@ -134,15 +136,15 @@ class Totals:
 
 
 def build_labels() -> dict[str, str]:
-    """``splitkey_build_info``'s labels: this package's version, Python's and Ray's (read from the installed
-    packages' metadata, without importing Ray)."""
+    """``splitkey_build_info``'s labels: this release (``service.core.VERSION``), Python's and Ray's (read from
+    its installed package's metadata, without importing Ray)."""
     def version(package: str) -> str:
         try:
             return importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             return "unknown"
 
-    return {"version": version("splitkey"), "python": platform.python_version(), "ray": version("ray")}
+    return {"version": VERSION, "python": platform.python_version(), "ray": version("ray")}
 
 
 class Metrics:

@@ -27,6 +27,7 @@ from service.wire.kserve import (
     infer_response,
     model_metadata,
     response_body,
+    server_metadata as metadata_of_server,
 )
 from service.wire.request import AttentionRequest, attention_request
 from service.wire.rules import Limits
@@ -40,8 +41,6 @@ MODEL = f"/v2/models/{MODEL_NAME}"
 VERSIONED = f"{MODEL}/versions/{MODEL_VERSION}"
 #: The versioned inference path (``ROUTE`` is the unversioned one, and the metrics' label of both).
 VERSIONED_INFER = f"{VERSIONED}/infer"
-SERVER_NAME = "splitkey"
-EXTENSIONS = ["binary_tensor_data"]
 
 
 def _decode(body: memoryview, header_len: int | None, limits: Limits) -> tuple[InferRequest, AttentionRequest]:
@@ -56,8 +55,8 @@ async def _ready(request: Request) -> bool:
 
 
 @router.get("/v2", summary="Server metadata (KServe v2)")
-async def server_metadata(request: Request) -> JSONResponse:
-    return JSONResponse({"name": SERVER_NAME, "version": request.app.version, "extensions": EXTENSIONS})
+async def server_metadata() -> JSONResponse:
+    return JSONResponse(metadata_of_server())
 
 
 @router.get("/v2/health/live", summary="The process is alive (KServe v2)")

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from service.core import VERSION
 from service.core.errors import BodyTooLarge, InvalidBody, InvalidOption, InvalidTensor
 from service.wire.request import Decoded
 from service.wire.rules import (
@@ -47,6 +48,13 @@ from service.wire.values import KSERVE, array_bytes, from_bytes, load_json, numb
 MODEL_NAME = "attention"
 MODEL_VERSION = "1"
 PLATFORM = "splitkey"
+#: The protocol's extensions served, over HTTP and gRPC alike (docs/KSERVE.md).
+EXTENSIONS = ("binary_tensor_data",)
+
+
+def server_metadata() -> dict[str, Any]:
+    """The server's metadata (``GET /v2``, gRPC ``ServerMetadata``): name, release and extensions."""
+    return {"name": PLATFORM, "version": VERSION, "extensions": list(EXTENSIONS)}
 
 FLOAT_DATATYPES = ("FP16", "BF16", "FP32", "FP64")
 INT_DATATYPES = ("INT32", "INT64")

@@ -11,6 +11,7 @@ from server import Server
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from service.client import Client
+from service.core import VERSION
 from workers import BFLOAT16
 
 pytestmark = pytest.mark.ray
@@ -78,7 +79,9 @@ def test_grpc_health_is_open_and_metadata_describes_the_model(tc):
     assert not tc.is_model_ready("other", headers=AUTH) and not tc.is_model_ready("attention", "2", headers=AUTH)
     meta = tc.get_model_metadata("attention", headers=AUTH, as_json=True)
     assert meta["name"] == "attention" and [t["name"] for t in meta["inputs"]][:3] == ["q", "k", "v"]
-    assert tc.get_server_metadata(headers=AUTH, as_json=True)["name"] == "splitkey"
+    # The same as GET /v2 (test_service_kserve.py): the release, and the extensions over gRPC too.
+    assert tc.get_server_metadata(headers=AUTH, as_json=True) == {"name": "splitkey", "version": VERSION,
+                                                                  "extensions": ["binary_tensor_data"]}
 
 
 def test_grpc_metadata_of_another_model_version_is_not_found(tc):

@@ -19,6 +19,7 @@ from server import read_response
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from service.client import Client
+from service.core import VERSION
 from workers import BFLOAT16
 
 pytestmark = pytest.mark.ray
@@ -72,8 +73,7 @@ def test_health_and_model_readiness_answer_through_tritonclient(tc):
 
 
 def test_server_and_model_metadata_describe_the_attention_model(tc):
-    server = tc.get_server_metadata()
-    assert server["name"] == "splitkey" and "binary_tensor_data" in server["extensions"]
+    assert tc.get_server_metadata() == {"name": "splitkey", "version": VERSION, "extensions": ["binary_tensor_data"]}
     meta = tc.get_model_metadata("attention")
     assert meta["name"] == "attention" and meta["versions"] == ["1"] and meta["platform"] == "splitkey"
     assert [t["name"] for t in meta["inputs"]] == ["q", "k", "v", "q_pos", "k_pos", "alibi_slopes"]

@@ -37,6 +37,7 @@ from typing import Any
 import pytest
 import yaml
 
+import service.core
 from service.cli import build_parser
 from service.core.settings import ServiceSettings
 
@@ -53,7 +54,7 @@ SECRETS_EXAMPLE = K8S / "secrets.example.yaml"
 K8S_FILES = sorted(K8S.glob("*.yaml"))
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-VERSION = PYPROJECT["project"]["version"]
+VERSION = service.core.VERSION  # the release (pyproject.toml reads it from there)
 SERVICE_UID = 10001
 HTTP_PORT = 8000
 METRICS_PORT = 9100
@@ -63,6 +64,12 @@ NOT_CORE = ("ray.io/", "monitoring.coreos.com/", "kustomize.config.k8s.io/")
 # Kubernetes versions the manifests must validate against: an old release still run by
 # managed services, and the newest schemas kubernetes-validate ships.
 K8S_VERSIONS = ["1.29.0", "latest"]
+
+
+def test_the_packages_version_is_the_release_the_service_reports():
+    # The image tags below, pip's metadata, /v2 and the build-info metric all read service.core.VERSION.
+    assert PYPROJECT["project"]["dynamic"] == ["version"] and "version" not in PYPROJECT["project"]
+    assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "service.core.VERSION"}
 
 
 # --------------------------------------------------------------------------- helpers
