@@ -29,8 +29,8 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.parse
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
@@ -75,6 +75,23 @@ def _resend_delay(error: BaseException, attempt: int) -> float | None:
     if isinstance(error, TRANSPORT_ERRORS):
         return 0.0 if attempt == 0 else backoff(attempt)
     return retry_delay(error, attempt)
+
+
+T = TypeVar("T")
+
+
+async def _read_again(read: Callable[[], Awaitable[T]], retries: int) -> T:
+    """``await read()``, a read of the server's state, sent again as the sync client's ``_read_again`` says."""
+    attempt = 0
+    while True:
+        try:
+            return await read()
+        except ATTEMPT_ERRORS as exc:
+            delay = _resend_delay(exc, attempt)
+            if attempt >= retries or delay is None:
+                raise
+            await asyncio.sleep(delay)
+            attempt += 1
 
 
 class AsyncClient:
@@ -202,17 +219,10 @@ class AsyncClient:
         return json.loads(await self._request("GET", f"/v1/contexts/{context_id}"))
 
     async def _length(self, context_id: str, retries: int) -> int:
-        """The context's length, read again as ``Client._length`` says."""
-        attempt = 0
-        while True:
-            try:
-                return int((await self.get_context(context_id))["length"])
-            except ATTEMPT_ERRORS as exc:
-                delay = _resend_delay(exc, attempt)
-                if attempt >= retries or delay is None:
-                    raise
-                await asyncio.sleep(delay)
-                attempt += 1
+        """The context's length (:func:`_read_again`)."""
+        async def read() -> int:
+            return int((await self.get_context(context_id))["length"])
+        return await _read_again(read, retries)
 
     async def list_contexts(self) -> list[dict]:
         return json.loads(await self._request("GET", "/v1/contexts"))["contexts"]
@@ -229,19 +239,15 @@ class AsyncClient:
         return await self._fetch_limits(self.retries)
 
     async def _fetch_limits(self, retries: int) -> Limits:
-        attempt = 0
-        while self._limits is None:
+        async def read() -> Limits:
+            return Limits.from_json(json.loads(await self._request("GET", "/v1/limits")))
+        if self._limits is None:
             try:
-                self._limits = Limits.from_json(json.loads(await self._request("GET", "/v1/limits")))
-            except ATTEMPT_ERRORS as exc:
-                if isinstance(exc, SplitkeyError) and exc.status == 404 and not exc.code:
-                    self._limits = DEFAULT_LIMITS  # a server without the route
-                    break
-                delay = _resend_delay(exc, attempt)
-                if attempt >= retries or delay is None:
+                self._limits = await _read_again(read, retries)
+            except SplitkeyError as exc:
+                if exc.status != 404 or exc.code:
                     raise
-                await asyncio.sleep(delay)
-                attempt += 1
+                self._limits = DEFAULT_LIMITS  # a server without the route
         return self._limits
 
     async def aclose(self) -> None:

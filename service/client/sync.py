@@ -22,7 +22,7 @@ import math
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -78,6 +78,24 @@ def _query(options: Mapping[str, Any]) -> str:
             value = ",".join(ids)
         params.append((name, str(value)))
     return urllib.parse.urlencode(params, safe=",")
+
+
+T = TypeVar("T")
+
+
+def _read_again(read: Callable[[], T], retries: int) -> T:
+    """``read()``, a read of the server's state, sent again after 429, 503, 504 or a lost connection up to
+    ``retries`` times, as an upload's chunks are (``service.client.upload.retry_delay``)."""
+    attempt = 0
+    while True:
+        try:
+            return read()
+        except ATTEMPT_ERRORS as exc:
+            delay = retry_delay(exc, attempt) if attempt < retries else None
+            if delay is None:
+                raise
+            time.sleep(delay)
+            attempt += 1
 
 
 class Client:
@@ -231,18 +249,8 @@ class Client:
         return json.loads(self._request("GET", f"/v1/contexts/{context_id}"))
 
     def _length(self, context_id: str, retries: int) -> int:
-        """The context's length; a read, so sent again after 429, 503, 504 or a lost connection up to
-        ``retries`` times, as an upload's chunks are."""
-        attempt = 0
-        while True:
-            try:
-                return int(self.get_context(context_id)["length"])
-            except ATTEMPT_ERRORS as exc:
-                delay = retry_delay(exc, attempt) if attempt < retries else None
-                if delay is None:
-                    raise
-                time.sleep(delay)
-                attempt += 1
+        """The context's length (:func:`_read_again`)."""
+        return _read_again(lambda: int(self.get_context(context_id)["length"]), retries)
 
     def list_contexts(self) -> list[dict]:
         return json.loads(self._request("GET", "/v1/contexts"))["contexts"]
@@ -262,19 +270,14 @@ class Client:
         return self._fetch_limits(self.retries)
 
     def _fetch_limits(self, retries: int) -> Limits:
-        attempt = 0
-        while self._limits is None:
+        if self._limits is None:
             try:
-                self._limits = Limits.from_json(json.loads(self._request("GET", "/v1/limits")))
-            except ATTEMPT_ERRORS as exc:
-                if isinstance(exc, SplitkeyError) and exc.status == 404 and not exc.code:
-                    self._limits = DEFAULT_LIMITS  # a server without the route
-                    break
-                delay = retry_delay(exc, attempt) if attempt < retries else None
-                if delay is None:
+                self._limits = _read_again(lambda: Limits.from_json(json.loads(self._request("GET", "/v1/limits"))),
+                                           retries)
+            except SplitkeyError as exc:
+                if exc.status != 404 or exc.code:
                     raise
-                time.sleep(delay)
-                attempt += 1
+                self._limits = DEFAULT_LIMITS  # a server without the route
         return self._limits
 
     def close(self) -> None:

@@ -12,8 +12,9 @@ from http.client import BadStatusLine, IncompleteRead, RemoteDisconnected
 import numpy as np
 import pytest
 
-from service.client import Client, UploadError
+from service.client import Client, SplitkeyError, UploadError
 from service.client.http1 import ONE_WRITE_BYTES, Connection
+from service.wire.rules import DEFAULT_LIMITS
 from service.wire.safetensors import encode_safetensors
 
 
@@ -222,3 +223,30 @@ def test_a_plain_append_whose_answer_is_lost_is_not_sent_again():
         srv.close()
     assert (err.value.committed, err.value.unknown) == (0, 4)  # read whole: it may be stored
     assert [r.split(b" ")[1] for r in srv.requests] == [b"/v1/limits", b"/v1/contexts/ctx_a/append"]
+
+
+def _answer(status: bytes, body: bytes) -> bytes:
+    return b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body
+
+
+def test_a_server_without_the_limits_route_gets_the_default_limits_once():
+    srv = Scripted([[_answer(b"404 Not Found", b'{"detail": "Not Found"}')]])  # a bare 404: no such route
+    c = Client(f"http://127.0.0.1:{srv.port}", timeout=10)
+    try:
+        assert c.limits() == DEFAULT_LIMITS and c.limits() == DEFAULT_LIMITS  # the second from the first
+    finally:
+        c.close()
+        srv.close()
+    assert [r.split(b" ")[1] for r in srv.requests] == [b"/v1/limits"]
+
+
+def test_a_404_with_an_error_code_from_the_limits_route_is_raised_not_taken_for_defaults():
+    srv = Scripted([[_answer(b"404 Not Found", b'{"detail": "no", "code": "route_not_found"}')]])
+    c = Client(f"http://127.0.0.1:{srv.port}", timeout=10)
+    try:
+        with pytest.raises(SplitkeyError) as err:
+            c.limits()
+    finally:
+        c.close()
+        srv.close()
+    assert (err.value.status, err.value.code) == (404, "route_not_found")
