@@ -129,7 +129,8 @@ def _kernel_dtype(dt: Any) -> np.dtype | None:
 
 
 def _flat(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
-    """``a`` as a flat contiguous array over the span it covers, and its strides in elements.
+    """``a`` as a flat contiguous array over the span it covers, read-only (:func:`_read_only`), and its
+    strides in elements.
 
     None when the innermost axis is not contiguous or a stride is negative or
     not a whole number of elements (those views run on the NumPy kernel).
@@ -142,7 +143,21 @@ def _flat(a: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]] | None:
         return None
     strides = tuple(s // item for s in a.strides)
     span = 1 + sum((n - 1) * s for n, s in zip(a.shape, strides))
-    return as_strided(a.view(kd), shape=(span,), strides=(item,)), strides
+    return as_strided(a.view(kd), shape=(span,), strides=(item,), writeable=False), strides
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A read-only view of ``a``: what the kernels are handed for every array they only read.
+
+    numba compiles a kernel per argument type, and read-only is part of an array's type: a
+    request's keys arrive read-only (views of its body), a shard's and :func:`warm`'s are
+    writable. Handed both as they come, the first request of each dtype compiled a kernel of
+    its own on the worker's compute thread, 12-13 s here, after the worker had said it was
+    ready. Read-only always, :func:`warm` compiles the one kernel every call runs.
+    """
+    view = a.view()
+    view.flags.writeable = False
+    return view
 
 
 def choose(problems: Sequence[Problem], kv: Any, kopts: KernelOptions) -> CpuPath:
@@ -229,6 +244,7 @@ def run_fused(parts: Sequence[tuple[Any, Problem]], kv: NaturalKV | StreamingVie
         kpos, arange, kpos0 = np.zeros(1, dtype=np.int64), True, kv.k_pos.start
     else:
         kpos, arange, kpos0 = np.ascontiguousarray(kv.k_pos, dtype=np.int64), False, 0
+    kpos = _read_only(kpos)  # [n_k] (or [1] unused): read-only as the keys are (_read_only)
     resident = isinstance(kv, StreamingView)
     k_arr = kv.kt if isinstance(kv, StreamingView) else kv.k
     v_arr = kv.v

@@ -348,21 +348,26 @@ def test_choose_sends_to_numpy_the_dtype_mixes_that_warm_does_not_compile(rng):
 def test_no_call_the_fused_kernel_serves_compiles_after_warm(rng):
     """Every mix of q, K and V dtypes that ``choose`` sends to the fused kernel was compiled by ``warm``
     (a worker's start): no request pays for a compile. Before 2026-12-06 a float64 query over a
-    float16 context compiled on its first request (41 s on 2 cores)."""
+    float16 context compiled on its first request (41 s on 2 cores); before 2026-12-07 the first
+    inline request of each dtype did (12-13 s): its keys, values and positions arrive read-only (views
+    of its body), which numba types apart from ``warm``'s writable arrays."""
     mod = fused.kernels()
     fused.warm()
     kernels = (mod.inline_kernel, mod.resident_kernel)
     compiled = [len(fn.signatures) for fn in kernels]
     q, k, v, k_pos, q_pos = make(rng, n_k=40)
     for q_dt, k_dt, v_dt in itertools.product(DTYPES, repeat=3):
-        qq, kk, vv = q.astype(q_dt), k.astype(k_dt), v.astype(v_dt)
-        p = check_problem(qq, kk, vv, q_pos, k_pos, AttentionOptions())
-        layouts = [NaturalKV(kk, vv, p.k_pos)]
-        if k_dt is v_dt:  # a resident context holds K and V in one dtype
-            layouts.append(StreamingKV.from_arrays(kk, vv, k_pos).snapshot())
-        for kv in layouts:
-            if fused.choose([p], kv, fused_opts()) is fused.CpuPath.FUSED:
-                assert fused.try_fused([(qq, p)], kv, fused_opts()) is not None
+        for writable, positions in itertools.product((True, False), ("given", "default")):
+            qq, kk, vv, pos = q.astype(q_dt), k.astype(k_dt), v.astype(v_dt), k_pos.copy()
+            for a in (kk, vv, pos):
+                a.flags.writeable = writable  # read-only: as a request's body gives them
+            p = check_problem(qq, kk, vv, q_pos, pos if positions == "given" else None, AttentionOptions())
+            layouts = [NaturalKV(kk, vv, p.k_pos)]
+            if k_dt is v_dt:  # a resident context holds K and V in one dtype
+                layouts.append(StreamingKV.from_arrays(kk, vv, pos).snapshot())
+            for kv in layouts:
+                if fused.choose([p], kv, fused_opts()) is fused.CpuPath.FUSED:
+                    assert fused.try_fused([(qq, p)], kv, fused_opts()) is not None
     assert [len(fn.signatures) for fn in kernels] == compiled
 
 
