@@ -132,10 +132,13 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             parsed, req = await off_loop(size, _decode, request, state)
             timings.add("parse", time.perf_counter() - t0)
             deadline = state.settings.request_timeout_s
-            for limit in (parsed.timeout_s, context.time_remaining()):
-                if limit is not None:
-                    deadline = min(deadline, max(limit, 1e-3))
-            out, lse = await within(rt.attention.attention(req, timings), deadline)
+            what = f"the server's {deadline:g} s limit"
+            for limit, named in ((parsed.timeout_s, "the {:g} s timeout its parameters gave"),
+                                 (context.time_remaining(), "its gRPC deadline, {:.3g} s")):
+                if limit is not None and max(limit, 1e-3) < deadline:
+                    deadline = max(limit, 1e-3)
+                    what = named.format(limit)
+            out, lse = await within(rt.attention.attention(req, timings), deadline, what)
             t1 = time.perf_counter()
             response = await off_loop(out.nbytes + lse.nbytes, infer_response, service_pb2.ModelInferResponse,
                                       parsed.id, {"out": out, "lse": lse}, parsed.outputs)
@@ -150,9 +153,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         except asyncio.CancelledError:
             if not state.drain.cutting:
                 raise
-            # Cut by the end of the shutdown grace period (service.core.drain): answered, not dropped.
-            cut = ShuttingDown(f"the request must finish within the {state.drain.grace_s:g} s shutdown grace "
-                               "period, got cut")
+            # Cut by the end of the shutdown grace period or a second signal (service.core.drain): answered.
+            cut = ShuttingDown(state.drain.cut_detail())
             code = cut.status
             await self._abort(context, cut, rid)
         except grpc.aio.AbortError:

@@ -151,10 +151,8 @@ class ServiceMiddleware:
             except asyncio.CancelledError:
                 if not (self.drain.cutting and not seen.status):
                     raise
-                # Cut by the end of the grace period (service.core.drain): answered, not dropped.
-                await self._error(send_wrapper, path, route, ShuttingDown(
-                    f"the request must finish within the {self.drain.grace_s:g} s shutdown grace period, got cut"),
-                    seen)
+                # Cut by the end of the grace period or a second signal (service.core.drain): answered.
+                await self._error(send_wrapper, path, route, ShuttingDown(self.drain.cut_detail()), seen)
             except Exception:
                 log.exception("request %s: %s %s failed inside the service", rid, scope["method"], path)
                 if seen.status:

@@ -25,8 +25,9 @@ T = TypeVar("T")
 _at: ContextVar[float | None] = ContextVar("splitkey_deadline", default=None)
 
 
-async def within(work: Awaitable[T], seconds: float) -> T:
-    """Run a read (a query) within the request deadline of ``seconds`` (504 past it).
+async def within(work: Awaitable[T], seconds: float, what: str | None = None) -> T:
+    """Run a read (a query) within the request deadline of ``seconds`` (504 past it); ``what`` names
+    the limit that set it, for the 504's detail (the seconds themselves when None).
 
     In the request's own task (``asyncio.timeout``), not a task of its own as ``asyncio.wait_for``
     makes on Python 3.11: one task and one turn of the event loop less per query. While it runs,
@@ -39,7 +40,7 @@ async def within(work: Awaitable[T], seconds: float) -> T:
             async with asyncio.timeout(seconds):
                 return await work
     except TimeoutError:
-        raise DeadlineExceeded(f"the request must finish within {seconds} s, got longer") from None
+        raise DeadlineExceeded(f"the request must finish within {what or f'{seconds:.3g} s'}, got longer") from None
 
 
 @contextlib.contextmanager

@@ -122,6 +122,13 @@ class Drain:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
 
+    def cut_detail(self) -> str:
+        """Why the requests still in flight are cut, for their 503's detail: the grace period ended,
+        or a second signal cut the drain short."""
+        if self._skip.is_set():
+            return "the request must finish before the server stops, got cut by a second signal during the drain"
+        return f"the request must finish within the {self.grace_s:g} s shutdown grace period, got cut"
+
     def track(self) -> asyncio.Task | None:
         """Count the calling request as in flight (until :meth:`done`)."""
         task = asyncio.current_task()

@@ -130,16 +130,18 @@ class Exchange:
         cancel), and one gone as it ends is not encoded; the request is counted 499 as a body cut short is
         (``service.app``). Watched by a task that waits for the ASGI server's ``http.disconnect``.
         """
-        seconds = query_deadline(self.state.settings.request_timeout_s, self.client, self.t0)
-        if limit_s is not None:
-            seconds = min(seconds, limit_s)
+        limit = self.state.settings.request_timeout_s
+        seconds = query_deadline(limit, self.client, self.t0)
+        what = f"its {TIMEOUT_HEADER} of {self.client:g} s" if seconds < limit else f"the server's {limit:g} s limit"
+        if limit_s is not None and limit_s < seconds:
+            seconds, what = limit_s, f"the {limit_s:g} s timeout its body gave"
         if await self.request.is_disconnected():  # a look, not a wait: a message is taken only if one is there
             raise ClientDisconnect()
         me = asyncio.current_task()
         gone: list[bool] = []  # set by the watcher before it cancels this task
         watcher = asyncio.ensure_future(self._watch(me, gone)) if me is not None else None
         try:
-            result = await within(work(), seconds)
+            result = await within(work(), seconds, what)
         except asyncio.CancelledError:
             if not gone or me is None:
                 raise

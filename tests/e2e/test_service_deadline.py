@@ -198,6 +198,7 @@ def test_a_query_answered_504_stops_computing_at_its_deadline_and_frees_the_work
                            content=to_bytes(encode_safetensors({"q": big_q})),
                            headers={"Content-Type": "application/octet-stream", "X-Request-Timeout": "0.3"})
             assert r.status_code == 504, r.text
+            assert r.json()["detail"] == "the request must finish within its X-Request-Timeout of 0.3 s, got longer"
             t0 = time.monotonic()
             out, lse = c.attention(small, contexts=[ctx])
             freed_s = time.monotonic() - t0

@@ -99,6 +99,20 @@ def test_requests_past_the_grace_period_are_answered_503_shutting_down(tmp_path)
     assert srv.proc.wait(timeout=60) == 0
 
 
+def test_a_query_cut_by_a_second_signal_is_told_so_not_that_the_grace_period_ended(tmp_path):
+    srv = Server(tmp_path).start()  # the default grace period: 30 s
+    ctx, q = slow_setup(srv)
+    threads, answers = in_flight(srv, ctx, q, 2)  # the second waits for the first: 3 s here
+    os.kill(srv.proc.pid, signal.SIGTERM)
+    time.sleep(0.2)
+    os.kill(srv.proc.pid, signal.SIGTERM)
+    for t in threads:
+        t.join()
+    assert [a[:2] for a in answers] == [(503, "shutting_down")] * 2
+    assert answers[0][2] == "the request must finish before the server stops, got cut by a second signal during the drain"
+    assert srv.proc.wait(timeout=60) == 0
+
+
 def test_ctrl_c_a_sigint_to_the_whole_group_drains_the_requests_in_flight_and_exits_0_soon_after(tmp_path):
     # A terminal's Ctrl-C signals the whole foreground group, Ray's processes included: they
     # start with SIGINT blocked, so the workers finish what they are computing (docs/SERVICE.md).

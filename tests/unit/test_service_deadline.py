@@ -37,6 +37,14 @@ def test_within_gives_its_work_and_the_tasks_and_threads_it_starts_the_seconds_l
         assert deadline.budget() == 0.0  # past it: nothing left, never negative
 
 
+@pytest.mark.parametrize(("what", "detail"), [(None, "within 0.0123 s"),
+                                             ("its X-Request-Timeout of 0.5 s", "within its X-Request-Timeout of 0.5 s")])
+def test_a_deadline_passed_names_the_limit_that_set_it_or_its_seconds_rounded(what, detail):
+    with pytest.raises(DeadlineExceeded) as info:
+        asyncio.run(deadline.within(asyncio.sleep(5), 0.012345, what))
+    assert str(info.value) == f"the request must finish {detail}, got longer"
+
+
 @pytest.mark.parametrize(("text", "seconds"), [("0.25", 0.25), ("2", 2.0), ("1e-3", 0.001), ("120.000", 120.0)])
 def test_a_timeout_header_is_read_as_seconds(text, seconds):
     assert timeout_header(text) == seconds
