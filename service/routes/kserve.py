@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from service.attention import KSERVE_BINARY, JsonAnswerLimit
 from service.core.errors import error_responses
 from service.routes.common import Exchange, off_loop
-from service.routes.ops import can_serve, workers_ready
+from service.routes.ops import NOT_READY, can_serve, workers_ready
 from service.wire.json_text import write_json
 from service.wire.kserve import (
     MODEL_NAME,
@@ -54,7 +54,7 @@ async def _ready(request: Request) -> bool:
     return can_serve(alive, total)
 
 
-@router.get("/v2", summary="Server metadata (KServe v2)")
+@router.get("/v2", summary="Server metadata (KServe v2)", responses=error_responses(401))
 async def server_metadata() -> JSONResponse:
     return JSONResponse(metadata_of_server())
 
@@ -64,20 +64,21 @@ async def live() -> JSONResponse:
     return JSONResponse({"live": True})
 
 
-@router.get("/v2/health/ready", summary="A worker answers (KServe v2)")
+@router.get("/v2/health/ready", summary="A worker answers (KServe v2)", responses=NOT_READY)
 async def ready(request: Request) -> JSONResponse:
     ok = await _ready(request)
     return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
 
-@router.get(f"{MODEL}/ready", summary="The attention model is ready (KServe v2)")
+@router.get(f"{MODEL}/ready", summary="The attention model is ready (KServe v2)",
+            responses={**error_responses(401), **NOT_READY})
 @router.get(f"{VERSIONED}/ready", include_in_schema=False)
 async def model_ready(request: Request) -> JSONResponse:
     ok = await _ready(request)
     return JSONResponse({"name": MODEL_NAME, "ready": ok}, status_code=200 if ok else 503)
 
 
-@router.get(MODEL, summary="Model metadata: inputs, outputs, datatypes (KServe v2)")
+@router.get(MODEL, summary="Model metadata: inputs, outputs, datatypes (KServe v2)", responses=error_responses(401))
 @router.get(VERSIONED, include_in_schema=False)
 async def metadata() -> JSONResponse:
     return JSONResponse(model_metadata())

@@ -62,7 +62,13 @@ def can_serve(alive: int, total: int) -> bool:
     return total > 0 and alive > 0
 
 
-@router.get("/readyz", summary="Ray is connected and a worker answers; lost capacity reported beside it")
+#: The 503 of a readiness probe: its own body, not an error's (``ready`` false).
+NOT_READY: dict[int | str, dict[str, Any]] = {503: {"description": "not ready (no worker answers, or the server is draining): the same body, "
+                                  "with ready false"}}
+
+
+@router.get("/readyz", summary="Ray is connected and a worker answers; lost capacity reported beside it",
+            responses=NOT_READY)
 async def readyz(request: Request) -> JSONResponse:
     alive, total = await workers_ready(request)
     state = app_state(request)
@@ -103,12 +109,14 @@ async def render_metrics(state: AppState) -> bytes:
     return m.render()
 
 
-@router.get("/metrics", summary="Prometheus metrics (text format)")
+@router.get("/metrics", summary="Prometheus metrics (text format)", responses=error_responses(401))
 async def metrics(request: Request) -> Response:
     return Response(await render_metrics(app_state(request)), media_type=METRICS_TYPE)
 
 
-@router.get("/v1/cluster", summary="Workers, nodes, devices and bytes held")
+@router.get("/v1/cluster", summary="Workers, nodes, devices and bytes held",
+            responses={**error_responses(401), 503: {"description": "no workers yet (starting or stopping): "
+                                                                     "the same body, with no workers and no nodes"}})
 async def cluster(request: Request) -> JSONResponse:
     rt = app_state(request).runtime
     if rt is None:

@@ -163,3 +163,17 @@ def test_route_labels_name_the_route_with_ids_and_versions_folded(path, label):
     request(app, "POST" if path.endswith("/infer") else "GET", path)
     text = request(app, "GET", "/metrics").text
     assert f'route="{label}"' in text and 'route="unmatched"' not in text
+
+
+def test_the_schema_declares_401_behind_the_key_and_503_on_the_readiness_probes():
+    """Every operation of /openapi.json but the four open health probes answers 401 without the key, and
+    says so; the readiness probes answer 503 while not ready (an outside walkthrough found both missing)."""
+    from service.middleware import OPEN_PATHS
+
+    spec = create_app(ServiceSettings()).openapi()
+    operations = [(path, method, op) for path, ops in spec["paths"].items() for method, op in ops.items()]
+    assert len(operations) >= 17
+    for path, method, op in operations:
+        assert ("401" in op["responses"]) is (path not in OPEN_PATHS), (method, path)
+    for path in ("/readyz", "/v2/health/ready", "/v2/models/attention/ready"):
+        assert "503" in spec["paths"][path]["get"]["responses"], path
