@@ -5,7 +5,8 @@ the API port keeps its key. The listener binds ``--metrics-host`` (loopback unle
 otherwise) and answers one request per connection: ``GET`` or ``HEAD /metrics`` with the same
 text as the API's ``/metrics`` (service.routes.ops.render_metrics), anything else 404 or 405.
 It runs on the server's event loop and starts before Ray, so a scrape sees the front end
-while it starts.
+while it starts; one sent while ``ray.init`` holds the loop (``service.app``, a few seconds) is
+answered when it returns.
 """
 
 from __future__ import annotations
