@@ -174,7 +174,10 @@ def copy_keys_dmajor(dst: Any, k: Any) -> None:
     if array_module(dst) is not np:  # a GPU copies the transpose at memory speed
         dst[...] = k.transpose(1, 2, 0)
         return
-    dst_bits, k_bits = as_bits(dst), as_bits(k)
+    dst_bits, k_bits = as_bits(dst), as_bits(k).view()
+    # Read-only whatever the caller's k: numba compiles a loop per argument type, and a request's keys
+    # arrive read-only, a shard's writable; one type is the loop workers.fused.warm() compiles.
+    k_bits.flags.writeable = False
     loop = compiled_transpose()
     if loop is not None:
         if k.size:

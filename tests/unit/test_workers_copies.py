@@ -36,6 +36,23 @@ def test_keys_land_d_major_bit_for_bit_in_a_strided_destination(rng, path, dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
+def test_read_only_and_writable_keys_run_one_compiled_transpose(rng, dtype):
+    # A request's keys arrive read-only, a shard's and warm()'s writable: one compiled loop for both, so
+    # that the first upload of each dtype does not compile one of its own (workers.fused.warm fills it).
+    loop = copies.compiled_transpose()
+    if loop is None:
+        pytest.skip("numba is not installed")
+    k = rng.standard_normal((20, 2, 8)).astype(dtype)
+    kt = np.zeros((2, 8, 20), dtype=dtype)
+    copy_keys_dmajor(kt, k)
+    compiled = len(loop.signatures)
+    k.flags.writeable = False
+    copy_keys_dmajor(kt, k)
+    assert len(loop.signatures) == compiled
+    assert as_bits(kt).tobytes() == as_bits(k.transpose(1, 2, 0).copy()).tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: np.dtype(t).name)
 def test_values_land_heads_first_bit_for_bit(rng, dtype):
     v = rng.standard_normal((300, 4, 6)).astype(dtype)
     vv = np.zeros((4, 320, 6), dtype=dtype)
