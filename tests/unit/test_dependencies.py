@@ -6,6 +6,7 @@ Ray is used only where the cluster is; only the GPU backend imports cupy.
 """
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -26,7 +27,8 @@ def module_name(path: pathlib.Path) -> str:
 MODULES = {module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
 
 
-def imports(path: pathlib.Path) -> set[str]:
+@functools.cache  # each test walks every file; parsed once per process
+def imports(path: pathlib.Path) -> frozenset[str]:
     """Every module name an import statement anywhere in the file names (function-level ones too)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -35,7 +37,7 @@ def imports(path: pathlib.Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module)
             names |= {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import module`
-    return names
+    return frozenset(names)
 
 
 def top_levels(package: str) -> dict[str, set[str]]:
