@@ -133,8 +133,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             timings.add("parse", time.perf_counter() - t0)
             deadline = state.settings.request_timeout_s
             what = f"the server's {deadline:g} s limit"
-            for limit, named in ((parsed.timeout_s, "the {:g} s timeout its parameters gave"),
-                                 (context.time_remaining(), "its gRPC deadline, {:.3g} s")):
+            for limit, named in ((parsed.timeout_s, "its KServe timeout parameter of {:g} s"),
+                                 (context.time_remaining(), "its gRPC deadline of {:.3g} s")):
                 if limit is not None and max(limit, 1e-3) < deadline:
                     deadline = max(limit, 1e-3)
                     what = named.format(limit)

@@ -122,7 +122,8 @@ class Exchange:
         """``work()``, a read, run within the request's deadline (504 past it): ``--request-timeout``,
         shortened, never lengthened, by the client's ``X-Request-Timeout``, which counts from
         :attr:`t0` (the client's clock ran while its body arrived), and by ``limit_s`` (a deadline
-        the body gave). A client whose time ran out before the work begins gets 504 at once.
+        the body gave: KServe's ``timeout`` parameter). A client whose time ran out before the work
+        begins gets 504 at once.
 
         A client that closed its connection after sending its whole body is not served: a query whose
         client has gone before it starts is not sent to the workers, and one whose client goes while it
@@ -134,7 +135,7 @@ class Exchange:
         seconds = query_deadline(limit, self.client, self.t0)
         what = f"its {TIMEOUT_HEADER} of {self.client:g} s" if seconds < limit else f"the server's {limit:g} s limit"
         if limit_s is not None and limit_s < seconds:
-            seconds, what = limit_s, f"the {limit_s:g} s timeout its body gave"
+            seconds, what = limit_s, f"its KServe timeout parameter of {limit_s:g} s"
         if await self.request.is_disconnected():  # a look, not a wait: a message is taken only if one is there
             raise ClientDisconnect()
         me = asyncio.current_task()

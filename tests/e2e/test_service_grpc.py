@@ -182,6 +182,15 @@ def test_grpc_errors_have_the_status_and_message_and_the_server_stays_up(grpc_se
     assert out.shape == (1, 4, 16)
 
 
+
+def test_a_grpc_call_past_its_timeout_parameter_is_told_that_limit(grpc_server, tc, rng):
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((2000, 2, 16)).astype(np.float32)
+    with pytest.raises(InferenceServerException) as info:
+        tc.infer("attention", infer_inputs(q=q, k=k, v=k), headers=AUTH, timeout=1)  # one microsecond
+    assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED", info.value
+    assert "within its KServe timeout parameter of 1e-06 s" in info.value.message()
+
 def _typed_input(q):
     t = triton.InferInput("q", list(q.shape), "FP32")
     t._get_tensor().contents.fp32_contents.extend(q.reshape(-1).tolist())
