@@ -156,7 +156,9 @@ def _loadtest(args: argparse.Namespace) -> int:
 
 def _warm(args: argparse.Namespace) -> int:
     from workers.fused import WARM_DTYPES, available, warm
+    from workers.widen import load_widen16
 
+    load_widen16()  # the NumPy kernel's float16 loop, into the same cache
     took = warm(threads=args.threads)
     if not available() or set(took) != set(WARM_DTYPES):
         print("splitkey warm: the fused CPU kernel cannot be compiled here (see the log above): workers serve "

@@ -49,6 +49,7 @@ from workers.persist import ShardFiles
 from workers.store import Expired, ShardInfo, ShardStore
 from workers.tasks import ComputeStatus, ResidentQuery, ShardQuery, ShardRead, ShardWrite, arrive, carry
 from workers.tracing import from_env, pass_spans
+from workers.widen import load_widen16
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
@@ -135,6 +136,8 @@ class ShardWorker:
         self.warm_s: dict[str, float] = {}
         #: When this worker started serving (``time.time()``): its CPU kernel's "since" until a switch.
         self.started_at = time.time()
+        if config.device == "cpu":
+            load_widen16()  # float16 on the NumPy kernel: its widening loop, loaded before a request needs it
         if config.device == "cpu" and config.kernel.cpu_kernels is CpuKernels.FUSED:
             # Compile (or load from numba's disk cache) before the first request, not on it.
             self.warm_s = warm(threads=config.kernel.threads)

@@ -36,42 +36,26 @@ REBIAS = np.float32(2.0**112)
 @functools.cache
 def compiled_widen16() -> Callable[[np.ndarray, int, int, int, np.ndarray], None] | None:
     """The numba loop ``(base, row_stride, rows, cols, out) -> None`` over rows of float16 bits
-    (see :func:`as_rows`), built on first use; None without numba.
+    (see :func:`as_rows`; ``workers.widen16``), loaded on first use; None without numba.
 
-    Imported lazily: only float16 work pays for loading numba.
+    Imported lazily: only float16 work pays for loading numba. :func:`float16_to_float32` hands it
+    read-only bits always: numba compiles a loop per argument type, and a request's keys arrive
+    read-only, a shard's writable.
     """
     try:  # numba is a dependency; the NumPy arithmetic below is the fallback, not the usual path
-        import numba
-        from llvmlite import ir
-        from numba.core import types
-        from numba.extending import intrinsic
+        from workers.widen16 import widen16
     except ImportError:  # pragma: no cover - exercised where numba has no wheel
         return None
-
-    @intrinsic
-    def half_bits_to_float(typingctx: Any, bits: Any) -> Any:  # pragma: no cover - compiled
-        """float32 of the float16 whose bits are ``bits`` (uint16): LLVM's fpext, one instruction with F16C."""
-        if bits != types.uint16:
-            return None
-
-        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-        return types.float32(types.uint16), codegen
-
-    @numba.njit(nogil=True, boundscheck=False)
-    def widen16(base: Any, row_stride: int, rows: int, cols: int, out: Any) -> None:  # pragma: no cover
-        # base [(rows - 1) * row_stride + cols] uint16 and out [rows * cols] float32, both
-        # contiguous: row i is base[i * row_stride : i * row_stride + cols]. Each row is
-        # taken as a contiguous slice, so that the inner loop vectorises.
-        for i in range(rows):
-            src = base[i * row_stride:i * row_stride + cols]
-            dst = out[i * cols:(i + 1) * cols]
-            for t in range(cols):
-                dst[t] = half_bits_to_float(src[t])  # type: ignore[call-arg]  # numba passes typingctx
-
     return widen16
 
+
+def load_widen16() -> bool:
+    """Compile, or load from numba's disk cache, the float16 loop now (a worker's start, ``splitkey
+    warm``), so that no request waits for it; False without numba."""
+    if compiled_widen16() is None:
+        return False
+    float16_to_float32(np.zeros(8, dtype=FLOAT16))  # the one argument type every call uses
+    return True
 
 def as_rows(bits: np.ndarray) -> tuple[np.ndarray, int, int, int] | None:
     """``(base, row_stride, rows, cols)``: ``bits`` (non-empty, uint16) as rows of contiguous elements
@@ -127,6 +111,8 @@ def float16_to_float32(x: np.ndarray) -> np.ndarray:
                 flat = np.ascontiguousarray(bits).reshape(-1)  # [n], one row
                 rows = (flat, flat.size, 1, flat.size)
             base, row_stride, n_rows, cols = rows
+            base = base.view()
+            base.flags.writeable = False  # one argument type whoever calls (compiled_widen16)
             loop(base, row_stride, n_rows, cols, out.reshape(-1))
         return out
     _bits_numpy(bits, out.view(np.uint32))

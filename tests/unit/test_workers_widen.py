@@ -77,3 +77,16 @@ def test_streaming_blocks_are_read_in_place_as_rows_without_a_gather_copy():
     base, row_stride, rows, cols = as_rows(v[2:4, 10:30])  # [hb, B, d_v]
     assert (row_stride, rows, cols) == (100 * 16, 2, 20 * 16) and np.shares_memory(base, v)
     assert as_rows(kt[:, :, ::2]) is None
+
+
+def test_after_loading_no_block_of_any_layout_or_writability_compiles_another_loop(rng):
+    from workers.widen import compiled_widen16, load_widen16
+
+    assert load_widen16()
+    loop = compiled_widen16()
+    assert loop is not None and len(loop.signatures) == 1
+    kt = rng.standard_normal((2, 16, 50)).astype(np.float16)  # [h_kv, d, capacity], a shard's, writable
+    request = np.frombuffer(rng.standard_normal(300).astype(np.float16).tobytes(), np.float16)  # read-only
+    for block in (kt[:, :, 5:25], kt[:, 3], request.reshape(10, 3, 10), request[::3]):
+        assert np.array_equal(float16_to_float32(block), block.astype(np.float32))
+    assert len(loop.signatures) == 1, loop.signatures
