@@ -19,13 +19,17 @@ def reference(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None, wind
     n_q, h_q, d = q.shape
     n_k, h_kv, _ = k.shape
     g = h_q // h_kv
-    q = np.asarray(q).astype(dtype)
-    k = np.repeat(np.asarray(k).astype(dtype), g, axis=1)  # [n_k, h_q, d]
-    v = np.repeat(np.asarray(v).astype(dtype), g, axis=1)  # [n_k, h_q, d_v]
+    # Query head h_kv * g + i reads kv head h_kv: K and V are broadcast over i (a view), not repeated
+    # g times (at service shapes in extended precision those copies took most of the reference's time).
+    q = np.asarray(q).astype(dtype).reshape(n_q, h_kv, g, d)  # [n_q, h_kv, g, d]
+    k = np.asarray(k).astype(dtype)[:, :, None]  # [n_k, h_kv, 1, d]
+    v = np.asarray(v).astype(dtype)[:, :, None]  # [n_k, h_kv, 1, d_v]
+    k = np.broadcast_to(k, (n_k, h_kv, g, d))  # [n_k, h_kv, g, d], stride 0 over g
+    v = np.broadcast_to(v, (n_k, h_kv, g, v.shape[-1]))  # [n_k, h_kv, g, d_v]
     scale = 1.0 / np.sqrt(d) if scale is None else scale
     q_pos = np.arange(n_k - n_q, n_k) if q_pos is None else np.asarray(q_pos)
     k_pos = np.arange(n_k) if k_pos is None else np.asarray(k_pos)
-    s = np.einsum("qhd,khd->hqk", q, k) * dtype(scale)  # [h_q, n_q, n_k]
+    s = np.einsum("qhid,khid->hiqk", q, k).reshape(h_q, n_q, n_k) * dtype(scale)  # [h_q, n_q, n_k]
     if softcap:
         s = dtype(softcap) * np.tanh(s / dtype(softcap))
     dist = np.abs(q_pos[:, None].astype(np.int64) - k_pos[None, :].astype(np.int64))  # [n_q, n_k]
@@ -47,7 +51,9 @@ def reference(q, k, v, *, scale=None, causal=False, q_pos=None, k_pos=None, wind
     m0 = np.where(seen, m, 0)
     p = np.exp(s - m0[..., None])
     l = p.sum(axis=-1)
-    out = np.einsum("hqk,khd->qhd", p, v) / np.where(seen, l, 1).T[..., None]
+    p4 = p.reshape(h_kv, g, n_q, n_k)  # [h_kv, g, n_q, n_k]
+    out = np.einsum("hiqk,khid->qhid", p4, v).reshape(n_q, h_q, -1)  # [n_q, h_q, d_v]
+    out = out / np.where(seen, l, 1).T[..., None]
     lse = np.where(seen, m0 + np.log(np.where(seen, l, 1)), -np.inf).T  # [n_q, h_q]
     return out, lse
 
