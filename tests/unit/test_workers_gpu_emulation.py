@@ -12,6 +12,8 @@ the hardware's mma fragment layout) is in tests/unit/test_workers_gpu_kernels.py
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
 import shutil
 import subprocess
 
@@ -134,8 +136,12 @@ class EmulatedCupy:
 
 
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """Build one library with every kernel the cases use; return a Launcher over it."""
+def emulated(tmp_path_factory, pytestconfig):
+    """Build one library with every kernel the cases use; return a Launcher over it.
+
+    The library is kept in pytest's cache folder under the hash of everything that goes into it (the
+    sources of workers/gpu/kernels, the instances, the command): a later run that changed none of it
+    loads it instead of compiling again (2-3 s here); without the cache plugin it is built each run."""
     keys = sorted({plan_case(p.values[0], np.random.default_rng(0))[-1] for p in CASES}, key=KernelKey.name)
     symbols = {"combine_chunks": "sk_combine"}
     lines = ['#include "cpu_emulation.hpp"', '#include "attention.cu"',
@@ -148,10 +154,23 @@ def emulated(tmp_path_factory):
     out = tmp_path_factory.mktemp("emulation")
     src, lib = out / "emulation.cpp", out / "emulation.so"
     src.write_text("\n".join(lines) + "\n")
-    cmd = [CXX, "-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing",
-           "-Wno-unknown-pragmas", f"-I{SOURCE_PATH.parent}", str(src), "-o", str(lib)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    flags = ["-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
+    digest = hashlib.sha256("\n".join([*lines, *flags, CXX]).encode())
+    for path in sorted(SOURCE_PATH.parent.iterdir()):
+        if path.is_file():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    cache = getattr(pytestconfig, "cache", None)
+    kept = cache.mkdir("gpu-emulation") / f"{digest.hexdigest()[:24]}.so" if cache is not None else None
+    if kept is not None and kept.exists():
+        lib = kept
+    else:
+        cmd = [CXX, *flags, f"-I{SOURCE_PATH.parent}", str(src), "-o", str(lib)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        if kept is not None:
+            partial = kept.with_suffix(f".{os.getpid()}.part")
+            shutil.copyfile(lib, partial)
+            os.replace(partial, kept)  # whole or absent, whichever process writes it
     return Launcher(EmulatedCupy(ctypes.CDLL(str(lib)), symbols))
 
 
