@@ -79,6 +79,9 @@ def test_the_error_is_relative_and_catches_shapes_and_empty_rows():
     assert error(out[:, :1], lse[:, :1], out, lse) == float("inf")  # a missing head
     assert error(out, np.array([[10.0, 3.0]]), out, lse) == float("inf")  # a row that should be empty
     assert error(out * np.nan, lse, out, lse) == float("inf")
+    for bad in (np.nan, np.inf):  # an lse that is not finite where the reference's is
+        assert error(out, np.array([[bad, -np.inf]]), out, lse) == float("inf"), bad
+    assert error(out, np.array([[np.nan, np.nan]]), out, lse) == float("inf")
 
 
 def test_turn_streams_draw_small_blocks_and_cut_the_same():

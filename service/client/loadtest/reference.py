@@ -152,12 +152,14 @@ def error(got_out: np.ndarray, got_lse: np.ndarray, out64: np.ndarray, lse64: np
     """The larger of ``max |out - out64| / max(1, max |out64|)`` and the same for ``lse``.
 
     Shapes must agree, and so must the rows with no key (``lse = -inf``, ``out = 0``).
-    A mismatch of shape or of such rows is an infinite error.
+    A mismatch of shape or of such rows, or any other value that is not finite (a NaN in ``out``
+    or ``lse``: it would compare as no error), is an infinite error.
     """
     if got_out.shape != out64.shape or got_lse.shape != lse64.shape:
         return float("inf")
     empty = np.isneginf(lse64)
-    if not np.array_equal(np.isneginf(got_lse), empty) or not np.isfinite(got_out).all():
+    if (not np.array_equal(np.isneginf(got_lse), empty) or not np.isfinite(got_out).all()
+            or not np.isfinite(got_lse[~empty]).all()):
         return float("inf")
     e_out = float(np.max(np.abs(got_out - out64), initial=0.0)) / max(1.0, float(np.max(np.abs(out64), initial=0.0)))
     kept = ~empty
