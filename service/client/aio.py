@@ -150,7 +150,9 @@ class AsyncClient:
                 while True:
                     left = None if seconds is None else cast(float, timer.when()) - loop.time()
                     try:
-                        return await self._request("POST", path, query, body, time_left=left)
+                        # retries=0: sent once, not even again on a kept connection lost before its answer
+                        return await self._request("POST", path, query, body, time_left=left,
+                                                   resend=self.retries > 0)
                     except ATTEMPT_ERRORS as exc:
                         if seconds is not None and answered_past(exc, cast(float, timer.when()) - loop.time()):
                             raise deadline_passed(seconds) from exc  # the server's 504 for the time left we sent

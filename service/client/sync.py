@@ -101,7 +101,8 @@ def _read_again(read: Callable[[], T], retries: int) -> T:
 class Client:
     """``timeout``: seconds a connection may wait on the server (each send, each read). ``retries``:
     times a query (:meth:`attention`, :meth:`attention_batch`) is sent again after 429 (after at
-    least its ``Retry-After``), 503 (with backoff) or a lost connection; uploads have their own."""
+    least its ``Retry-After``), 503 (with backoff) or a lost connection; uploads have their own. With
+    ``retries=0`` a query is sent once: a kept connection lost before its answer raises too."""
 
     def __init__(self, url: str, api_key: str | None = None, timeout: float = 600.0, *, retries: int = 2) -> None:
         parts = urllib.parse.urlsplit(url)
@@ -175,8 +176,9 @@ class Client:
                 if left < (self.timeout or math.inf):
                     timeout = left
             try:
+                # retries=0: sent once, not even again on a kept connection lost before its answer
                 return self._request("POST", path, query, body=body, timeout=timeout,
-                                     time_left=None if seconds is None else left)
+                                     time_left=None if seconds is None else left, resend=self.retries > 0)
             except ATTEMPT_ERRORS as exc:
                 if seconds is not None and timeout is not None and isinstance(exc, TimeoutError):
                     raise deadline_passed(seconds) from exc  # the socket waited out the time left

@@ -72,8 +72,9 @@ def test_async_client_raises_the_contract_error_without_retrying_a_client_mistak
 
 
 class Scripted(http.server.ThreadingHTTPServer):
-    """A proxy before the live server that answers the first POSTs from a script (status, headers, delay),
-    then forwards: how a client's retries are seen from the wire. Test-only."""
+    """A proxy before the live server that answers the first POSTs from a script (status, headers, delay;
+    ``None`` forwards it, ``"drop"`` closes without an answer), then forwards: how a client's retries are
+    seen from the wire. Test-only."""
 
     def __init__(self, target_port, script):
         self.target_port, self.script, self.posts = target_port, list(script), []
@@ -99,8 +100,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 - http.server's name
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.server.posts.append(time.monotonic())
-        if self.server.script:
-            status, headers, delay = self.server.script.pop(0)
+        step = self.server.script.pop(0) if self.server.script else None
+        if step == "drop":  # no answer: the connection closed after the request arrived
+            self.close_connection = True
+            return
+        if step is not None:
+            status, headers, delay = step
             time.sleep(delay)
             data = json.dumps({"detail": "scripted", "code": {429: "overloaded", 503: "workers_unavailable"}
                                .get(status, "x")}).encode()
@@ -151,6 +156,18 @@ def test_async_client_gives_up_after_its_retries_and_within_its_deadline(server,
             run(slow())
         assert time.monotonic() - t0 < 2.5
 
+
+def test_async_client_with_retries_0_sends_a_query_once_even_when_its_kept_connection_is_lost(server, rng):
+    q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+    k, v = kv(rng, 20)
+    with Scripted(server.port, [None, "drop"]) as proxy:
+        async def main():
+            async with AsyncClient(proxy.url, retries=0) as c:
+                await c.attention(q, k, v)  # the connection is kept
+                await c.attention(q, k, v)
+        with pytest.raises(ConnectionError):  # the client's TransportError: lost after the query went out
+            run(main())
+        assert len(proxy.posts) == 2  # not sent a third time
 
 def test_async_upload_that_stops_says_what_is_stored(server, rng):
     k, v = kv(rng, 300)

@@ -159,6 +159,13 @@ def test_sync_client_resends_a_query_whose_connection_was_lost_before_its_answer
     assert len(stub.posts) == 2 and gap < 0.2  # at once the first time
 
 
+def test_sync_client_with_retries_0_sends_a_query_once_even_when_its_kept_connection_is_lost():
+    with Stub([None, DROP]) as stub, Client(stub.url, retries=0) as c:
+        assert np.array_equal(query(c, "attention"), OUT)  # the connection is kept
+        with pytest.raises(ConnectionError):  # RemoteDisconnected: lost after the query went out
+            query(c, "attention")
+    assert len(stub.posts) == 2  # not sent a third time
+
 def test_sync_client_with_retries_0_raises_the_first_429_at_once():
     with Stub([busy("0.6")]) as stub, Client(stub.url, retries=0) as c:
         t0 = time.monotonic()
