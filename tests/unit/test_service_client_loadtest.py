@@ -116,6 +116,21 @@ def test_the_summary_marks_rough_percentiles_and_says_the_upload_rate():
     assert "*" not in summary(sweep_result(completed=20)) and "warnings" not in summary(sweep_result(completed=20))
 
 
+def test_a_gate_on_a_metric_a_point_has_no_value_for_fails_the_run():
+    import dataclasses
+
+    from service.client.loadtest.config import FailOn
+
+    result = sweep_result(completed=5)
+    result.config = dataclasses.replace(result.config, fail_on=(FailOn.parse("max_error>1e-4"),
+                                                                FailOn.parse("latency_p99_ms>1e6")))
+    assert result.points[0].max_error is None  # nothing verified
+    assert result.violations()[0] == "decode n_k=1024 c=1: max_error>0.0001 (got no value)"
+    result.points = [dataclasses.replace(p, max_error=0.0) for p in result.points]
+    assert result.violations() == [] and result.passed()
+    result.points[1] = dataclasses.replace(result.points[1], latency_p99_ms=float("nan"))  # nothing completed
+    assert result.violations() == ["decode n_k=1024 c=4: latency_p99_ms>1e+06 (got no value)"]
+
 def test_plots_carry_the_runs_metadata_and_are_written_with_an_slo_and_rough_points(tmp_path):
     pytest.importorskip("matplotlib")
     from service.client.loadtest import plots

@@ -79,6 +79,8 @@ def test_arguments_become_one_config():
     (["--warmup", "-1"], "--warmup must be an int >= 0, got -1"),
     (["--h-q", "6", "--h-kv", "4"], "--h-q must be a multiple of h_kv, got h_q=6, h_kv=4"),
     (["--slo-ms", "-3"], "--slo-ms must be a number > 0, got -3.0"),
+    (["--fail-on", "slo_attainment<0.99"], "--fail-on slo_attainment<0.99 must come with an SLO (--slo-ms), got none"),
+    (["--fail-on", "goodput_per_s<5"], "--fail-on goodput_per_s<5 must come with an SLO (--slo-ms), got none"),
     (["--burstiness", "nan"], "--burstiness must be a number > 0, got nan"),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(extra, message):

@@ -61,6 +61,10 @@ def parse_rate(text: str, name: str) -> float:
     return rate
 
 
+#: Metrics that have a value only when the run has an SLO (``slo_ms``).
+SLO_METRICS = ("slo_ms", "goodput_per_s", "slo_attainment")
+
+
 @dataclass(frozen=True)
 class FailOn:
     """A threshold that fails the run when any point's ``metric`` compares true: ``latency_p99_ms>500``."""
@@ -175,6 +179,10 @@ class SweepConfig:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
         if self.slo_ms is not None and not (math.isfinite(self.slo_ms) and self.slo_ms > 0):
             raise ValueError(f"slo_ms must be a number > 0, got {self.slo_ms!r}")
+        for rule in self.fail_on:
+            if rule.metric in SLO_METRICS and self.slo_ms is None:
+                raise ValueError(f"fail_on {rule} must come with an SLO (--slo-ms), got none: without one "
+                                 f"{rule.metric} has no value")
         if self.chunk_keys is not None and (type(self.chunk_keys) is not int or self.chunk_keys < 1):
             raise ValueError(f"chunk_keys must be an int >= 1, got {self.chunk_keys!r}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import os
 import platform
 import sys
@@ -54,12 +55,16 @@ class SweepResult:
         return sum(p.failed for p in self.points)
 
     def violations(self) -> list[str]:
-        """``--fail-on`` thresholds some point crossed: ``"decode n_k=1024 c=4: p99_ms>500 (got 612)"``."""
+        """``--fail-on`` thresholds some point crossed: ``"decode n_k=1024 c=4: p99_ms>500 (got 612)"``. A
+        point where the metric has no value (no request completed, none verified) fails its gate too: a
+        threshold that could not be checked is not passed."""
         out = []
         for p in self.points:
             for rule in self.config.fail_on:
                 value = getattr(p, rule.metric)
-                if value is not None and rule.violated(float(value)):
+                if value is None or math.isnan(float(value)):
+                    out.append(f"{p.label}: {rule} (got no value)")
+                elif rule.violated(float(value)):
                     out.append(f"{p.label}: {rule} (got {float(value):.4g})")
         return out
 
