@@ -51,6 +51,7 @@ from service.client.retry import (
 from service.client.upload import (
     Progress,
     Upload,
+    check_after,
     holding,
     is_length_mismatch,
     may_have_arrived,
@@ -196,20 +197,24 @@ class AsyncClient:
         return desc
 
     async def append(self, context_id: str, k: Any, v: Any, k_pos: Any = None, *, chunk_keys: int | None = None,
-                     progress: Progress | None = None, retries: int = 3) -> dict:
-        """Append ``k``, ``v`` (any ``n_k``) to a context, in chunks; its new description (as ``Client.append``)."""
+                     progress: Progress | None = None, retries: int = 3, after: int | None = None) -> dict:
+        """Append ``k``, ``v`` (any ``n_k``) to a context, in chunks; its new description (as ``Client.append``,
+        ``after`` included; one chunk in flight at a time)."""
+        check_after(after)
         k, v, k_pos = _arrays(k, v, k_pos)
         upload = Upload(total=_keys(k), progress=progress, retries=retries, context_id=context_id)
         bounds = await self._chunk_bounds(upload, k, v, k_pos, chunk_keys)
         path = f"{CREATE}/{context_id}/append"
-        if len(bounds) == 1:  # one plain append, sent again only when surely not stored
+        if len(bounds) == 1 and after is None:  # one plain append, sent again only when surely not stored
             only = await self._send(upload, path, "", {"k": k, "v": v, "k_pos": k_pos}, keys=upload.total)
             upload.commit(upload.total)
             return only
-        try:
-            after = upload.start = await self._length(context_id, upload.retries)
-        except ATTEMPT_ERRORS as exc:
-            raise upload.stopped(exc) from exc
+        if after is None:
+            try:
+                after = await self._length(context_id, upload.retries)
+            except ATTEMPT_ERRORS as exc:
+                raise upload.stopped(exc) from exc
+        upload.start = after
         desc: dict = {}
         for keys, tensors in _chunks(k, v, k_pos, bounds):
             desc = await self._send(upload, path, _query(upload.chunk_options(after)), tensors, after=after, keys=keys)

@@ -44,6 +44,7 @@ from service.client.upload import (
     TRANSPORT_ERRORS,
     Progress,
     Upload,
+    check_after,
     holding,
     is_length_mismatch,
     may_have_arrived,
@@ -226,26 +227,32 @@ class Client:
         return self._append_chunks(upload, chunks, base=0, pipeline=pipeline) or desc
 
     def append(self, context_id: str, k: Any, v: Any, k_pos: Any = None, *, chunk_keys: int | None = None,
-               progress: Progress | None = None, retries: int = 3, pipeline: int = 2) -> dict:
+               progress: Progress | None = None, retries: int = 3, pipeline: int = 2, after: int | None = None) -> dict:
         """Append ``k``, ``v`` (any ``n_k``) to a context; its new description.
 
-        Chunked as :meth:`create_context`: one chunk is one append as it always was;
-        with more, each is an append with ``after`` (the context's length before it),
-        so a chunk sent again is stored once. Raises :class:`UploadError`.
+        Chunked as :meth:`create_context`: one chunk without ``after`` is one plain append, not
+        sent again once it may have arrived; with more, each is an append with ``after`` (the
+        context's length before it), so a chunk sent again is stored once. ``after``: the
+        context's length the keys must follow (an engine's step: the keys it has appended so
+        far); the append is stored only where the context holds exactly that many keys (else
+        :class:`UploadError`, 409 ``length_mismatch``), and even a single chunk is then sent
+        again after a lost answer and stored once. Raises :class:`UploadError`.
         """
+        check_after(after)
         k, v, k_pos = _arrays(k, v, k_pos)
         upload = Upload(total=_keys(k), progress=progress, retries=retries, context_id=context_id)
         bounds = self._chunk_bounds(upload, k, v, k_pos, chunk_keys)
-        if len(bounds) == 1:  # one append without ``after``, as ever: sent again only when surely not stored
+        if len(bounds) == 1 and after is None:  # one plain append: sent again only when surely not stored
             desc = self._send(upload, self._append_path(context_id), "", {"k": k, "v": v, "k_pos": k_pos},
                               keys=upload.total)
             upload.commit(upload.total)
             return desc
-        try:
-            base = self._length(context_id, upload.retries)
-        except ATTEMPT_ERRORS as exc:
-            raise upload.stopped(exc) from exc
-        return self._append_chunks(upload, _chunks(k, v, k_pos, bounds), base=base, pipeline=pipeline)
+        if after is None:
+            try:
+                after = self._length(context_id, upload.retries)
+            except ATTEMPT_ERRORS as exc:
+                raise upload.stopped(exc) from exc
+        return self._append_chunks(upload, _chunks(k, v, k_pos, bounds), base=after, pipeline=pipeline)
 
     def get_context(self, context_id: str) -> dict:
         return json.loads(self._request("GET", f"/v1/contexts/{context_id}"))

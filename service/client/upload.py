@@ -108,6 +108,11 @@ def retry_delay(error: BaseException, attempt: int) -> float | None:
     return None
 
 
+def check_after(after: int | None) -> None:
+    """An append's ``after``: None, or the context's length as an int >= 0."""
+    if after is not None and (type(after) is not int or after < 0):
+        raise ValueError(f"after must be an int >= 0 (the context's length), got {after!r}")
+
 def is_length_mismatch(error: BaseException) -> bool:
     return isinstance(error, SplitkeyError) and error.code == "length_mismatch"
 

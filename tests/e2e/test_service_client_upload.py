@@ -300,6 +300,42 @@ def test_a_plain_append_whose_answer_was_lost_is_not_sent_again_and_says_its_key
 
 @pytest.mark.ray
 @pytest.mark.parametrize("which", ["sync", "async"])
+def test_an_append_with_after_is_sent_again_after_a_lost_answer_and_stored_once_and_refused_elsewhere(
+        client, server, rng, which):
+    """An engine's step: one token's keys with ``after`` = the keys it has appended so far. Its answer
+    lost, it is sent again, refused (409: its keys are there) and found stored; an ``after`` that is
+    not the context's length is refused and stores nothing."""
+    k, v = kv(rng, 5)
+    ctx = client.create_context(k, v)["id"]
+    k1, v1 = kv(rng, 1)
+    lose = LoseAppendAfter(5)
+
+    def append(url, *args, **kw):
+        if which == "sync":
+            with Client(url) as c:
+                return c.append(ctx, *args, **kw)
+
+        async def main():
+            async with AsyncClient(url) as c:
+                return await c.append(ctx, *args, **kw)
+        return asyncio.run(main())
+
+    with LostAnswers(server.port, lose) as proxy:
+        desc = append(proxy.url, k1, v1, after=5)
+    assert desc["length"] == 6 and lose.appends == [(5, 200), (5, 409)], lose.appends
+    with pytest.raises(UploadError) as raised:
+        append(server.url, k1, v1, after=5)  # the context holds 6 keys now
+    assert raised.value.status == 409 and raised.value.code == "length_mismatch" and raised.value.committed == 0
+    with pytest.raises(ValueError, match="after must be an int >= 0"):
+        append(server.url, k1, v1, after=-1)
+    assert client.get_context(ctx)["length"] == 6
+    q = rng.standard_normal((2, 4, 16)).astype(np.float32)
+    out, lse = client.attention(q, contexts=[ctx])
+    assert_close_to_reference(out, lse, q, np.concatenate([k, k1]), np.concatenate([v, v1]))  # stored once
+    client.delete_context(ctx)
+
+@pytest.mark.ray
+@pytest.mark.parametrize("which", ["sync", "async"])
 def test_a_chunked_appends_first_read_of_the_length_whose_answer_was_lost_is_read_again(client, server, rng, which):
     k, v = kv(rng, 5)
     ctx = client.create_context(k, v)["id"]
