@@ -92,6 +92,11 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+#: Why a cache operation generate() may ask for is refused (:class:`SplitkeyLayer`).
+UNSUPPORTED = ("SplitkeyCache does not support {}: the service holds each sequence's keys in contexts that only "
+               "grow; generate greedily or by sampling (num_beams=1)")
+
+
 class SplitkeyLayer(CacheLayerMixin):
     """One model layer's contexts: an id, keys held and tokens seen per sequence; no keys or values."""
 
@@ -120,6 +125,20 @@ class SplitkeyLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    # What generate() asks of a cache for beam, contrastive and assisted search: the service holds each
+    # sequence's keys in its own contexts, appended in order, so these are refused by name.
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError(UNSUPPORTED.format("beam search (num_beams > 1)"))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(UNSUPPORTED.format("cropping (assisted or speculative decoding)"))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(UNSUPPORTED.format("repeating its sequences (contrastive search)"))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError(UNSUPPORTED.format("selecting among its sequences (contrastive search)"))
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, real: torch.Tensor,
                positions: torch.Tensor, options: Mapping[str, Any]) -> torch.Tensor:

@@ -189,6 +189,17 @@ def test_a_model_without_the_splitkey_cache_is_refused_with_what_to_pass(server)
         model(input_ids=ids, attention_mask=mask, use_cache=False)
 
 
+def test_beam_search_is_refused_by_name_and_the_cache_still_deletes_its_contexts(server):
+    model = build("llama")
+    ids, mask = prompts(1)
+    model.set_attn_implementation(ATTENTION)
+    with Client(server.url) as client:
+        with SplitkeyCache(client, model.config) as cache:
+            with pytest.raises(NotImplementedError, match=r"does not support beam search \(num_beams > 1\)"):
+                generate(model, ids, mask, cache, num_beams=3)
+            made = [ctx for layer in cache.context_ids for ctx in layer]
+        assert made and not {c["id"] for c in client.list_contexts()} & set(made)
+
 def test_a_pass_past_its_deadline_raises_a_backend_error_caused_by_the_timeout(server):
     model = build("llama")
     model.set_attn_implementation(ATTENTION)
