@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from service.attention import KSERVE_BINARY, JsonAnswerLimit
 from service.core.errors import error_responses
-from service.routes.common import Exchange, off_loop
+from service.routes.common import Exchange, app_state, off_loop
 from service.routes.ops import NOT_READY, can_serve, workers_ready
 from service.wire.json_text import write_json
 from service.wire.kserve import (
@@ -49,9 +49,10 @@ def _decode(body: memoryview, header_len: int | None, limits: Limits) -> tuple[I
 
 
 async def _ready(request: Request) -> bool:
-    """Ray connected and a worker answering a ping (as ``GET /readyz``, ``service.routes.ops.can_serve``)."""
+    """Ray connected, a worker answering a ping and the server not draining (as ``GET /readyz``,
+    ``service.routes.ops.can_serve``): a load balancer stops sending to a server that drains."""
     alive, total = await workers_ready(request)
-    return can_serve(alive, total)
+    return can_serve(alive, total) and not app_state(request).drain.draining
 
 
 @router.get("/v2", summary="Server metadata (KServe v2)", responses=error_responses(401))

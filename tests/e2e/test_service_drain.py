@@ -76,6 +76,9 @@ def test_sigterm_drains_the_requests_in_flight_then_exits_0_and_leaves_no_proces
     time.sleep(0.3)
     ready = httpx.get(srv.url + "/readyz", timeout=10)
     assert ready.status_code == 503 and ready.json()["draining"] is True
+    ready = httpx.get(srv.url + "/v2/health/ready", timeout=10)  # KServe's probe says the same
+    assert ready.status_code == 503 and ready.json() == {"ready": False}
+    assert httpx.get(srv.url + "/v2/models/attention/ready", timeout=10).status_code == 503
     refused = httpx.post(srv.url + f"/v1/attention?contexts={ctx}", json={"q": q[:1].tolist()}, timeout=10)
     assert refused.status_code == 503 and refused.json()["code"] == "shutting_down"
     assert refused.headers["connection"] == "close"
