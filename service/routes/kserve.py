@@ -9,6 +9,7 @@ errors are written by ``service.core.errors.render``, which adds the protocol's
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -30,7 +31,7 @@ from service.wire.kserve import (
     server_metadata as metadata_of_server,
 )
 from service.wire.request import AttentionRequest, attention_request
-from service.wire.rules import Limits
+from service.wire.rules import Limits, refuse_query
 
 router = APIRouter(tags=["kserve"])
 
@@ -43,7 +44,9 @@ VERSIONED = f"{MODEL}/versions/{MODEL_VERSION}"
 VERSIONED_INFER = f"{VERSIONED}/infer"
 
 
-def _decode(body: memoryview, header_len: int | None, limits: Limits) -> tuple[InferRequest, AttentionRequest]:
+def _decode(body: memoryview, header_len: int | None, query: Mapping[str, str], limits: Limits
+            ) -> tuple[InferRequest, AttentionRequest]:
+    refuse_query(query, "a KServe infer request")  # its parameters travel in the body
     parsed = decode_infer_request(body, header_len, limits)
     return parsed, attention_request(parsed.decoded)
 
@@ -105,7 +108,8 @@ async def infer(request: Request) -> Response:
         header_length(declared_header, body_len)
 
     body = await ex.body(limit=limit, before_read=check_header)
-    parsed, req = await off_loop(len(body), _decode, body, header_length(declared_header, len(body)), state.limits)
+    parsed, req = await off_loop(len(body), _decode, body, header_length(declared_header, len(body)),
+                                 request.query_params, state.limits)
     timings.add("parse", time.perf_counter() - ex.t0)
     out_json = any(o.name == "out" and not o.binary for o in parsed.outputs)
     json_limit = JsonAnswerLimit(state.limits.max_json_answer_elements, KSERVE_BINARY) if out_json else None

@@ -271,6 +271,16 @@ def test_bad_framing_is_refused_before_the_body_is_used(server):
     assert httpx.get(server.url + "/v2/health/live").json() == {"live": True}
 
 
+@pytest.mark.parametrize("path", [INFER, "/v2/models/attention/versions/1/infer"])
+def test_url_query_parameters_are_refused_not_ignored(server, path):
+    body = {"inputs": [{"name": n, "shape": [2, 1, 1], "datatype": "FP32", "data": d}
+                       for n, d in (("q", [1, 1]), ("k", [1, 5]), ("v", [10, 20]))]}
+    r = httpx.post(server.url + path + "?causal=true", json=body, timeout=30)  # causal goes in "parameters"
+    assert r.status_code == 422 and r.json()["code"] == "invalid_option", r.text
+    assert "query parameters must be absent from a KServe infer request" in r.json()["detail"]
+    assert "causal=true" in r.json()["detail"]
+    assert httpx.post(server.url + path, json=body, timeout=30).status_code == 200
+
 # -- the examples of docs/KSERVE.md ----------------------------------------------------------
 
 def doc_block(lang: str, marker: str) -> str:
