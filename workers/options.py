@@ -92,6 +92,9 @@ class AttentionOptions:
             s = _check_real("scale", self.scale)
             if s <= 0:
                 raise InvalidAttentionOption(f"scale must be a finite number > 0, got {short_repr(self.scale)}")
+            if s > FLOAT32_MAX:  # the scores are multiplied by it in float32: past the range, every score is inf
+                raise InvalidAttentionOption(f"scale must be at most {FLOAT32_MAX:.4g} (float32's range), got "
+                                             f"{short_repr(self.scale)}")
             object.__setattr__(self, "scale", s)
         if not isinstance(self.causal, (bool, np.bool_)):
             raise InvalidAttentionOption(f"causal must be a bool, got {short_repr(self.causal)}")

@@ -196,6 +196,8 @@ def test_gqa_maps_query_head_i_to_kv_head_i_div_g(rng):
         (lambda q, k, v: partial_attention(q, k, v, scale=-1.0), "scale must be a finite number > 0, got -1.0"),
         (lambda q, k, v: partial_attention(q, k, v, scale=float("nan")), "scale must be a finite number, got nan"),
         (lambda q, k, v: partial_attention(q, k, v, scale=10**400), "scale must be a finite number, got 1000"),
+        (lambda q, k, v: partial_attention(q, k, v, scale=1e39),  # every float32 score inf: "overflow" before
+         r"scale must be at most 3.403e\+38 \(float32's range\), got 1e\+39"),
         (lambda q, k, v: partial_attention(q, k, v, window=(1,)), r"window must be \[left, right\], .* got \[1\]"),
         (lambda q, k, v: partial_attention(q, k, v, window=(-1, None)),
          r"window must be \[left, right\], each null or an int in \[0, 2\*\*62\], got \[-1, None\]"),
