@@ -44,7 +44,7 @@ def _decode(fmt: Format, body: memoryview, query: object, limits: Limits) -> Att
     responses={200: {"content": {"application/json": {"schema": AttentionResult.model_json_schema()},
                                  "application/octet-stream": {}},
                      "description": "out [n_q, h_q, d_v] and lse [n_q, h_q] (natural log; null for -inf in JSON)"},
-               **error_responses(400, 401, 404, 413, 415, 422, 429, 503, 504)},
+               **error_responses(400, 401, 404, 408, 413, 415, 422, 429, 503, 504)},
     openapi_extra=BODY_DOC,
 )
 async def attention(request: Request) -> Response:

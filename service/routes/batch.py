@@ -77,7 +77,7 @@ def _decode(fmt: Format, body: memoryview, query: Mapping[str, str], limits: Lim
     responses={200: {"content": {"application/json": {"schema": BatchResult.model_json_schema()},
                                  "application/octet-stream": {}},
                      "description": "per item: out and lse, or its error"},
-               **error_responses(400, 401, 413, 415, 422, 429, 503, 504)},
+               **error_responses(400, 401, 408, 413, 415, 422, 429, 503, 504)},
     openapi_extra=BODY_DOC,
 )
 async def attention_batch(request: Request) -> Response:

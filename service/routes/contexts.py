@@ -50,7 +50,7 @@ def _decode(fmt: Format, body: memoryview, query: object, kind: BodyKind, limits
 
 
 @router.post(ROUTE, status_code=201, summary="Store k, v on the workers",
-             responses=error_responses(400, 401, 413, 415, 422, 429, 503, 507),
+             responses=error_responses(400, 401, 408, 413, 415, 422, 429, 503, 507),
              openapi_extra=_body_doc(ContextCreateRequestModel))
 async def create_context(request: Request) -> JSONResponse:
     ex = Exchange.begin(request, read=False)
@@ -61,7 +61,7 @@ async def create_context(request: Request) -> JSONResponse:
 
 
 @router.post(ROUTE + "/{ctx_id}/append", summary="Append k, v to a context",
-             responses=error_responses(400, 401, 404, 409, 413, 415, 422, 429, 503, 507),
+             responses=error_responses(400, 401, 404, 408, 409, 413, 415, 422, 429, 503, 507),
              openapi_extra=_body_doc(ContextAppendRequestModel))
 async def append_context(ctx_id: str, request: Request) -> JSONResponse:
     ex = Exchange.begin(request, read=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -76,28 +77,32 @@ async def ready(request: Request) -> JSONResponse:
 
 @router.get(f"{MODEL}/ready", summary="The attention model is ready (KServe v2)",
             responses={**error_responses(401), **NOT_READY})
-@router.get(f"{VERSIONED}/ready", include_in_schema=False)
+@router.get(f"{VERSIONED}/ready", summary="Version 1 of the attention model is ready (KServe v2)",
+            responses={**error_responses(401), **NOT_READY})
 async def model_ready(request: Request) -> JSONResponse:
     ok = await _ready(request)
     return JSONResponse({"name": MODEL_NAME, "ready": ok}, status_code=200 if ok else 503)
 
 
 @router.get(MODEL, summary="Model metadata: inputs, outputs, datatypes (KServe v2)", responses=error_responses(401))
-@router.get(VERSIONED, include_in_schema=False)
+@router.get(VERSIONED, summary="Metadata of version 1 of the model (KServe v2)", responses=error_responses(401))
 async def metadata() -> JSONResponse:
     return JSONResponse(model_metadata())
 
 
-@router.post(
-    ROUTE,
-    summary="Attention through the Open Inference Protocol, with the binary tensor extension",
-    responses={200: {"content": {"application/json": {}, "application/octet-stream": {}},
-                     "description": "outputs out [n_q, h_q, d_v] and lse [n_q, h_q]; see docs/KSERVE.md"},
-               **error_responses(400, 401, 404, 413, 415, 422, 429, 503, 504)},
-    openapi_extra={"parameters": [{"name": HEADER, "in": "header", "required": False, "schema": {"type": "integer"},
-                                   "description": "bytes of JSON at the start of a body with binary tensors"}]},
-)
-@router.post(VERSIONED_INFER, include_in_schema=False)
+#: What both infer paths declare in /openapi.json.
+INFER_DOC: dict[str, Any] = {
+    "responses": {200: {"content": {"application/json": {}, "application/octet-stream": {}},
+                        "description": "outputs out [n_q, h_q, d_v] and lse [n_q, h_q]; see docs/KSERVE.md"},
+                  **error_responses(400, 401, 404, 408, 413, 415, 422, 429, 503, 504)},
+    "openapi_extra": {"parameters": [{"name": HEADER, "in": "header", "required": False, "schema": {"type": "integer"},
+                                      "description": "bytes of JSON at the start of a body with binary tensors"}]},
+}
+
+
+@router.post(ROUTE, summary="Attention through the Open Inference Protocol, with the binary tensor extension",
+             **INFER_DOC)
+@router.post(VERSIONED_INFER, summary="Attention through version 1 of the model (KServe v2)", **INFER_DOC)
 async def infer(request: Request) -> Response:
     ex = Exchange.begin(request)
     state, timings = ex.state, ex.timings

@@ -175,5 +175,9 @@ def test_the_schema_declares_401_behind_the_key_and_503_on_the_readiness_probes(
     assert len(operations) >= 17
     for path, method, op in operations:
         assert ("401" in op["responses"]) is (path not in OPEN_PATHS), (method, path)
-    for path in ("/readyz", "/v2/health/ready", "/v2/models/attention/ready"):
+    for path in ("/readyz", "/v2/health/ready", "/v2/models/attention/ready", "/v2/models/attention/versions/1/ready"):
         assert "503" in spec["paths"][path]["get"]["responses"], path
+    for path, method, op in operations:  # a body that arrives too slowly is cut with 408 on every route with one
+        assert ("408" in op["responses"]) is (method == "post"), (method, path)
+    for path in ("/v2/models/attention/versions/1", "/v2/models/attention/versions/1/infer"):  # live routes, described
+        assert path in spec["paths"], path
