@@ -340,8 +340,8 @@ def test_structured_kserve_fuzzing_gets_success_or_json_4xx(fuzz_server: Server,
 
 # -- schemathesis over /openapi.json ------------------------------------------------------------
 
-#: The request body of POST /v2/models/attention/infer, from docs/KSERVE.md. The served schema
-#: documents none for that route, so without this schemathesis would only ever send it an empty body.
+#: The request body of POST /v2/models/attention[/versions/1]/infer, from docs/KSERVE.md. The served
+#: schema documents none for those routes, so without this schemathesis would only ever send it an empty body.
 KSERVE_REQUEST = {
     "type": "object",
     "required": ["inputs"],
@@ -375,8 +375,9 @@ KSERVE_REQUEST = {
 def load_schema(server: Server) -> schemathesis.BaseSchema:
     """The server's own /openapi.json, plus the KServe request body above; seeded and bounded."""
     doc = httpx.get(server.url + "/openapi.json", timeout=30).json()
-    doc["paths"][INFER]["post"]["requestBody"] = {
-        "required": True, "content": {"application/json": {"schema": KSERVE_REQUEST}}}
+    for path in (INFER, INFER.replace("/infer", "/versions/1/infer")):
+        doc["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": KSERVE_REQUEST}}}
     config = schemathesis.Config.from_dict({
         "seed": SEED, "base-url": server.url, "request-timeout": 30,
         "generation": {"max-examples": SCHEMA_EXAMPLES, "deterministic": True},
