@@ -9,6 +9,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import pathlib
+import re
 import stat
 from typing import Literal
 
@@ -22,6 +23,18 @@ from workers.options import CpuKernels, GpuKernels
 
 #: Ray counts resources in steps of 1e-4 and refuses a finer quantity (once it has started).
 RAY_CPU_STEP = 0.0001
+
+
+#: A host name: labels of letters, digits, '-' (and '_', which container networks allow) joined by dots.
+HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+                       r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?")
+
+
+def _may_overlap(a: str, b: str) -> bool:
+    """Whether sockets bound to hosts ``a`` and ``b`` on one port would collide: the same host, or a
+    wildcard address on either side."""
+    wild = {"0.0.0.0", "::", "[::]", ""}
+    return a == b or a in wild or b in wild
 
 
 class ServiceSettings(BaseSettings):
@@ -153,6 +166,33 @@ class ServiceSettings(BaseSettings):
             raise ValueError(f"must be a multiple of {RAY_CPU_STEP} (the finest share of a CPU Ray reserves)")
         return v
 
+    @field_validator("persist_dir", mode="before")
+    @classmethod
+    def _store_dir_given(cls, v: object) -> object:
+        if isinstance(v, str) and not v.strip():  # "" would become the current directory
+            raise ValueError("must be the path of a folder, not blank (unset it to keep contexts in memory only)")
+        return v
+
+    @field_validator("ray_namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must name a Ray namespace, not blank")
+        return v
+
+    @field_validator("host", "metrics_host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        # An address or a host name that could resolve: a typo fails here, as a setting, not as a start failure.
+        try:
+            ipaddress.ip_address(v.strip("[]"))
+            return v
+        except ValueError:
+            pass
+        if not HOST_NAME.fullmatch(v):
+            raise ValueError("must be an IP address or a host name (letters, digits, '-', '_' and '.')")
+        return v
+
     @field_validator("persist_dir")
     @classmethod
     def _store_dir(cls, v: pathlib.Path | None) -> pathlib.Path | None:
@@ -182,6 +222,19 @@ class ServiceSettings(BaseSettings):
         if self.max_inflight_bytes < self.max_body_bytes:
             raise ValueError(f"--max-inflight-bytes (SPLITKEY_MAX_INFLIGHT_BYTES) must be at least --max-body-bytes "
                              f"(SPLITKEY_MAX_BODY_BYTES, {self.max_body_bytes}), got {self.max_inflight_bytes}")
+        return self
+
+    @model_validator(mode="after")
+    def _ports_apart(self) -> ServiceSettings:
+        # The HTTP socket is bound, not yet listening, while the others are tried (service.cli): the
+        # same port would pass that try, and whichever listened first would take the other's requests.
+        ports = [("--port (SPLITKEY_PORT)", self.host, self.port),
+                 ("--grpc-port (SPLITKEY_GRPC_PORT)", self.host, self.grpc_port),
+                 ("--metrics-port (SPLITKEY_METRICS_PORT)", self.metrics_host, self.metrics_port)]
+        for i, (name, host, port) in enumerate(ports):
+            for other, other_host, other_port in ports[:i]:
+                if port and port == other_port and _may_overlap(host, other_host):
+                    raise ValueError(f"{name} must differ from {other}, got {port} for both")
         return self
 
     def pace(self) -> Pace:

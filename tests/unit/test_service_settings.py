@@ -91,6 +91,42 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_is_close_to():
                              "SPLITKEY_WORKERZ is not a setting and is ignored: did you mean SPLITKEY_WORKERS?"]
 
 
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_blank_persist_dir_or_namespace_is_refused_not_taken_as_the_current_directory(blank, monkeypatch):
+    with pytest.raises(ValidationError, match="must be the path of a folder, not blank"):
+        ServiceSettings(persist_dir=blank)
+    monkeypatch.setenv("SPLITKEY_PERSIST_DIR", blank)  # an empty ConfigMap value
+    with pytest.raises(ValidationError, match="not blank"):
+        ServiceSettings()
+    monkeypatch.delenv("SPLITKEY_PERSIST_DIR")
+    with pytest.raises(ValidationError, match="must name a Ray namespace, not blank"):
+        ServiceSettings(ray_namespace=blank)
+
+
+@pytest.mark.parametrize("field", ["host", "metrics_host"])
+@pytest.mark.parametrize("value", ["not a host!", "", "a..b", "-x.org", "x/y"])
+def test_a_host_that_is_no_address_or_host_name_is_a_bad_setting(field, value):
+    with pytest.raises(ValidationError, match="must be an IP address or a host name"):
+        ServiceSettings(**{field: value})
+
+
+@pytest.mark.parametrize("ports, message", [
+    ({"port": 9000, "grpc_port": 9000}, "--grpc-port (SPLITKEY_GRPC_PORT) must differ from --port (SPLITKEY_PORT), "
+                                        "got 9000 for both"),
+    ({"port": 9000, "metrics_port": 9000}, "--metrics-port (SPLITKEY_METRICS_PORT) must differ from --port"),
+    ({"grpc_port": 9001, "metrics_port": 9001}, "--metrics-port (SPLITKEY_METRICS_PORT) must differ from --grpc-port"),
+    ({"port": 9000, "metrics_port": 9000, "metrics_host": "0.0.0.0"}, "must differ from --port"),
+])
+def test_two_listeners_on_one_port_are_refused(ports, message):
+    with pytest.raises(ValidationError) as err:
+        ServiceSettings(**ports)
+    assert message in str(err.value)
+
+
+def test_listeners_may_share_a_port_number_on_other_addresses_or_any_free_port():
+    assert ServiceSettings(port=9000, metrics_port=9000, metrics_host="127.0.0.2").metrics_port == 9000
+    assert ServiceSettings(port=0, grpc_port=0, metrics_port=0).grpc_port == 0
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.53", "::1", "[::1]", "localhost"])
 def test_loopback_hosts_need_no_key(host):
     assert ServiceSettings(host=host).check_exposure(insecure=False) is None
