@@ -101,11 +101,13 @@ def from_file(path: pathlib.Path) -> dict[str, Any]:
     """The settings a ``--config`` TOML file gives, by field name: each top-level key is a setting's name
     (``request_timeout_s``) or its flag's (``request-timeout``). Raises ValueError naming the file and
     the key for a key that is no setting, a table, or a key given twice under its two names."""
-    with path.open("rb") as f:
-        try:
+    try:
+        with path.open("rb") as f:
             data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"--config {str(path)!r} must be a TOML file: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {str(path)!r} must be a TOML file: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"--config must be a readable TOML file, got {str(path)!r}: {exc.strerror or exc}") from None
     by_key = {name: name for name in ServiceSettings.model_fields} | {
         flag(name).removeprefix("--"): name for name in ServiceSettings.model_fields}
     values: dict[str, Any] = {}

@@ -192,4 +192,5 @@ def test_serve_with_a_bad_config_file_exits_2_before_starting_anything(tmp_path,
     assert "--max-inflight (SPLITKEY_MAX_INFLIGHT): Input should be greater than or equal to 1, got 0" in \
         capsys.readouterr().err
     assert main(["serve", "--config", str(tmp_path / "missing.toml")]) == 2
-    assert "No such file or directory" in capsys.readouterr().err
+    assert (f"--config must be a readable TOML file, got '{tmp_path / 'missing.toml'}': No such file or directory"
+            in capsys.readouterr().err)
