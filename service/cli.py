@@ -106,6 +106,10 @@ def _serve(args: argparse.Namespace) -> int:
     if state.startup_error is not None:
         print(f"splitkey serve: the start failed: {state.startup_error}", file=sys.stderr)
         return 1
+    if getattr(server, "taken", None) is not None:  # ReadyServer's: its port was taken while it started
+        print(f"splitkey serve: cannot listen on {settings.host}:{port}: Address already in use (another process "
+              f"listened on it while this one started)", file=sys.stderr)
+        return 1
     if server.started:
         log.info("splitkey stopped")
     return 0 if server.started else 1
@@ -117,9 +121,15 @@ def ready_server(on_ready: Callable[[], None]) -> type[uvicorn.Server]:
     import uvicorn
 
     class ReadyServer(uvicorn.Server):
+        #: The listening socket whose port another process took while this one started (None: all listen).
+        taken: socket.socket | None = None
+
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
-            if self.started:
+            self.taken = next((sock for sock in sockets or () if not listening(sock)), None)
+            if self.taken is not None:
+                self.should_exit = True  # the lifespan's end runs (Ray stops), then serve() says why: status 1
+            elif self.started:
                 on_ready()
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
@@ -128,6 +138,16 @@ def ready_server(on_ready: Callable[[], None]) -> type[uvicorn.Server]:
                 await self.lifespan.shutdown()  # traceback and left Ray under the writes still running
 
     return ReadyServer
+
+
+def listening(sock: socket.socket) -> bool:
+    """Whether ``sock`` listens. A bound socket's ``listen`` can fail once the lifespan is done: with
+    SO_REUSEADDR (which a restart needs) another process may bind the same port meanwhile and listen
+    first, and the server then served nothing while it said it was ready."""
+    try:
+        return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    except OSError:  # the event loop gave up the socket when its listen failed
+        return False
 
 
 def listen(host: str, port: int) -> socket.socket:

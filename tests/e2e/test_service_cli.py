@@ -59,6 +59,31 @@ def test_serve_on_a_port_in_use_exits_1_naming_it_before_starting_ray(tmp_path):
     assert not list(tmp_path.rglob("session_*")), "Ray must not start when the port is taken"
 
 
+@pytest.mark.ray
+def test_a_port_another_process_listens_on_while_the_server_starts_fails_it_instead_of_a_silent_ready(tmp_path):
+    """Two servers started on one port a second apart both bound it (SO_REUSEADDR, neither listening
+    yet); the one whose listen came second said it was ready and served nothing. It now exits 1."""
+    env = {**os.environ, "HOME": str(tmp_path), "SPLITKEY_CPU_KERNELS": "numpy"}
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))  # as another `splitkey serve` binds its port before its cluster starts
+        port = other.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(port), "--workers", "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            lines = []
+            while not any("splitkey starting on" in line for line in lines):  # it has bound the port too
+                lines.append(proc.stdout.readline())
+                assert lines[-1], "".join(lines)
+            other.listen()  # ... and the other listens first, while this server's Ray starts
+            out = "".join(lines) + proc.communicate(timeout=120)[0]
+        finally:
+            proc.kill()
+    assert proc.returncode == 1, out
+    assert (f"splitkey serve: cannot listen on 127.0.0.1:{port}: Address already in use (another process listened "
+            "on it while this one started)") in out
+    assert "splitkey ready" not in out and "Traceback" not in out
+
 def test_serve_with_its_grpc_port_in_use_exits_1_naming_it_before_starting_ray(tmp_path):
     env = {**os.environ, "HOME": str(tmp_path), "TMPDIR": str(tmp_path), "RAY_TMPDIR": str(tmp_path)}
     with socket.socket() as taken:
