@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -33,9 +35,48 @@ def connect(settings: ServiceSettings) -> bool:
                      _node_ip_address="127.0.0.1",
                      log_to_driver=verbose, configure_logging=False)
         return True
-    ray.init(address=settings.ray_address, namespace=settings.ray_namespace, log_to_driver=verbose,
-             configure_logging=False)
+    host_port = _host_port(settings.ray_address)
+    if host_port is not None:
+        _reachable(*host_port)
+    # A cluster on loopback (deploy/local-cluster.sh) registered its nodes as 127.0.0.1: the driver's
+    # node must keep that address too, or it never finds its node (the rewrite _loopback_node stops).
+    loopback = host_port is not None and _is_loopback(host_port[0])
+    with _loopback_node() if loopback else contextlib.nullcontext():
+        ray.init(address=settings.ray_address, namespace=settings.ray_namespace, log_to_driver=verbose,
+                 configure_logging=False)
     return False
+
+
+#: Seconds to reach a joined cluster's GCS before the start fails (Ray itself retries for minutes).
+REACH_TIMEOUT_S = 10.0
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``HOST:PORT`` Ray address; None for ``auto`` or another form Ray resolves."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _reachable(host: str, port: int) -> None:
+    """Raise ConnectionError, in one line for ``splitkey serve``, when nothing answers at the cluster's
+    address: Ray would retry for minutes, the port bound and every connection refused meanwhile."""
+    try:
+        socket.create_connection((host, port), timeout=REACH_TIMEOUT_S).close()
+    except OSError as exc:
+        got = (f"no answer within {REACH_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError)
+               else exc.strerror or type(exc).__name__)
+        raise ConnectionError(f"--ray-address {host}:{port} must reach a Ray cluster's GCS, got {got}") from None
 
 
 def _no_auto_init() -> None:

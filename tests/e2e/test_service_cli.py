@@ -84,6 +84,20 @@ def test_a_port_another_process_listens_on_while_the_server_starts_fails_it_inst
             "on it while this one started)") in out
     assert "splitkey ready" not in out and "Traceback" not in out
 
+def test_joining_a_ray_address_where_nothing_answers_fails_at_once_naming_it(tmp_path):
+    """Ray retries an unreachable GCS for minutes (still at 205 s), the port bound and connections
+    refused meanwhile; the start now fails in one line (exit 1)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]  # closed below: nothing listens there
+    env = {**os.environ, "HOME": str(tmp_path), "RAY_TMPDIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--ray-address",
+                          f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (f"splitkey serve: the start failed: --ray-address 127.0.0.1:{port} "
+                                                   "must reach a Ray cluster's GCS, got Connection refused")
+    assert "Traceback" not in run.stderr
+
 def test_serve_with_its_grpc_port_in_use_exits_1_naming_it_before_starting_ray(tmp_path):
     env = {**os.environ, "HOME": str(tmp_path), "TMPDIR": str(tmp_path), "RAY_TMPDIR": str(tmp_path)}
     with socket.socket() as taken:
