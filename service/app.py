@@ -98,7 +98,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     state: AppState = app.state.splitkey
     settings = state.settings
     uvicorn_handlers = state.drain.saved_handlers()  # ray.init replaces them (service.core.drain)
-    started = connect(settings)
+    with state.drain.kept():  # a signal while Ray starts stops the server once it has (Drain.install)
+        started = connect(settings)
     reaper = start_reaper(started)  # the embedded Ray follows this process even after a SIGKILL
     state.drain.install(uvicorn_handlers)
     grpc_server = None

@@ -129,7 +129,7 @@ def ready_server(on_ready: Callable[[], None]) -> type[uvicorn.Server]:
             self.taken = next((sock for sock in sockets or () if not listening(sock)), None)
             if self.taken is not None:
                 self.should_exit = True  # the lifespan's end runs (Ray stops), then serve() says why: status 1
-            elif self.started:
+            elif self.started and not self.should_exit:  # not when a signal came while it started
                 on_ready()
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

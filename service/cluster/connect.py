@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import ray
 from ray._private import auto_init_hook, ray_constants
+from ray._private import utils as ray_utils
 
 from service.core.settings import ServiceSettings
 
@@ -30,7 +31,7 @@ def connect(settings: ServiceSettings) -> bool:
         # address="local" always starts a new instance: without it ray.init() connects to
         # whatever /tmp/ray/ray_current_cluster or RAY_ADDRESS names (a user's `ray start`
         # cluster, or a dead one a killed process left behind), and embedded would not be.
-        with _loopback_node():
+        with _loopback_node(), _signals_left_alone():
             ray.init(address="local", namespace=settings.ray_namespace, include_dashboard=False,
                      _node_ip_address="127.0.0.1",
                      log_to_driver=verbose, configure_logging=False)
@@ -41,7 +42,7 @@ def connect(settings: ServiceSettings) -> bool:
     # A cluster on loopback (deploy/local-cluster.sh) registered its nodes as 127.0.0.1: the driver's
     # node must keep that address too, or it never finds its node (the rewrite _loopback_node stops).
     loopback = host_port is not None and _is_loopback(host_port[0])
-    with _loopback_node() if loopback else contextlib.nullcontext():
+    with _loopback_node() if loopback else contextlib.nullcontext(), _signals_left_alone():
         ray.init(address=settings.ray_address, namespace=settings.ray_namespace, log_to_driver=verbose,
                  configure_logging=False)
     return False
@@ -102,6 +103,18 @@ def route_ray_logs(verbose: bool) -> None:
         ray_log.removeHandler(handler)
     ray_log.propagate = True
     ray_log.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+@contextlib.contextmanager
+def _signals_left_alone() -> Iterator[None]:
+    """``ray.init`` without the SIGTERM handler it installs (``sys.exit`` in the middle of whatever runs):
+    the service's drain owns SIGTERM (``service.core.drain``, which keeps one that comes meanwhile)."""
+    before = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = before
 
 
 @contextlib.contextmanager

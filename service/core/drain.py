@@ -22,12 +22,13 @@ keeps uvicorn's handlers and, once Ray is up, installs :meth:`Drain.on_signal`:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -61,9 +62,27 @@ class Drain:
         #: such as a context write whose worker hangs, ``service.routes.common.to_completion``).
         self.force: Callable[[], None] | None = None
         self._stopped = False
+        self._kept: int | None = None  #: a signal that came while Ray started (:meth:`kept`)
         #: What to await before :attr:`stop` (``splitkey serve``: stop taking connections and answer
         #: the ones the kernel accepted, service.core.listener.quiet); None: nothing.
         self.quiet: Callable[[], Awaitable[None]] | None = None
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """While Ray starts (``ray.init`` blocks the event loop): SIGTERM and SIGINT are noted, not acted
+        on, and :meth:`install` then drains at once. Acted on in the middle of Ray's start, a signal
+        ended the process with a traceback (status 3), its Ray session and agents left behind."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        for s in SIGNALS:
+            signal.signal(s, self._keep)
+        yield
+
+    def _keep(self, signum: int, frame: Any) -> None:
+        if self._kept is None:
+            self._kept = signum
+            log.warning("signal %d while the cluster starts: the server stops as soon as it has started", signum)
 
     def saved_handlers(self) -> dict[int, Any]:
         """The current handlers of :data:`SIGNALS` (uvicorn's, before ``ray.init`` replaces them)."""
@@ -78,6 +97,8 @@ class Drain:
         self._loop = asyncio.get_running_loop()
         for s in SIGNALS:
             signal.signal(s, self.on_signal)
+        if self._kept is not None:  # a signal came while Ray started (kept): drain now, nothing is in flight
+            self.on_signal(self._kept, None)
         return True
 
     def on_signal(self, signum: int, frame: Any) -> None:

@@ -80,6 +80,8 @@ async def quiet(sock: socket.socket, *, settle_s: float = SETTLE_S, limit_s: flo
     closes it."""
     if sock.fileno() < 0 or not refuse_new_connections(sock):
         return
+    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):  # stopped before it listened: no backlog
+        return
     stop = time.monotonic() + limit_s
     empty_since = time.monotonic()
     while time.monotonic() < stop:

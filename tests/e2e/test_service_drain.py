@@ -5,6 +5,7 @@ import collections
 import contextlib
 import json
 import os
+import pathlib
 import signal
 import socket
 import subprocess
@@ -308,3 +309,34 @@ def test_requests_sent_through_a_drain_get_an_answer_or_a_refused_connection_nev
         t.join()
     assert seen["200"] > 0 and seen["503"] > 0 and seen["refused"] > 0, seen
     assert set(seen) <= {"200", "503", "refused"}, seen
+
+
+def test_sigterm_while_ray_starts_stops_the_server_cleanly_once_it_has_started(tmp_path):
+    """A SIGTERM in the seconds Ray takes to start was Ray's to act on (``sys.exit`` in the middle of
+    ``ray.init``): status 3, a traceback, the session folder and Ray's agents left behind. The drain
+    now keeps it and stops the server as soon as the start is done."""
+    import shutil
+    import sys
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="sk-", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    env = {**os.environ, "HOME": str(tmp_path), "RAY_TMPDIR": ray_tmp, "SPLITKEY_CPU_KERNELS": "numpy"}
+    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", "0", "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        lines = [proc.stdout.readline()]
+        while "splitkey starting on" not in lines[-1]:
+            lines.append(proc.stdout.readline())
+            assert lines[-1], "".join(lines)
+        time.sleep(1.0)  # in the lifespan, while ray.init runs
+        ray_procs = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        out = "".join(lines) + proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+        sessions = list(pathlib.Path(ray_tmp).rglob("session_2*"))
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, out
+    assert out.rstrip().endswith("splitkey stopped") and "Traceback" not in out, out
+    assert gone_within(ray_procs, 10), "the embedded Ray must not outlive the front end"
+    assert not sessions, "the Ray session folder must be removed"
