@@ -4,12 +4,11 @@ No GPU needed: nvcc --ptx and NVRTC only compile, and the shared-memory check
 runs a host program. Each test skips with the reason when its tool is missing.
 """
 
-import hashlib
-import os
 import shutil
 import subprocess
 
 import pytest
+from kept_build import kept_build
 
 from workers.gpu.launch import NVRTC_OPTIONS, SOURCE_PATH, KernelKey
 
@@ -41,24 +40,13 @@ def test_kernels_compile_to_ptx_with_nvcc(tmp_path, arch, pytestconfig):
     src = tmp_path / "instances.cu"
     src.write_text(instantiations())
     ptx = tmp_path / "instances.ptx"
-    # The PTX is kept in pytest's cache folder under the hash of the sources and the command: a run
-    # that changed neither reads it back instead of compiling again (3-4 s per arch here).
-    digest = hashlib.sha256("\n".join([instantiations(), arch, str(NVCC)]).encode())
-    for path in sorted(SOURCE_PATH.parent.iterdir()):
-        if path.is_file():
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    cache = getattr(pytestconfig, "cache", None)
-    kept = cache.mkdir("nvcc-ptx") / f"{digest.hexdigest()[:24]}.ptx" if cache is not None else None
-    if kept is not None and kept.exists():
-        ptx = kept
-    else:
+    def build() -> None:
         done = subprocess.run([NVCC, "--ptx", f"-arch={arch}", "-o", str(ptx), str(src)],
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]
-        if kept is not None:
-            partial = kept.with_suffix(f".{os.getpid()}.part")
-            shutil.copyfile(ptx, partial)
-            os.replace(partial, kept)  # whole or absent, whichever process writes it
+
+    # Kept in pytest's cache under the hash of the sources and the command (3-4 s per arch here).
+    ptx = kept_build(pytestconfig, "nvcc-ptx", [instantiations(), arch, str(NVCC)], SOURCE_PATH.parent, ptx, build)
     text = ptx.read_text()
     assert text.count(".entry ") == len(KEYS) + 1
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text

@@ -12,13 +12,12 @@ the hardware's mma fragment layout) is in tests/unit/test_workers_gpu_kernels.py
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
+from kept_build import kept_build
 from reference import assert_close_to_reference
 
 from merge import finalize
@@ -155,22 +154,13 @@ def emulated(tmp_path_factory, pytestconfig):
     src, lib = out / "emulation.cpp", out / "emulation.so"
     src.write_text("\n".join(lines) + "\n")
     flags = ["-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing", "-Wno-unknown-pragmas"]
-    digest = hashlib.sha256("\n".join([*lines, *flags, CXX]).encode())
-    for path in sorted(SOURCE_PATH.parent.iterdir()):
-        if path.is_file():
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    cache = getattr(pytestconfig, "cache", None)
-    kept = cache.mkdir("gpu-emulation") / f"{digest.hexdigest()[:24]}.so" if cache is not None else None
-    if kept is not None and kept.exists():
-        lib = kept
-    else:
+
+    def build() -> None:
         cmd = [CXX, *flags, f"-I{SOURCE_PATH.parent}", str(src), "-o", str(lib)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-4000:]
-        if kept is not None:
-            partial = kept.with_suffix(f".{os.getpid()}.part")
-            shutil.copyfile(lib, partial)
-            os.replace(partial, kept)  # whole or absent, whichever process writes it
+
+    lib = kept_build(pytestconfig, "gpu-emulation", [*lines, *flags, CXX], SOURCE_PATH.parent, lib, build)
     return Launcher(EmulatedCupy(ctypes.CDLL(str(lib)), symbols))
 
 
